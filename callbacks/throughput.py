@@ -1,0 +1,78 @@
+"""Tokens per second and model FLOPs utilisation, logged every optimizer step."""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+import torch
+
+# Dense bf16/fp16 tensor-core peaks in FLOP/s (no sparsity), by a substring of the CUDA device name.
+PEAK_FLOPS_16BIT = {
+    "H200": 989.4e12,
+    "H100": 989.4e12,  # SXM; the PCIe card is lower (756 TFLOP/s): pass peak_tflops for it
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 70e12,
+    "L4": 121e12,
+    "V100": 125e12,
+}
+
+
+def detect_peak_flops(precision: str) -> float | None:
+    """The card's peak for the training precision, or None when unknown (CPU, fp32, unlisted card)."""
+    if not torch.cuda.is_available() or not any(p in str(precision) for p in ("16", "bf16")):
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_FLOPS_16BIT.items() if k in name), None)
+
+
+class Throughput(L.Callback):
+    """Logs ``perf/tokens_per_sec`` (all ranks together) and ``perf/mfu`` each optimizer step.
+
+    MFU = achieved FLOP/s per device / peak FLOP/s, with ``6N + 12 * L * d * T`` FLOPs per token
+    (``lmtrain.model.flops_per_token``). It is logged when the peak is known: detected for common GPUs
+    under 16-bit precision, or given as ``peak_tflops`` (e.g. for a CPU or an unlisted card).
+
+    Args:
+        peak_tflops: peak TFLOP/s of one device; None to detect it.
+        log_mfu: log ``perf/mfu`` when the peak is known.
+    """
+
+    def __init__(self, peak_tflops: float | None = None, log_mfu: bool = True) -> None:
+        self.peak_tflops = peak_tflops
+        self.log_mfu = log_mfu
+        self._flops_per_token: float | None = None
+        self._peak: float | None = None
+        self._tokens = 0
+        self._t_last: float | None = None
+        self._last_step = -1
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._peak = self.peak_tflops * 1e12 if self.peak_tflops else detect_peak_flops(trainer.precision)
+        self._t_last = time.perf_counter()
+        self._last_step = trainer.global_step
+        self._tokens = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        inputs = batch[0]
+        self._tokens += inputs.numel()
+        if self._flops_per_token is None:
+            from lmtrain.model import Decoder, flops_per_token
+
+            model = getattr(pl_module, "model", None)
+            self._flops_per_token = flops_per_token(model, inputs.shape[1]) if isinstance(model, Decoder) else 0.0
+        if trainer.global_step == self._last_step:  # still accumulating gradients
+            return
+        now = time.perf_counter()
+        dt = max(now - self._t_last, 1e-9)
+        per_device = self._tokens / dt
+        pl_module.log("perf/tokens_per_sec", per_device * trainer.world_size, prog_bar=True, on_step=True, on_epoch=False)
+        pl_module.log("perf/tokens_per_sec_per_device", per_device, on_step=True, on_epoch=False)
+        if self.log_mfu and self._peak and self._flops_per_token:
+            pl_module.log("perf/mfu", per_device * self._flops_per_token / self._peak, on_step=True, on_epoch=False)
+        self._t_last, self._tokens, self._last_step = now, 0, trainer.global_step
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        # validation time is not training time
+        self._t_last = time.perf_counter()

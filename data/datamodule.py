@@ -1,0 +1,191 @@
+"""LightningDataModule over prepared token shards (see ``data.prepare``).
+
+The train split's token stream (shards concatenated in manifest order) is cut into blocks of ``seq_len + 1``
+tokens at a stride of ``seq_len``; each block gives ``input = block[:-1]`` and ``target = block[1:]``, packed
+across document boundaries with the one separator kept in the stream. Shards are memory-mapped, never read
+into RAM. Blocks are visited in a seeded, per-epoch shuffled order, split disjointly across ranks.
+"""
+
+from __future__ import annotations
+
+import fcntl
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from data.prepare import PrepareError, prepare, read_manifest
+from lmtrain.tokenizer import load_tokenizer
+
+
+class PackedBlocks(Dataset):
+    """Blocks of ``seq_len + 1`` tokens over one split's shards, read through ``numpy.memmap``."""
+
+    def __init__(self, directory: str | Path, split: str, seq_len: int) -> None:
+        self.directory = Path(directory)
+        manifest = read_manifest(self.directory)
+        if split not in manifest["splits"]:
+            raise PrepareError(f"dataset {directory} has no '{split}' split")
+        self.dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+        self.shards = manifest["splits"][split]["shards"]
+        self.seq_len = seq_len
+        sizes = [s["num_tokens"] for s in self.shards]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # start of each shard
+        self.num_tokens = int(self.offsets[-1])
+        for s in self.shards:
+            f = self.directory / s["path"]
+            expected = s["num_tokens"] * self.dtype.itemsize
+            if not f.is_file() or f.stat().st_size != expected:
+                got = f.stat().st_size if f.is_file() else "missing"
+                raise PrepareError(f"dataset shard {f} is damaged: expected {expected} bytes, found {got}")
+        self._maps: list[np.memmap] | None = None  # opened lazily, once per process
+
+    def __len__(self) -> int:
+        return max(0, (self.num_tokens - 1) // self.seq_len)
+
+    def _read(self, start: int, length: int) -> np.ndarray:
+        if self._maps is None:
+            self._maps = [np.memmap(self.directory / s["path"], dtype=self.dtype, mode="r") for s in self.shards]
+        out = np.empty(length, dtype=np.int64)
+        pos, filled = start, 0
+        shard = int(np.searchsorted(self.offsets, start, side="right") - 1)
+        while filled < length:
+            local = pos - self.offsets[shard]
+            take = min(length - filled, int(self.offsets[shard + 1] - pos))
+            out[filled : filled + take] = self._maps[shard][local : local + take]
+            filled += take
+            pos += take
+            shard += 1
+        return out
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        block = torch.from_numpy(self._read(i * self.seq_len, self.seq_len + 1))
+        return block[:-1], block[1:]  # (T,), (T,)
+
+    def __getstate__(self) -> dict:  # never pickle open memmaps into loader workers
+        state = self.__dict__.copy()
+        state["_maps"] = None
+        return state
+
+
+class BlockSampler(Sampler[int]):
+    """Seeded, per-epoch shuffled block order, cut into equal disjoint parts, one per rank.
+
+    Every rank gets ``len(dataset) // world_size`` blocks (the remainder is dropped), so ranks never
+    wait for each other at an epoch's end. The order depends only on (seed, epoch, world_size).
+    """
+
+    def __init__(self, num_blocks: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} not in [0, {num_replicas})")
+        self.num_blocks, self.num_replicas, self.rank = num_blocks, num_replicas, rank
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_blocks // self.num_replicas
+
+    def __iter__(self):
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            order = torch.randperm(self.num_blocks, generator=g)
+        else:
+            order = torch.arange(self.num_blocks)
+        per_rank = len(self)
+        return iter(order[self.rank : per_rank * self.num_replicas : self.num_replicas].tolist())
+
+
+class TokenDataModule(L.LightningDataModule):
+    """Train / validation loaders over a prepared dataset.
+
+    Args:
+        path: prepared dataset directory (``manifest.json`` + shards).
+        seq_len: tokens per training example (blocks hold ``seq_len + 1``).
+        batch_size: micro-batch size per device.
+        num_workers: loader worker processes per rank.
+        seed: shuffling seed (the order is fixed by seed, epoch and world size).
+        prepare: if set and ``path`` holds no dataset, build it first with ``data.prepare.prepare(**prepare)``
+            (how the quickstart makes its data on first use).
+        val_batch_size: micro-batch size for validation (default: ``batch_size``).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        seq_len: int = 1024,
+        batch_size: int = 8,
+        num_workers: int = 0,
+        seed: int = 0,
+        prepare: dict | None = None,
+        val_batch_size: int | None = None,
+        pin_memory: bool = True,
+    ) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.seq_len, self.batch_size, self.num_workers, self.seed = seq_len, batch_size, num_workers, seed
+        self.prepare_args = dict(prepare) if prepare else None
+        self.val_batch_size = val_batch_size or batch_size
+        self.pin_memory = pin_memory
+        self.train_set: PackedBlocks | None = None
+        self.val_set: PackedBlocks | None = None
+
+    # -- dataset on disk ----------------------------------------------------------------------
+    def prepare_data(self) -> None:
+        """Build the dataset if it is missing and a recipe was given; safe to call from every rank at once."""
+        if (self.path / "manifest.json").exists() or not self.prepare_args:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.parent / f".{self.path.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one preparer per filesystem; the others wait, then find it
+            if not (self.path / "manifest.json").exists():
+                prepare(output=self.path, **self.prepare_args)
+
+    @property
+    def manifest(self) -> dict:
+        return read_manifest(self.path)
+
+    def tokenizer(self):
+        return load_tokenizer(self.manifest["tokenizer"], self.path)
+
+    # -- loaders ------------------------------------------------------------------------------
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is None:
+            self.train_set = PackedBlocks(self.path, "train", self.seq_len)
+            self.val_set = PackedBlocks(self.path, "val", self.seq_len)
+
+    def _world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        if trainer is None:
+            return 1, 0
+        return trainer.world_size, trainer.global_rank
+
+    def train_dataloader(self) -> DataLoader:
+        world, rank = self._world()
+        sampler = BlockSampler(len(self.train_set), world, rank, shuffle=True, seed=self.seed)
+        if len(sampler) < self.batch_size:
+            raise PrepareError(
+                f"dataset {self.path} has {len(self.train_set)} train blocks of seq_len={self.seq_len}: fewer than "
+                f"data.batch_size={self.batch_size} per rank across {world} rank(s)"
+            )
+        return self._loader(self.train_set, sampler, self.batch_size, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        world, rank = self._world()
+        # fixed and identical across runs: no shuffle, the same blocks for the same world size
+        sampler = BlockSampler(len(self.val_set), world, rank, shuffle=False)
+        return self._loader(self.val_set, sampler, self.val_batch_size, drop_last=False)
+
+    def _loader(self, dataset, sampler, batch_size: int, drop_last: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            drop_last=drop_last,
+            pin_memory=self.pin_memory and torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+        )

@@ -1,0 +1,226 @@
+"""Config validation in one place, before any expensive work, and the run-name resolver.
+
+Every check raises :class:`ConfigError` naming the key and what is allowed. Checks run in two passes:
+:func:`validate_config` on the composed config alone (keys, sizes, divisibility, precision), and
+:func:`validate_data` once the dataset's manifest is known (vocabulary, sequence length, dataset size).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from hydra.utils import get_object
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+PRECISIONS = ("32-true", "32", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "transformer-engine")
+
+
+class ConfigError(ValueError):
+    """A config that cannot work, naming the key and the allowed values."""
+
+
+# -- run name ----------------------------------------------------------------------------------
+def default_run_id() -> str:
+    """A run name that every process of one launch agrees on, decided once.
+
+    Order: ``LMTRAIN_RUN_ID`` (set by the first process, inherited by processes Lightning spawns),
+    SLURM's job id, torchrun's ``--rdzv-id``; else a timestamp, stored in ``LMTRAIN_RUN_ID`` for children.
+    A multi-process launch with none of these must name the run (``run_name=...``): timestamps taken in
+    separate processes could differ, which would split one run over several directories.
+    """
+    if os.environ.get("LMTRAIN_RUN_ID"):
+        return os.environ["LMTRAIN_RUN_ID"]
+    if os.environ.get("SLURM_JOB_ID"):
+        rid = f"slurm-{os.environ['SLURM_JOB_ID']}"
+    elif os.environ.get("TORCHELASTIC_RUN_ID", "none") not in ("", "none"):
+        rid = f"torchrun-{os.environ['TORCHELASTIC_RUN_ID']}"
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("run_name is required for a multi-process launch without SLURM or torchrun --rdzv-id: pass run_name=NAME")
+    else:
+        rid = time.strftime("%Y%m%d-%H%M%S")
+    os.environ["LMTRAIN_RUN_ID"] = rid
+    return rid
+
+
+if not OmegaConf.has_resolver("lmtrain_run_id"):
+    OmegaConf.register_new_resolver("lmtrain_run_id", default_run_id, use_cache=True)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def _nodes(cfg: Any, path: str = "") -> Iterator[tuple[str, DictConfig]]:
+    """Every dict node with a ``_target_``, with its dotted path."""
+    if isinstance(cfg, DictConfig):
+        if "_target_" in cfg:
+            yield path, cfg
+        for key in cfg.keys():
+            if str(key).startswith("_"):
+                continue
+            yield from _nodes(cfg._get_node(key), f"{path}.{key}" if path else str(key))
+    elif isinstance(cfg, ListConfig):
+        for i, item in enumerate(cfg):
+            yield from _nodes(item, f"{path}[{i}]")
+
+
+def _allowed_keys(target: Any) -> set[str] | None:
+    """Constructor argument names of a target, or None when it takes ``**kwargs`` (then anything goes)."""
+    from lmtrain.model import Decoder, ModelConfig
+
+    if target is Decoder:
+        return {f for f in ModelConfig.__dataclass_fields__} | {"cfg"}
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+        return None
+    return {name for name, p in sig.parameters.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL}
+
+
+def _suggest(key: str, allowed: set[str]) -> str:
+    close = difflib.get_close_matches(key, sorted(allowed), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def world_size(cfg: DictConfig) -> int:
+    """Processes in the run: from the launcher's environment, else trainer.devices x trainer.num_nodes."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    tr = cfg.trainer
+    devices = tr.get("devices", "auto")
+    num_nodes = int(tr.get("num_nodes", 1) or 1)
+    accelerator = str(tr.get("accelerator", "auto"))
+    if isinstance(devices, int) and devices > 0:
+        n = devices
+    elif isinstance(devices, (list, ListConfig)):
+        n = len(devices)
+    elif isinstance(devices, str) and devices.isdigit():
+        n = int(devices)
+    else:  # "auto" / -1
+        import torch
+
+        n = torch.cuda.device_count() if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available() else 1
+    return n * num_nodes
+
+
+# -- pass 1: the config alone --------------------------------------------------------------------
+def validate_config(cfg: DictConfig) -> None:
+    """Raise ConfigError for the first problem in ``cfg`` (all problems are listed)."""
+    problems: list[str] = []
+
+    # unknown keys: every instantiable node's keys must be its target's constructor arguments
+    for path, node in _nodes(cfg):
+        try:
+            target = get_object(node._target_)
+        except Exception as exc:
+            problems.append(f"{path}._target_='{node._target_}' cannot be imported ({exc})")
+            continue
+        allowed = _allowed_keys(target)
+        if allowed is None:
+            continue
+        for key in node.keys():
+            if str(key).startswith("_"):
+                continue
+            if key not in allowed:
+                problems.append(f"unknown key '{path}.{key}' for {node._target_}{_suggest(str(key), allowed)}; allowed: {sorted(allowed)}")
+
+    model_cfg = None
+    if cfg.get("model") is not None and str(cfg.model.get("_target_", "")) == "lmtrain.model.Decoder":
+        from lmtrain.model import ModelConfig
+
+        fields = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if not str(k).startswith("_")}
+        fields = {k: v for k, v in fields.items() if k in ModelConfig.__dataclass_fields__}
+        try:
+            model_cfg = ModelConfig(**fields)
+        except ValueError as exc:
+            problems.append(str(exc))
+        except TypeError as exc:
+            problems.append(f"model: {exc}")
+
+    data, trainer = cfg.get("data"), cfg.get("trainer")
+    if data is not None:
+        for key in ("seq_len", "batch_size"):
+            if key in data and (not isinstance(data[key], int) or data[key] <= 0):
+                problems.append(f"data.{key}={data[key]!r} must be a positive integer")
+        if model_cfg is not None and isinstance(data.get("seq_len"), int) and data.seq_len > model_cfg.max_seq_len:
+            problems.append(f"data.seq_len={data.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}; allowed: 1..{model_cfg.max_seq_len}")
+
+    if trainer is not None:
+        prec = str(trainer.get("precision", "32-true"))
+        if prec not in PRECISIONS:
+            problems.append(f"trainer.precision='{prec}' is not one of {list(PRECISIONS)}")
+        if trainer.get("gradient_clip_val") is not None:
+            problems.append("trainer.gradient_clip_val must stay null: clipping is done by module.grad_clip (fused AdamW + mixed precision safe)")
+        max_steps = trainer.get("max_steps", -1)
+        if not isinstance(max_steps, int) or max_steps <= 0:
+            problems.append(f"trainer.max_steps={max_steps!r} must be a positive integer (training length is counted in optimizer steps)")
+        if trainer.get("max_epochs", -1) not in (-1, None):
+            problems.append("trainer.max_epochs must be -1 (null): the length is trainer.max_steps (see Lightning issue #20550)")
+        accum = trainer.get("accumulate_grad_batches", 1)
+        if not isinstance(accum, int) or accum <= 0:
+            problems.append(f"trainer.accumulate_grad_batches={accum!r} must be a positive integer")
+        gbs = cfg.get("global_batch_size")
+        if gbs is not None and data is not None and isinstance(data.get("batch_size"), int) and isinstance(accum, int):
+            ws = world_size(cfg)
+            per_step = data.batch_size * ws
+            if not isinstance(gbs, int) or gbs <= 0 or gbs % per_step:
+                problems.append(
+                    f"global_batch_size={gbs} is not a multiple of data.batch_size ({data.batch_size}) x world size ({ws}) = {per_step}"
+                )
+            elif gbs != per_step * accum and accum != 1:
+                problems.append(
+                    f"global_batch_size={gbs} disagrees with data.batch_size x world size x trainer.accumulate_grad_batches "
+                    f"= {data.batch_size} x {ws} x {accum}; set one of them"
+                )
+
+    sched = cfg.get("scheduler")
+    if sched is not None and "warmup_steps" in sched and "total_steps" in sched:
+        from lmtrain.optim import DECAYS
+
+        if sched.get("decay", "cosine") not in DECAYS:
+            problems.append(f"scheduler.decay='{sched.decay}' is not one of {list(DECAYS)}")
+        if not isinstance(sched.total_steps, int) or sched.total_steps <= 0:
+            problems.append(f"scheduler.total_steps={sched.total_steps!r} must be a positive integer")
+        elif not isinstance(sched.warmup_steps, int) or not 0 <= sched.warmup_steps <= sched.total_steps:
+            problems.append(f"scheduler.warmup_steps={sched.warmup_steps!r} must be in 0..scheduler.total_steps={sched.total_steps}")
+        if not 0.0 <= float(sched.get("min_lr_ratio", 0.0)) <= 1.0:
+            problems.append(f"scheduler.min_lr_ratio={sched.min_lr_ratio} must be in [0, 1]")
+
+    opt = cfg.get("optimizer")
+    if opt is not None and "lr" in opt and (not isinstance(opt.lr, (int, float)) or opt.lr <= 0):
+        problems.append(f"optimizer.lr={opt.lr!r} must be a positive number")
+
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def apply_global_batch_size(cfg: DictConfig) -> None:
+    """Derive trainer.accumulate_grad_batches from global_batch_size (validated already)."""
+    gbs = cfg.get("global_batch_size")
+    if gbs is not None:
+        cfg.trainer.accumulate_grad_batches = gbs // (cfg.data.batch_size * world_size(cfg))
+
+
+# -- pass 2: the config against the data ----------------------------------------------------------
+def validate_data(cfg: DictConfig, manifest: dict, num_train_blocks: int | None = None) -> None:
+    problems: list[str] = []
+    model = cfg.get("model")
+    if model is not None and "vocab_size" in model and manifest["vocab_size"] > model.vocab_size:
+        problems.append(
+            f"the dataset's tokenizer has {manifest['vocab_size']} tokens ({manifest['tokenizer']}), more than "
+            f"model.vocab_size={model.vocab_size}: raise model.vocab_size to at least {manifest['vocab_size']}"
+        )
+    if num_train_blocks is not None:
+        ws = world_size(cfg)
+        need = cfg.data.batch_size * ws
+        if num_train_blocks < need:
+            problems.append(
+                f"the dataset's train split has {num_train_blocks} blocks of data.seq_len={cfg.data.seq_len} tokens, fewer than "
+                f"one batch across ranks (data.batch_size={cfg.data.batch_size} x {ws})"
+            )
+    if problems:
+        raise ConfigError("config does not fit the data:\n  - " + "\n  - ".join(problems))

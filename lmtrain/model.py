@@ -1,0 +1,309 @@
+"""Decoder-only transformer in pure PyTorch (no Lightning here).
+
+Two families share one implementation:
+
+* ``opt``   -- OPT / GPT-2 style: LayerNorm, learned absolute positions, GELU MLP, biases.
+* ``llama`` -- Llama style: RMSNorm, rotary positions, SwiGLU MLP, no biases, optional
+  grouped-query attention (``n_kv_heads < n_heads``).
+
+Weights are initialised as in GPT-2 / OPT (Megatron): normal(0, ``init_std``) everywhere, with the
+residual output projections scaled by ``1 / sqrt(2 * n_layers)``.
+
+Named sizes live in one registry: the yaml files under ``conf/model/`` (see :func:`ModelConfig.from_name`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FAMILIES = ("opt", "llama")
+PRESET_DIR = Path(__file__).resolve().parent.parent / "conf" / "model"
+
+
+@dataclass
+class ModelConfig:
+    """Shape and flavour of the decoder. Field names are the yaml keys of ``conf/model/*.yaml``."""
+
+    name: str = "custom"
+    family: str = "opt"  # one of FAMILIES
+    vocab_size: int = 50272
+    max_seq_len: int = 2048  # longest sequence the position encoding supports
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    n_kv_heads: int | None = None  # None: = n_heads (multi-head); fewer: grouped-query attention
+    ffn_dim: int | None = None  # None: 4 * d_model
+    embed_dim: int | None = None  # None: = d_model; else project embeddings in/out (OPT-350m: 512)
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        errors = self.problems()
+        if errors:
+            raise ValueError(f"invalid model config '{self.name}': " + "; ".join(errors))
+
+    # -- derived ---------------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.ffn_dim or 4 * self.d_model
+
+    @property
+    def emb_dim(self) -> int:
+        return self.embed_dim or self.d_model
+
+    def problems(self) -> list[str]:
+        """Every inconsistency in this config, as messages naming the key (empty when valid)."""
+        out: list[str] = []
+        if self.family not in FAMILIES:
+            out.append(f"model.family='{self.family}' is not one of {list(FAMILIES)}")
+        for key in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) <= 0:
+                out.append(f"model.{key}={getattr(self, key)!r} must be a positive integer")
+        if out:
+            return out
+        if self.d_model % self.n_heads:
+            out.append(f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}")
+        elif self.family == "llama" and self.head_dim % 2:
+            out.append(f"rotary positions need an even head size, got d_model/n_heads={self.head_dim}")
+        if self.n_kv_heads is not None:
+            if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
+                out.append(f"model.n_kv_heads={self.n_kv_heads} must be positive and divide model.n_heads={self.n_heads}")
+        for key in ("ffn_dim", "embed_dim"):
+            val = getattr(self, key)
+            if val is not None and (not isinstance(val, int) or val <= 0):
+                out.append(f"model.{key}={val!r} must be a positive integer or null")
+        if not 0.0 <= self.dropout < 1.0:
+            out.append(f"model.dropout={self.dropout} must be in [0, 1)")
+        return out
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> ModelConfig:
+        """Build a named preset from ``conf/model/<name>.yaml`` (the single registry of sizes)."""
+        import yaml  # PyYAML ships with omegaconf; imported lazily to keep the model torch-only
+
+        path = PRESET_DIR / f"{name}.yaml"
+        if not path.is_file():
+            raise ValueError(f"unknown model preset '{name}'; available: {available_presets()}")
+        fields = {k: v for k, v in yaml.safe_load(path.read_text()).items() if not k.startswith("_")}
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+# -- building blocks ----------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_cache(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (seq_len, head_dim) for the half-split rotary convention."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    t = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # (T, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, H, T, hd); cos/sin: (T, hd)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        bias = cfg.family == "opt"
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=bias)
+        self.proj.residual_out = True  # scaled init
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        B, T, _ = x.shape  # (B, T, C)
+        q, k, v = self.qkv(x).split(
+            [self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
+        )
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope[0][:T], rope[1][:T]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.kv_heads != self.n_heads,
+        )  # (B, H, T, hd)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.swiglu = cfg.family == "llama"
+        if self.swiglu:
+            self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.hidden_dim, bias=False)
+            self.down = nn.Linear(cfg.hidden_dim, cfg.d_model, bias=False)
+        else:
+            self.up = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=True)
+            self.down = nn.Linear(cfg.hidden_dim, cfg.d_model, bias=True)
+        self.down.residual_out = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
+        return self.down(F.gelu(self.up(x)))
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    return RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.family == "llama" else nn.LayerNorm(cfg.d_model, cfg.norm_eps)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), rope))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
+
+
+class Decoder(nn.Module):
+    """Token ids (B, T) -> next-token logits (B, T, vocab_size)."""
+
+    def __init__(self, cfg: ModelConfig | None = None, **fields) -> None:
+        super().__init__()
+        if cfg is None:
+            cfg = ModelConfig(**fields)
+        elif fields:
+            cfg = dataclasses.replace(cfg, **fields)
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.family == "opt" else None
+        self.proj_in = nn.Linear(cfg.emb_dim, cfg.d_model, bias=False) if cfg.emb_dim != cfg.d_model else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = make_norm(cfg)
+        self.proj_out = nn.Linear(cfg.d_model, cfg.emb_dim, bias=False) if cfg.emb_dim != cfg.d_model else None
+        self.lm_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        if cfg.family == "llama":
+            cos, sin = rope_cache(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, device=self.tok_emb.weight.device)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        if self.tok_emb.weight.device.type != "meta":
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter and buffer: call after materialising a meta-device model."""
+        std = self.cfg.init_std
+        resid_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, 0.0, resid_std if getattr(module, "residual_out", False) else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+                module.reset_parameters()
+        if self.cfg.family == "llama":
+            cos, sin = rope_cache(self.cfg.max_seq_len, self.cfg.head_dim, self.cfg.rope_theta, self.rope_cos.device)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """Final normalised hidden state before the output head, (B, T, emb_dim)."""
+        B, T = idx.shape
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        x = self.tok_emb(idx)  # (B, T, E)
+        if self.proj_in is not None:
+            x = self.proj_in(x)  # (B, T, C)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(T, device=idx.device))
+        x = self.drop(x)
+        rope = (self.rope_cos, self.rope_sin) if self.cfg.family == "llama" else None
+        for block in self.blocks:
+            x = block(x, rope)
+        x = self.norm(x)
+        if self.proj_out is not None:
+            x = self.proj_out(x)
+        return x
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(idx))  # (B, T, V)
+
+
+# -- counting ----------------------------------------------------------------------------------
+def num_params(model: nn.Module) -> int:
+    """Unique parameters (a tied embedding counts once); works on the meta device."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def matmul_params(model: Decoder) -> int:
+    """Parameters that take part in a matmul per token: all but lookup tables.
+
+    Position embeddings are a lookup; the token embedding is a lookup unless tied to the output head.
+    """
+    n = num_params(model)
+    if model.pos_emb is not None:
+        n -= model.pos_emb.weight.numel()
+    if not model.cfg.tie_embeddings:
+        n -= model.tok_emb.weight.numel()
+    return n
+
+
+def flops_per_token(model: Decoder, seq_len: int) -> float:
+    """Training FLOPs per token: 6N (forward + backward matmuls) + 12 * L * d * T (attention)."""
+    cfg = model.cfg
+    return 6.0 * matmul_params(model) + 12.0 * cfg.n_layers * cfg.d_model * seq_len

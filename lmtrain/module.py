@@ -1,0 +1,104 @@
+"""The LightningModule: next-token cross-entropy around an injected decoder."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmtrain.optim import build_optimizer
+
+
+class LMModule(L.LightningModule):
+    """Pretraining objective around any ``(B, T) ids -> (B, T, V) logits`` network.
+
+    Args:
+        model: the network, or a zero-argument factory for it (a ``_partial_: true`` config). A factory is
+            called in ``configure_model``, so sharded strategies can build it on the meta device.
+        optimizer: a partial optimizer (``_partial_: true``), finished on the model's parameter groups.
+        scheduler: a partial LR scheduler taking the optimizer, stepped once per optimizer step, or None.
+        grad_clip: clip the global gradient norm to this value (None or 0: measure only). Done here rather than
+            with the Trainer's ``gradient_clip_val``, which Lightning refuses with fused AdamW under mixed precision.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Callable[[], nn.Module],
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None,
+        grad_clip: float | None = 1.0,
+    ) -> None:
+        super().__init__()
+        if isinstance(model, nn.Module):
+            self.model: nn.Module | None = model
+            self._model_factory = None
+        else:
+            self.model = None
+            self._model_factory = model
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.grad_clip = grad_clip
+        self._val_sum = torch.zeros(())
+        self._val_count = torch.zeros(())
+        self._train_losses: list[torch.Tensor] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = self._model_factory()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(inputs)  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    # -- training ---------------------------------------------------------------------------------
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch  # (B, T), (B, T)
+        loss = self.loss(inputs, targets)
+        self._train_losses.append(loss.detach())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Gradients are complete (and unscaled under fp16) here: measure and clip the global norm.
+        max_norm = self.grad_clip if self.grad_clip else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
+            norm = norm.full_tensor()
+        loss = torch.stack(self._train_losses).mean() if self._train_losses else torch.tensor(float("nan"))
+        self._train_losses.clear()
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=True)
+        self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+        self.log("train/lr", optimizer.param_groups[0]["lr"], prog_bar=True, on_step=True, on_epoch=False)
+
+    # -- validation -------------------------------------------------------------------------------
+    def on_validation_epoch_start(self) -> None:
+        self._val_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        self._val_count = torch.zeros((), device=self.device, dtype=torch.float64)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        inputs, targets = batch
+        loss = self.loss(inputs, targets)
+        self._val_sum += loss.detach().double() * targets.numel()
+        self._val_count += targets.numel()
+
+    def on_validation_epoch_end(self) -> None:
+        total = self.trainer.strategy.reduce(torch.stack([self._val_sum, self._val_count]), reduce_op="sum")
+        if total[1] == 0:
+            return
+        val_loss = (total[0] / total[1]).float()
+        self.log("val/loss", val_loss, prog_bar=True, sync_dist=False, rank_zero_only=True)
+        self.log("val/ppl", torch.exp(val_loss).clamp(max=math.exp(50)), sync_dist=False, rank_zero_only=True)
+
+    # -- optimisation -----------------------------------------------------------------------------
+    def configure_optimizers(self):
+        optimizer = build_optimizer(self.optimizer_factory, self.model)
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}

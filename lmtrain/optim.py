@@ -1,0 +1,69 @@
+"""Optimizer parameter groups and learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+DECAYS = ("cosine", "linear", "constant")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: weight decay on matrices only; none on norms, biases and embeddings (tied ones too)."""
+    no_decay_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay, seen = [], [], set()
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.ndim >= 2 and id(p) not in no_decay_ids else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(factory: Callable[..., torch.optim.Optimizer], model: nn.Module) -> torch.optim.Optimizer:
+    """Finish a partial optimizer config (``_partial_: true``) on ``model``'s parameter groups.
+
+    ``weight_decay`` from the config goes to the matrix group only. ``fused: null`` means fused when every
+    parameter is on a CUDA device (the fast path for AdamW), the default implementation otherwise.
+    """
+    kwargs = dict(getattr(factory, "keywords", {}) or {})
+    weight_decay = kwargs.pop("weight_decay", 0.0)
+    if "fused" in kwargs and kwargs["fused"] is None:
+        kwargs["fused"] = all(p.device.type == "cuda" for p in model.parameters()) or None
+    func = getattr(factory, "func", factory)
+    return func(param_groups(model, weight_decay), *getattr(factory, "args", ()), **kwargs)
+
+
+class WarmupDecay:
+    """LR multiplier: linear warmup to 1 over ``warmup_steps`` (step s gets (s+1)/warmup), then ``decay`` to ``min_lr_ratio``.
+
+    A picklable callable (so ``LambdaLR`` checkpoints it) and a pure function of the step.
+    After ``total_steps`` the multiplier stays at ``min_lr_ratio``.
+    """
+
+    def __init__(self, warmup_steps: int, total_steps: int, decay: str = "cosine", min_lr_ratio: float = 0.1) -> None:
+        self.warmup_steps, self.total_steps, self.decay, self.min_lr_ratio = warmup_steps, total_steps, decay, min_lr_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.decay == "constant":
+            return 1.0
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        if self.decay == "cosine":
+            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:
+            shape = 1.0 - progress
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
+
+
+def warmup_decay(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, decay: str = "cosine", min_lr_ratio: float = 0.1
+) -> LambdaLR:
+    """The scheduler of ``conf/scheduler/*.yaml`` (stepped once per optimizer step)."""
+    return LambdaLR(optimizer, WarmupDecay(warmup_steps, total_steps, decay, min_lr_ratio))

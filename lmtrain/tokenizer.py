@@ -1,0 +1,129 @@
+"""Tokenizers, all used through tiktoken and lossless on arbitrary Unicode.
+
+A tokenizer is named by a SPEC string:
+
+* ``gpt2``, ``r50k_base``, ``cl100k_base``, ``o200k_base`` -- tiktoken's own encodings. Their BPE files are
+  downloaded on first use; offline, point ``TIKTOKEN_CACHE_DIR`` at a folder that holds them.
+* ``PATH.tiktoken`` -- a ranks file (as written by :func:`save_ranks`), wrapped with the GPT-2 split pattern
+  and one ``<|endoftext|>`` special token right after the ranks.
+* ``bpe:VOCAB`` -- train a byte-level BPE of VOCAB tokens (separator included) on the corpus; only
+  meaningful to ``data.prepare``, which saves the result as ``tokenizer.tiktoken`` next to the shards.
+
+Documents are always encoded with ``encode_ordinary``: text that merely looks like a special token is
+ordinary text. The one separator id (``eos_id``) is appended by the data pipeline, never by the tokenizer.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterable
+from pathlib import Path
+
+import tiktoken
+
+EOS_TEXT = "<|endoftext|>"
+NAMED = ("gpt2", "r50k_base", "p50k_base", "cl100k_base", "o200k_base")
+# The GPT-2 / r50k pre-tokenisation pattern (identical to the HF ByteLevel pre-tokenizer's regex).
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded or built, with the reason and the way out."""
+
+
+def eos_id(enc: tiktoken.Encoding) -> int:
+    """The document separator's id: ``<|endoftext|>`` where the encoding has it, else its last token."""
+    if EOS_TEXT in enc.special_tokens_set:
+        return enc.encode_single_token(EOS_TEXT)
+    return enc.eot_token
+
+
+def load_tokenizer(spec: str, base_dir: str | Path | None = None) -> tiktoken.Encoding:
+    """Load a tokenizer from a SPEC (see module docstring). Relative ranks paths resolve against base_dir."""
+    spec = str(spec)
+    if spec.startswith("bpe:"):
+        raise TokenizerError(f"tokenizer '{spec}' must be trained on a corpus: use `python -m data.prepare --tokenizer {spec}`")
+    if spec.endswith(".tiktoken") or "/" in spec:
+        path = Path(spec)
+        if not path.is_absolute() and base_dir is not None:
+            path = Path(base_dir) / path
+        if not path.is_file():
+            raise TokenizerError(f"tokenizer ranks file not found: {path}")
+        return encoding_from_ranks(load_ranks(path), name=path.stem)
+    if spec not in NAMED:
+        raise TokenizerError(f"unknown tokenizer '{spec}': use one of {list(NAMED)}, a .tiktoken file, or bpe:VOCAB")
+    try:
+        return tiktoken.get_encoding(spec)
+    except Exception as exc:  # network failure, missing cache file
+        raise TokenizerError(
+            f"could not load tiktoken encoding '{spec}' ({type(exc).__name__}: {exc}). Its BPE file is downloaded "
+            "on first use; offline, copy the file into a folder and set TIKTOKEN_CACHE_DIR to it, or use the "
+            "offline default `bpe:VOCAB` (a byte-level BPE trained on your corpus)."
+        ) from exc
+
+
+def encoding_from_ranks(ranks: dict[bytes, int], name: str = "lmtrain-bpe") -> tiktoken.Encoding:
+    """Wrap BPE ranks as a tiktoken Encoding with ``<|endoftext|>`` as the id after the last rank."""
+    return tiktoken.Encoding(name, pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={EOS_TEXT: len(ranks)})
+
+
+def load_ranks(path: str | Path) -> dict[bytes, int]:
+    ranks: dict[bytes, int] = {}
+    try:
+        for lineno, line in enumerate(Path(path).read_bytes().splitlines(), 1):
+            if not line:
+                continue
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    except (ValueError, base64.binascii.Error) as exc:
+        raise TokenizerError(f"corrupt tokenizer ranks file {path} at line {lineno}: {exc}") from exc
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise TokenizerError(f"corrupt tokenizer ranks file {path}: ranks are not 0..{len(ranks) - 1}")
+    return ranks
+
+
+def save_ranks(ranks: dict[bytes, int], path: str | Path) -> None:
+    lines = (base64.b64encode(tok) + b" " + str(rank).encode() for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1]))
+    Path(path).write_bytes(b"\n".join(lines) + b"\n")
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode table (the alphabet of HF byte-level BPE)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> dict[bytes, int]:
+    """Train a byte-level BPE with ``vocab_size`` tokens in all (the separator included).
+
+    Uses the HF ``tokenizers`` trainer (fast, Rust) and converts its vocabulary to tiktoken ranks in merge
+    order, so every byte is a token and any text round-trips exactly.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    if vocab_size < 257 + 1:
+        raise TokenizerError(f"bpe vocabulary {vocab_size} is too small: it needs at least 258 (256 bytes, 1 merge, 1 separator)")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 1,  # the separator takes the last id
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    decoder = _byte_decoder()
+    vocab = tok.get_vocab()  # str -> id, ids in merge order after the 256-byte alphabet
+    ranks: dict[bytes, int] = {}
+    for token, _ in sorted(vocab.items(), key=lambda kv: kv[1]):
+        ranks[bytes(decoder[ch] for ch in token)] = len(ranks)
+    if len(ranks) < 256:
+        raise TokenizerError("trained BPE lacks part of the byte alphabet")
+    return ranks

@@ -1,0 +1,79 @@
+"""Shared fixtures: a small real corpus, a prepared dataset, and configs composed from the real conf/."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, open_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import lmtrain.config  # noqa: E402,F401  (registers the run-name resolver)
+from data.corpus import python_stdlib_files  # noqa: E402
+
+os.environ.setdefault("LMTRAIN_RUN_ID", "pytest")
+
+# Tiny-but-real run settings shared by the tests (CPU, tiny model, a few steps, no progress bar).
+TINY = [
+    "model=tiny",
+    "trainer.accelerator=cpu",
+    "trainer.devices=1",
+    "trainer.precision=32-true",
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=2",
+    "trainer.enable_progress_bar=false",
+    "data.seq_len=64",
+    "data.batch_size=4",
+    "data.num_workers=0",
+    "scheduler.warmup_steps=1",
+    "callbacks=none",
+    "logger=none",
+]
+
+
+@pytest.fixture(scope="session")
+def corpus_jsonl(tmp_path_factory) -> Path:
+    """About 40 real documents (standard-library modules) plus edge cases, as jsonl."""
+    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    docs = [f.read_text(encoding="utf-8") for f in python_stdlib_files()[:40]]
+    docs += ["", "héllo wörld — 日本語のテキスト 🎉", "a literal <|endoftext|> inside text", "x"]
+    with open(path, "w", encoding="utf-8") as fh:
+        for d in docs:
+            fh.write(json.dumps({"text": d}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def dataset_dir(corpus_jsonl, tmp_path_factory) -> Path:
+    from data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("data") / "ds"
+    prepare([corpus_jsonl], out, tokenizer="bpe:1024", val_fraction=0.1, workers=1, progress=False)
+    return out
+
+
+def make_cfg(overrides: list[str], tmp_path: Path, dataset: Path | None = None, config_name: str = "train", config_dir: Path | None = None) -> DictConfig:
+    """Compose the real config tree with overrides; run and data directories under tmp_path."""
+    base = [f"run_dir={tmp_path / 'run'}", f"paths.data={tmp_path / 'data'}"]
+    if dataset is not None:
+        base += [f"data.path={dataset}", "data.prepare=null"]
+    with initialize_config_dir(config_dir=str(config_dir or ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name=config_name, overrides=base + overrides)
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    return cfg
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path, dataset_dir):
+    def build(*extra: str) -> DictConfig:
+        return make_cfg(TINY + list(extra), tmp_path, dataset_dir)
+
+    return build

@@ -1,0 +1,88 @@
+"""Validation before any expensive work: one clear error naming the key and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import open_dict
+
+from lmtrain.config import ConfigError, validate_config, validate_data
+from lmtrain.run import train
+from tests.conftest import TINY, make_cfg
+
+
+def test_default_config_is_valid(tmp_path):
+    validate_config(make_cfg([], tmp_path))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.seq_len=4096"], r"data.seq_len=4096 exceeds model.max_seq_len=256; allowed: 1..256"),
+        (["model.n_heads=3"], r"model.n_heads=3 does not divide model.d_model=256"),
+        (["model.family=gpt"], r"model.family='gpt' is not one of \['opt', 'llama'\]"),
+        (["trainer.precision=fp8"], r"trainer.precision='fp8' is not one of"),
+        (["trainer.gradient_clip_val=1.0"], r"trainer.gradient_clip_val must stay null.*module.grad_clip"),
+        (["trainer.max_steps=-1"], r"trainer.max_steps=-1 must be a positive integer"),
+        (["global_batch_size=12", "trainer.devices=1", "trainer.accelerator=cpu"], r"global_batch_size=12 is not a multiple of data.batch_size \(8\)"),
+        (["scheduler.warmup_steps=1000"], r"scheduler.warmup_steps=1000 must be in 0..scheduler.total_steps=250"),
+        (["scheduler.decay=exponential"], r"scheduler.decay='exponential' is not one of"),
+        (["optimizer.lr=-1"], r"optimizer.lr=-1 must be a positive number"),
+    ],
+)
+def test_bad_values_name_the_key(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_config(make_cfg(overrides, tmp_path))
+
+
+def test_misspelled_key_in_a_config_file_is_refused_with_a_suggestion(tmp_path):
+    cfg = make_cfg([], tmp_path)
+    with open_dict(cfg):
+        cfg.model.d_modle = 512  # as if a user's yaml had the typo
+        cfg.trainer.max_step = 10
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    msg = str(err.value)
+    assert "unknown key 'model.d_modle'" in msg and "did you mean 'd_model'" in msg
+    assert "unknown key 'trainer.max_step'" in msg and "did you mean 'max_steps'" in msg
+
+
+def test_misspelled_key_on_the_command_line_is_refused(tmp_path):
+    with pytest.raises(ConfigCompositionException, match="d_modle"):
+        make_cfg(["model.d_modle=512"], tmp_path)
+
+
+def test_unknown_group_option_lists_the_choices(tmp_path):
+    with pytest.raises(ConfigCompositionException, match=r"(?s)opt-9b.*Available options.*opt-125m"):
+        make_cfg(["model=opt-9b"], tmp_path)
+
+
+def test_unimportable_target(tmp_path):
+    cfg = make_cfg([], tmp_path)
+    cfg.optimizer._target_ = "torch.optim.AdamWW"
+    with pytest.raises(ConfigError, match=r"optimizer._target_='torch.optim.AdamWW' cannot be imported"):
+        validate_config(cfg)
+
+
+def test_tokenizer_larger_than_model_vocabulary(tmp_path):
+    cfg = make_cfg(["model.vocab_size=1000"], tmp_path)
+    with pytest.raises(ConfigError, match=r"4096 tokens .* more than model.vocab_size=1000"):
+        validate_data(cfg, {"vocab_size": 4096, "tokenizer": "tokenizer.tiktoken"})
+
+
+def test_vocab_check_runs_before_building_the_model(tiny_cfg, tmp_path):
+    cfg = tiny_cfg("model.vocab_size=512")  # the fixture dataset has 1024 tokens
+    with pytest.raises(ConfigError, match="model.vocab_size=512"):
+        train(cfg)
+    assert not (tmp_path / "run" / "config.yaml").exists()  # failed before any run output
+
+
+def test_global_batch_size_sets_accumulation(tiny_cfg):
+    cfg = tiny_cfg("global_batch_size=8", "trainer.max_steps=2")
+    train(cfg)
+    assert cfg.trainer.accumulate_grad_batches == 2
+
+
+def test_every_tiny_override_is_a_real_key(tmp_path):
+    # the suite's own shortcuts must go through validation like a user's
+    validate_config(make_cfg(TINY, tmp_path))

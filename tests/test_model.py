@@ -1,0 +1,135 @@
+"""The decoder: shapes, parameter counts of every preset (meta device), causality, init, FLOPs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lmtrain.model import Decoder, ModelConfig, available_presets, flops_per_token, num_params
+
+# Published sizes: exact counts of the released checkpoints (OPT on the Hugging Face hub; Llama-2-7B),
+# else the paper's nominal size (OPT paper, Table 1).
+PUBLISHED = {
+    "opt-125m": 125_239_296,
+    "opt-350m": 331_196_416,
+    "opt-1.3b": 1_315_758_080,
+    "opt-2.7b": 2_651_596_800,
+    "opt-6.7b": 6_658_473_984,
+    "opt-13b": 12_853_473_280,
+    "opt-30b": 30e9,
+    "opt-66b": 66e9,
+    "opt-175b": 175e9,
+    "llama-7b": 6_738_415_616,
+}
+
+
+def meta_model(name: str, **overrides) -> Decoder:
+    with torch.device("meta"):
+        return Decoder(ModelConfig.from_name(name, **overrides))
+
+
+def test_every_paper_preset_is_registered():
+    assert set(PUBLISHED) <= set(available_presets())
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_count_matches_published_within_1pct(name):
+    model = meta_model(name)
+    n = num_params(model)
+    assert abs(n - PUBLISHED[name]) / PUBLISHED[name] < 0.01, f"{name}: {n:,} vs published {PUBLISHED[name]:,}"
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", available_presets())
+def test_meta_forward_shapes(name):
+    model = meta_model(name)
+    idx = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    assert model(idx).shape == (2, 16, model.cfg.vocab_size)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
+def test_forward_backward_and_causality(name):
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig.from_name(name))
+    idx = torch.randint(0, 100, (2, 32))
+    logits = model(idx)
+    assert logits.shape == (2, 32, model.cfg.vocab_size)
+    # changing a later token never changes earlier logits
+    idx2 = idx.clone()
+    idx2[:, 20] = (idx2[:, 20] + 1) % 100
+    logits2 = model(idx2)
+    torch.testing.assert_close(logits[:, :20], logits2[:, :20])
+    assert not torch.allclose(logits[:, 20:], logits2[:, 20:])
+    logits.float().logsumexp(-1).mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_initial_loss_is_near_uniform():
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig.from_name("tiny"))
+    idx, targets = torch.randint(0, 4096, (2, 4, 64))
+    loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
+    assert abs(loss.item() - math.log(4096)) < 0.3
+
+
+def test_families_differ_as_documented():
+    opt, llama = Decoder(ModelConfig.from_name("tiny")), Decoder(ModelConfig.from_name("tiny-llama"))
+    assert isinstance(opt.norm, torch.nn.LayerNorm) and opt.pos_emb is not None
+    assert type(llama.norm).__name__ == "RMSNorm" and llama.pos_emb is None
+    assert opt.lm_head.weight is opt.tok_emb.weight  # tied
+    assert llama.lm_head.weight is not llama.tok_emb.weight  # untied
+    # grouped-query attention: 4 query heads share 2 key/value heads
+    attn = llama.blocks[0].attn
+    assert (attn.n_heads, attn.kv_heads) == (4, 2)
+    assert attn.qkv.out_features == (4 + 2 * 2) * 16
+
+
+def test_scaled_residual_init():
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=256, n_layers=8, n_heads=4, vocab_size=512, max_seq_len=64)
+    model = Decoder(cfg)
+    assert abs(model.blocks[0].mlp.up.weight.std().item() - 0.02) < 0.002
+    assert abs(model.blocks[0].mlp.down.weight.std().item() - 0.02 / math.sqrt(16)) < 0.001
+    assert model.blocks[0].attn.qkv.bias.abs().max() == 0
+
+
+def test_meta_then_init_weights_materialises():
+    with torch.device("meta"):
+        model = Decoder(ModelConfig.from_name("tiny-llama"))
+    model.to_empty(device="cpu")
+    model.init_weights()
+    assert torch.isfinite(model(torch.randint(0, 100, (1, 8)))).all()
+
+
+def test_flops_per_token_formula():
+    model = meta_model("opt-125m")
+    c = model.cfg
+    n = num_params(model) - c.max_seq_len * c.d_model  # positions are a lookup
+    assert flops_per_token(model, 2048) == 6 * n + 12 * c.n_layers * c.d_model * 2048
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"d_model": 100, "n_heads": 3}, "does not divide"),
+        ({"family": "gpt5"}, "family"),
+        ({"n_kv_heads": 3, "n_heads": 4, "d_model": 64, "family": "llama"}, "n_kv_heads"),
+        ({"n_layers": 0}, "n_layers"),
+    ],
+)
+def test_bad_shapes_name_the_key(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**fields)
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown model preset 'opt-9b'.*available"):
+        ModelConfig.from_name("opt-9b")
+
+
+def test_sequence_longer_than_positions_is_refused():
+    model = Decoder(ModelConfig.from_name("tiny"))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(torch.zeros(1, 129, dtype=torch.long))

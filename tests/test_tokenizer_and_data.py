@@ -1,0 +1,158 @@
+"""Tokenizers (offline BPE through tiktoken), dataset preparation, and the packed-block loader."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from data.corpus import CorpusError
+from data.datamodule import BlockSampler, PackedBlocks
+from data.prepare import PrepareError, prepare, read_manifest
+from lmtrain.tokenizer import EOS_TEXT, TokenizerError, encoding_from_ranks, eos_id, load_ranks, load_tokenizer, save_ranks, train_bpe
+
+TRICKY = ["héllo wörld", "日本語のテキスト 🎉", f"literal {EOS_TEXT} text", "tabs\tand\r\nnewlines\n\n", "\x00\x7f", "x"]
+
+
+def test_trained_bpe_is_lossless_and_keeps_special_text_ordinary(tmp_path):
+    ranks = train_bpe(["def f(x):\n    return x\n" * 50, "hello world " * 50], 300)
+    enc = encoding_from_ranks(ranks)
+    assert 256 < enc.n_vocab <= 300 and eos_id(enc) == enc.n_vocab - 1  # fewer merges exist in so little text
+    for text in TRICKY:
+        ids = enc.encode_ordinary(text)
+        assert enc.decode(ids) == text
+        assert eos_id(enc) not in ids
+    save_ranks(ranks, tmp_path / "t.tiktoken")
+    again = load_tokenizer(str(tmp_path / "t.tiktoken"))
+    assert again.encode_ordinary("hello world") == enc.encode_ordinary("hello world")
+
+
+def test_corrupt_ranks_file(tmp_path):
+    (tmp_path / "bad.tiktoken").write_bytes(b"not base64 at all\n")
+    with pytest.raises(TokenizerError, match="corrupt tokenizer ranks file"):
+        load_ranks(tmp_path / "bad.tiktoken")
+
+
+def test_named_encoding_without_network_or_cache_explains_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty-cache"))
+    try:
+        load_tokenizer("cl100k_base")
+    except TokenizerError as exc:
+        assert "TIKTOKEN_CACHE_DIR" in str(exc) and "bpe:VOCAB" in str(exc)
+    else:
+        pytest.skip("this machine reached the network and downloaded cl100k_base")
+
+
+def test_unknown_tokenizer_spec():
+    with pytest.raises(TokenizerError, match="unknown tokenizer 'gpt-17'"):
+        load_tokenizer("gpt-17")
+
+
+def _stream(ds, split):
+    m = read_manifest(ds)
+    dtype = np.dtype(m["dtype"])
+    return np.concatenate([np.fromfile(ds / s["path"], dtype=dtype) for s in m["splits"][split]["shards"]])
+
+
+def test_separator_invariant_and_exact_round_trip(corpus_jsonl, dataset_dir):
+    m = read_manifest(dataset_dir)
+    enc = load_tokenizer(m["tokenizer"], dataset_dir)
+    docs = [json.loads(line)["text"] for line in corpus_jsonl.read_text(encoding="utf-8").splitlines()]
+    got = []
+    for split in ("train", "val"):
+        toks = _stream(dataset_dir, split)
+        assert toks[-1] == m["eos_id"]
+        cuts = np.flatnonzero(toks == m["eos_id"])
+        assert np.all(np.diff(cuts) > 1), "two separators in a row"
+        start = 0
+        for c in cuts:
+            got.append(enc.decode(toks[start:c].tolist()))
+            start = c + 1
+        assert m["splits"][split]["num_tokens"] == len(toks)
+    assert sorted(got) == sorted(d for d in docs if d)
+    assert m["num_empty_documents_skipped"] == 1
+    assert m["num_documents"] == len(docs) - 1
+    assert m["splits"]["val"]["num_documents"] > 0
+
+
+def test_rerun_is_skipped_and_a_different_dataset_is_refused(corpus_jsonl, dataset_dir, tmp_path):
+    before = (dataset_dir / "manifest.json").stat().st_mtime_ns
+    prepare([corpus_jsonl], dataset_dir, tokenizer="bpe:1024", val_fraction=0.1, progress=False)
+    assert (dataset_dir / "manifest.json").stat().st_mtime_ns == before
+    with pytest.raises(PrepareError, match="already holds a different dataset"):
+        prepare([corpus_jsonl], dataset_dir, tokenizer="bpe:2048", val_fraction=0.1, progress=False)
+    assert read_manifest(dataset_dir)["vocab_size"] == 1024  # nothing lost
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("bad.jsonl", b'{"text": "ok"}\n{"text": broken\n', r"bad.jsonl:2: malformed JSON"),
+        ("nokey.jsonl", b'{"body": "x"}\n', r"nokey.jsonl:1: no 'text' field"),
+        ("latin1.txt", "caf\xe9".encode("latin-1"), r"latin1.txt: not valid UTF-8"),
+        ("empty.jsonl", b'{"text": ""}\n', r"empty corpus"),
+        ("data.csv", b"a,b\n", r"unsupported file type"),
+    ],
+)
+def test_bad_input_is_one_clear_error_and_leaves_nothing(tmp_path, name, content, message):
+    src = tmp_path / name
+    src.write_bytes(content)
+    out = tmp_path / "out"
+    with pytest.raises((PrepareError, CorpusError), match=message):
+        prepare([src], out, tokenizer="bpe:300", val_fraction=0.0, progress=False)
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_gzip_and_directory_inputs(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "a.txt").write_text("first document " * 20, encoding="utf-8")
+    with gzip.open(d / "b.jsonl.gz", "wt", encoding="utf-8") as fh:
+        fh.write(json.dumps({"text": "second"}) + "\n" + json.dumps({"text": "third ünïcode"}) + "\n")
+    m = prepare([d], tmp_path / "out", tokenizer="bpe:300", val_fraction=0.0, progress=False)
+    assert m["num_documents"] == 3 and m["dtype"] == "uint16"
+
+
+def test_missing_input_and_missing_dataset(tmp_path):
+    with pytest.raises(CorpusError, match="input not found"):
+        prepare([tmp_path / "nope.jsonl"], tmp_path / "out", progress=False)
+    with pytest.raises(PrepareError, match="manifest.json missing"):
+        PackedBlocks(tmp_path, "train", 16)
+
+
+def test_blocks_pack_across_documents_and_shards(tmp_path, corpus_jsonl):
+    ds = tmp_path / "small-shards"
+    prepare([corpus_jsonl], ds, tokenizer="bpe:1024", val_fraction=0.0, shard_tokens=5000, progress=False)
+    m = read_manifest(ds)
+    assert len(m["splits"]["train"]["shards"]) > 3
+    stream = _stream(ds, "train")
+    blocks = PackedBlocks(ds, "train", 100)
+    assert len(blocks) == (len(stream) - 1) // 100
+    for i in (0, 7, len(blocks) - 1):
+        x, y = blocks[i]
+        assert torch.equal(x, torch.from_numpy(stream[i * 100 : i * 100 + 100].astype(np.int64)))
+        assert torch.equal(y, torch.from_numpy(stream[i * 100 + 1 : i * 100 + 101].astype(np.int64)))
+
+
+def test_truncated_shard_is_detected(tmp_path, corpus_jsonl):
+    ds = tmp_path / "trunc"
+    prepare([corpus_jsonl], ds, tokenizer="bpe:1024", val_fraction=0.0, progress=False)
+    shard = ds / read_manifest(ds)["splits"]["train"]["shards"][0]["path"]
+    os.truncate(shard, shard.stat().st_size - 10)
+    with pytest.raises(PrepareError, match="damaged"):
+        PackedBlocks(ds, "train", 64)
+
+
+def test_sampler_is_disjoint_complete_and_deterministic():
+    parts = [list(BlockSampler(103, 4, r, shuffle=True, seed=5)) for r in range(4)]
+    flat = [i for p in parts for i in p]
+    assert len(flat) == len(set(flat)) == 100  # 103 // 4 * 4, no overlap
+    assert parts == [list(BlockSampler(103, 4, r, shuffle=True, seed=5)) for r in range(4)]
+    s = BlockSampler(103, 1, 0, seed=5)
+    s.set_epoch(1)
+    assert list(s) != list(BlockSampler(103, 1, 0, seed=5))

@@ -1,0 +1,38 @@
+"""Train a decoder-only LM: compose the Hydra config, validate, instantiate, fit.
+
+    python train.py                                   # the CPU quickstart on the embedded corpus
+    python train.py model=opt-125m trainer=gpu optimizer.lr=1e-4 trainer.max_steps=100
+    python train.py -m optimizer.lr=1e-3,3e-4         # a sweep: one run directory per job
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, open_dict
+
+import lmtrain.config  # noqa: F401  (registers the run-name resolver)
+from lmtrain.config import ConfigError
+from lmtrain.run import train
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:  # each job of a sweep gets its own directory under the sweep's
+        with open_dict(cfg):
+            cfg.run_dir = hc.runtime.output_dir
+            cfg.run_name = f"{cfg.run_name}-{hc.job.num}"
+    try:
+        metrics = train(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    return metrics.get("val/loss")  # the value a sweeper would optimise
+
+
+if __name__ == "__main__":
+    main()
