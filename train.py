@@ -1,13 +1,14 @@
 """Train a decoder-only LM: compose the Hydra config, validate, instantiate, fit.
 
-    python train.py                                   # the CPU quickstart on the embedded corpus
-    python train.py model=opt-125m trainer=gpu optimizer.lr=1e-4 trainer.max_steps=100
-    python train.py -m optimizer.lr=1e-3,3e-4         # a sweep: one run directory per job
+python train.py                                   # the CPU quickstart on the embedded corpus
+python train.py model=opt-125m trainer=gpu optimizer.lr=1e-4 trainer.max_steps=100
+python train.py -m optimizer.lr=1e-3,3e-4         # a sweep: one run directory per job
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -17,6 +18,8 @@ from omegaconf import DictConfig, open_dict
 import lmtrain.config  # noqa: F401  (registers the run-name resolver)
 from lmtrain.config import ConfigError
 from lmtrain.run import train
+
+warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # lightning 2.6.6 on torch 2.13, harmless
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

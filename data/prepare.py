@@ -301,7 +301,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         m = prepare(
-            args.input, args.output, args.tokenizer, args.val_fraction, args.workers, args.text_key, args.seed, args.shard_tokens, force=args.force
+            args.input,
+            args.output,
+            args.tokenizer,
+            args.val_fraction,
+            args.workers,
+            args.text_key,
+            args.seed,
+            args.shard_tokens,
+            force=args.force,
         )
     except (PrepareError, CorpusError, TokenizerError) as exc:
         print(f"error: {exc}", file=sys.stderr)

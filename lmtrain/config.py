@@ -147,14 +147,18 @@ def validate_config(cfg: DictConfig) -> None:
             if key in data and (not isinstance(data[key], int) or data[key] <= 0):
                 problems.append(f"data.{key}={data[key]!r} must be a positive integer")
         if model_cfg is not None and isinstance(data.get("seq_len"), int) and data.seq_len > model_cfg.max_seq_len:
-            problems.append(f"data.seq_len={data.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}; allowed: 1..{model_cfg.max_seq_len}")
+            problems.append(
+                f"data.seq_len={data.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}; allowed: 1..{model_cfg.max_seq_len}"
+            )
 
     if trainer is not None:
         prec = str(trainer.get("precision", "32-true"))
         if prec not in PRECISIONS:
             problems.append(f"trainer.precision='{prec}' is not one of {list(PRECISIONS)}")
         if trainer.get("gradient_clip_val") is not None:
-            problems.append("trainer.gradient_clip_val must stay null: clipping is done by module.grad_clip (fused AdamW + mixed precision safe)")
+            problems.append(
+                "trainer.gradient_clip_val must stay null: clipping is done by module.grad_clip (fused AdamW + mixed precision safe)"
+            )
         max_steps = trainer.get("max_steps", -1)
         if not isinstance(max_steps, int) or max_steps <= 0:
             problems.append(f"trainer.max_steps={max_steps!r} must be a positive integer (training length is counted in optimizer steps)")

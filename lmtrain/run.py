@@ -80,6 +80,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
         scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
     )
     callbacks = instantiate_group(cfg.get("callbacks"))
+    if not cfg.trainer.get("enable_progress_bar", True):  # `trainer.enable_progress_bar=false` wins over the bar callback
+        from lightning.pytorch.callbacks import ProgressBar
+
+        callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     loggers = instantiate_group(cfg.get("logger"))
     strategy = instantiate(cfg.strategy) if cfg.get("strategy") else "auto"
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy)

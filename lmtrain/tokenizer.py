@@ -69,14 +69,14 @@ def encoding_from_ranks(ranks: dict[bytes, int], name: str = "lmtrain-bpe") -> t
 
 def load_ranks(path: str | Path) -> dict[bytes, int]:
     ranks: dict[bytes, int] = {}
-    try:
-        for lineno, line in enumerate(Path(path).read_bytes().splitlines(), 1):
-            if not line:
-                continue
+    for lineno, line in enumerate(Path(path).read_bytes().splitlines(), 1):
+        if not line:
+            continue
+        try:
             token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-    except (ValueError, base64.binascii.Error) as exc:
-        raise TokenizerError(f"corrupt tokenizer ranks file {path} at line {lineno}: {exc}") from exc
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, base64.binascii.Error) as exc:
+            raise TokenizerError(f"corrupt tokenizer ranks file {path} at line {lineno}: {exc}") from None
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise TokenizerError(f"corrupt tokenizer ranks file {path}: ranks are not 0..{len(ranks) - 1}")
     return ranks

@@ -59,7 +59,9 @@ def dataset_dir(corpus_jsonl, tmp_path_factory) -> Path:
     return out
 
 
-def make_cfg(overrides: list[str], tmp_path: Path, dataset: Path | None = None, config_name: str = "train", config_dir: Path | None = None) -> DictConfig:
+def make_cfg(
+    overrides: list[str], tmp_path: Path, dataset: Path | None = None, config_name: str = "train", config_dir: Path | None = None
+) -> DictConfig:
     """Compose the real config tree with overrides; run and data directories under tmp_path."""
     base = [f"run_dir={tmp_path / 'run'}", f"paths.data={tmp_path / 'data'}"]
     if dataset is not None:

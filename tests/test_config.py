@@ -24,7 +24,10 @@ def test_default_config_is_valid(tmp_path):
         (["trainer.precision=fp8"], r"trainer.precision='fp8' is not one of"),
         (["trainer.gradient_clip_val=1.0"], r"trainer.gradient_clip_val must stay null.*module.grad_clip"),
         (["trainer.max_steps=-1"], r"trainer.max_steps=-1 must be a positive integer"),
-        (["global_batch_size=12", "trainer.devices=1", "trainer.accelerator=cpu"], r"global_batch_size=12 is not a multiple of data.batch_size \(8\)"),
+        (
+            ["global_batch_size=12", "trainer.devices=1", "trainer.accelerator=cpu"],
+            r"global_batch_size=12 is not a multiple of data.batch_size \(8\)",
+        ),
         (["scheduler.warmup_steps=1000"], r"scheduler.warmup_steps=1000 must be in 0..scheduler.total_steps=250"),
         (["scheduler.decay=exponential"], r"scheduler.decay='exponential' is not one of"),
         (["optimizer.lr=-1"], r"optimizer.lr=-1 must be a positive number"),

@@ -1,0 +1,129 @@
+"""End-to-end runs composed from the real Hydra config: the CLI, every experiment, sweeps, precision."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmtrain.config import validate_config
+from lmtrain.model import num_params
+from lmtrain.run import train
+from tests.conftest import ROOT, TINY, make_cfg
+
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+PY = sys.executable
+
+
+def run_cli(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LMTRAIN_RUN_ID": ""}
+    return subprocess.run([PY, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_losses(run_dir: Path) -> list[float]:
+    with open(run_dir / "csv" / "metrics.csv") as fh:
+        return [float(r["train/loss"]) for r in csv.DictReader(fh) if r.get("train/loss")]
+
+
+@pytest.mark.slow
+def test_cli_fast_dev_run_on_the_embedded_corpus(tmp_path):
+    """`python train.py debug=fdr`: the default config end to end, data preparation included."""
+    res = run_cli(
+        ["debug=fdr", "trainer.enable_progress_bar=false", f"paths.data={tmp_path / 'data'}", f"paths.runs={tmp_path / 'runs'}"], tmp_path
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "model mini (opt): 4,273,664 parameters" in res.stderr
+    assert (tmp_path / "data" / "python-stdlib" / "manifest.json").is_file()
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert (run_dir / "config.yaml").is_file()
+
+
+def test_cli_config_error_exits_2_with_one_message(tmp_path):
+    res = run_cli(["data.seq_len=100000", f"paths.runs={tmp_path / 'runs'}"], tmp_path)
+    assert res.returncode == 2
+    assert "data.seq_len=100000 exceeds model.max_seq_len=256" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*.ckpt"))
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-llama"])
+def test_loss_falls(tiny_cfg, model):
+    cfg = tiny_cfg(f"model={model}", "trainer.max_steps=40", "optimizer.lr=3e-3", "logger=csv", "trainer.val_check_interval=20")
+    metrics = train(cfg)
+    losses = read_losses(Path(cfg.run_dir))
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0, losses
+    assert "val/loss" in metrics and "val/ppl" in metrics
+    assert metrics["val/ppl"] == pytest.approx(torch.tensor(metrics["val/loss"]).exp().item(), rel=1e-4)
+
+
+def test_logged_metrics_every_step(tiny_cfg):
+    cfg = tiny_cfg("trainer.max_steps=3", "logger=csv", "callbacks=default", "callbacks.throughput.peak_tflops=1.0")
+    train(cfg)
+    with open(Path(cfg.run_dir) / "csv" / "metrics.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    steps = [r for r in rows if r.get("train/loss")]
+    assert len(steps) == 3
+    for key in ("train/lr", "train/grad_norm", "perf/tokens_per_sec", "perf/mfu"):
+        assert all(r[key] for r in steps), key
+    assert 0 < float(steps[-1]["perf/mfu"]) < 1
+
+
+def test_gradient_accumulation_and_bf16(tiny_cfg):
+    cfg = tiny_cfg("trainer.accumulate_grad_batches=2", "trainer.precision=bf16-mixed", "trainer.max_steps=2", "logger=csv")
+    train(cfg)
+    assert len(read_losses(Path(cfg.run_dir))) == 2
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_experiment(experiment, tmp_path, dataset_dir):
+    """Every experiment composes and validates at full size (meta device), then runs shrunk on CPU."""
+    cfg = make_cfg([f"experiment={experiment}"], tmp_path, dataset_dir)
+    os.environ["WORLD_SIZE"] = "8"  # validated as launched on one 8-GPU node: the global batch must divide
+    try:
+        validate_config(cfg)
+    finally:
+        del os.environ["WORLD_SIZE"]
+    from hydra.utils import instantiate
+
+    with torch.device("meta"):
+        full = instantiate(cfg.model)()
+    assert num_params(full) > 100e6
+    shrink = [
+        f"experiment={experiment}",
+        *TINY[1:],
+        "model.n_layers=1",
+        "model.d_model=64",
+        "model.n_heads=4",
+        "model.vocab_size=1024",
+        "model.embed_dim=null",
+        "++model.ffn_dim=128",
+        "model.max_seq_len=64",
+        "global_batch_size=null",
+        "scheduler.total_steps=4",
+        "debug=fdr",
+    ]
+    train(make_cfg(shrink, tmp_path, dataset_dir))
+
+
+@pytest.mark.slow
+def test_multirun_sweep_gives_one_directory_per_job(tmp_path, dataset_dir):
+    args = [
+        "-m",
+        "optimizer.lr=1e-3,5e-4",
+        "run_name=sweep",
+        f"paths.runs={tmp_path / 'runs'}",
+        f"data.path={dataset_dir}",
+        "data.prepare=null",
+    ]
+    res = run_cli(args + [a for a in TINY if not a.startswith("trainer.max_steps")] + ["trainer.max_steps=2"], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    jobs = sorted(p.name for p in (tmp_path / "runs" / "sweep").iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert jobs == ["0", "1"]
+    lrs = [(tmp_path / "runs" / "sweep" / j / "config.yaml").read_text() for j in jobs]
+    assert "lr: 0.001" in lrs[0] and "lr: 0.0005" in lrs[1]
