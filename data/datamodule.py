@@ -4,6 +4,10 @@ The train split's token stream (shards concatenated in manifest order) is cut in
 tokens at a stride of ``seq_len``; each block gives ``input = block[:-1]`` and ``target = block[1:]``, packed
 across document boundaries with the one separator kept in the stream. Shards are memory-mapped, never read
 into RAM. Blocks are visited in a seeded, per-epoch shuffled order, split disjointly across ranks.
+
+Resumable: the train loader is a ``StatefulDataLoader`` (torchdata), whose ``state_dict`` Lightning stores in
+every checkpoint; with the sampler's order a pure function of (seed, epoch, world size), a resumed run sees
+exactly the batches an uninterrupted one would, with or without loader workers.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from data.prepare import PrepareError, prepare, read_manifest
 from lmtrain.tokenizer import load_tokenizer
@@ -82,21 +87,58 @@ class BlockSampler(Sampler[int]):
             raise ValueError(f"rank {rank} not in [0, {num_replicas})")
         self.num_blocks, self.num_replicas, self.rank = num_blocks, num_replicas, rank
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.yielded = 0  # indices handed out in the current epoch
+        self._resume_at: int | None = None
 
     def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:  # a restored position belongs to the restored epoch only
+            self._resume_at = None
         self.epoch = epoch
 
     def __len__(self) -> int:
         return self.num_blocks // self.num_replicas
 
-    def __iter__(self):
+    def indices(self, epoch: int) -> list[int]:
+        """This rank's block order for ``epoch``."""
         if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             order = torch.randperm(self.num_blocks, generator=g)
         else:
             order = torch.arange(self.num_blocks)
-        per_rank = len(self)
-        return iter(order[self.rank : per_rank * self.num_replicas : self.num_replicas].tolist())
+        return order[self.rank : len(self) * self.num_replicas : self.num_replicas].tolist()
+
+    def __iter__(self):
+        order = self.indices(self.epoch)
+        start = self._resume_at or 0
+        self._resume_at = None
+        if start >= len(order):  # saved at the very end of an epoch: Lightning has moved on to the next one
+            start = 0
+        self.yielded = start
+        for idx in order[start:]:
+            self.yielded += 1
+            yield idx
+
+    # Stateful (torchdata calls these): the epoch and position travel with the loader's state. Lightning creates
+    # the resumed iterator before it calls set_epoch, so the epoch must come from here.
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "yielded": self.yielded,
+            "seed": self.seed,
+            "num_blocks": self.num_blocks,
+            "num_replicas": self.num_replicas,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = {"seed": self.seed, "num_blocks": self.num_blocks, "num_replicas": self.num_replicas}
+        theirs = {k: state[k] for k in mine}
+        if mine != theirs:
+            raise ValueError(
+                f"the checkpoint's data stream was {theirs}, this run's is {mine}: the dataset, data.seq_len, data.seed "
+                "or the number of ranks changed, so the saved position means nothing here"
+            )
+        self.epoch = state["epoch"]
+        self._resume_at = state["yielded"]
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -171,7 +213,7 @@ class TokenDataModule(L.LightningDataModule):
                 f"dataset {self.path} has {len(self.train_set)} train blocks of seq_len={self.seq_len}: fewer than "
                 f"data.batch_size={self.batch_size} per rank across {world} rank(s)"
             )
-        return self._loader(self.train_set, sampler, self.batch_size, drop_last=True)
+        return self._loader(self.train_set, sampler, self.batch_size, drop_last=True, stateful=True)
 
     def val_dataloader(self) -> DataLoader:
         world, rank = self._world()
@@ -179,8 +221,9 @@ class TokenDataModule(L.LightningDataModule):
         sampler = BlockSampler(len(self.val_set), world, rank, shuffle=False)
         return self._loader(self.val_set, sampler, self.val_batch_size, drop_last=False)
 
-    def _loader(self, dataset, sampler, batch_size: int, drop_last: bool) -> DataLoader:
-        return DataLoader(
+    def _loader(self, dataset, sampler, batch_size: int, drop_last: bool, stateful: bool = False) -> DataLoader:
+        cls = StatefulDataLoader if stateful else DataLoader
+        return cls(
             dataset,
             batch_size=batch_size,
             sampler=sampler,

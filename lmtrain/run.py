@@ -92,7 +92,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     _log_config(trainer, cfg, run_dir)
     try:
-        trainer.fit(module, datamodule=datamodule)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     except BaseException:
         # Lightning marks loggers failed for exceptions inside fit; make sure of it for the rest too
         for lg in trainer.loggers:

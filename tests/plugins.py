@@ -14,3 +14,19 @@ class FailAtStep(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             raise RuntimeError(f"injected failure at step {self.step}")
+
+
+class RecordBatches(L.Callback):
+    """Save every training step's input batch, keyed by global step, to ``path`` when training ends."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.batches: dict[int, object] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batches[trainer.global_step] = batch[0].clone()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import torch
+
+        torch.save(self.batches, self.path)
