@@ -78,25 +78,26 @@ class PackedBlocks(Dataset):
 class BlockSampler(Sampler[int]):
     """Seeded, per-epoch shuffled block order, cut into equal disjoint parts, one per rank.
 
-    Every rank gets ``len(dataset) // world_size`` blocks (the remainder is dropped), so ranks never
-    wait for each other at an epoch's end. The order depends only on (seed, epoch, world_size).
+    Every rank gets the same number of blocks, ``len(dataset) // world_size`` rounded down to whole batches
+    of ``batch_size`` (the remainder is dropped), so ranks never wait for each other at an epoch's end and
+    "all indices handed out" means "epoch finished". The order depends only on (seed, epoch, world_size).
     """
 
-    def __init__(self, num_blocks: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0, batch_size: int = 1
+    ) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} not in [0, {num_replicas})")
-        self.num_blocks, self.num_replicas, self.rank = num_blocks, num_replicas, rank
+        self.num_blocks, self.num_replicas, self.rank, self.batch_size = num_blocks, num_replicas, rank, batch_size
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
         self.yielded = 0  # indices handed out in the current epoch
-        self._resume_at: int | None = None
+        self._resume_at = 0  # where the next iteration starts (non-zero only after load_state_dict)
 
     def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:  # a restored position belongs to the restored epoch only
-            self._resume_at = None
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return self.num_blocks // self.num_replicas
+        return self.num_blocks // self.num_replicas // self.batch_size * self.batch_size
 
     def indices(self, epoch: int) -> list[int]:
         """This rank's block order for ``epoch``."""
@@ -109,10 +110,7 @@ class BlockSampler(Sampler[int]):
 
     def __iter__(self):
         order = self.indices(self.epoch)
-        start = self._resume_at or 0
-        self._resume_at = None
-        if start >= len(order):  # saved at the very end of an epoch: Lightning has moved on to the next one
-            start = 0
+        start, self._resume_at = self._resume_at, 0
         self.yielded = start
         for idx in order[start:]:
             self.yielded += 1
@@ -137,8 +135,9 @@ class BlockSampler(Sampler[int]):
                 f"the checkpoint's data stream was {theirs}, this run's is {mine}: the dataset, data.seq_len, data.seed "
                 "or the number of ranks changed, so the saved position means nothing here"
             )
-        self.epoch = state["epoch"]
-        self._resume_at = state["yielded"]
+        self.epoch, self._resume_at = state["epoch"], state["yielded"]
+        if self._resume_at >= len(self):  # saved after the epoch's last batch: resume at the next epoch's start
+            self.epoch, self._resume_at = self.epoch + 1, 0
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -207,8 +206,8 @@ class TokenDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         world, rank = self._world()
-        sampler = BlockSampler(len(self.train_set), world, rank, shuffle=True, seed=self.seed)
-        if len(sampler) < self.batch_size:
+        sampler = BlockSampler(len(self.train_set), world, rank, shuffle=True, seed=self.seed, batch_size=self.batch_size)
+        if len(sampler) == 0:
             raise PrepareError(
                 f"dataset {self.path} has {len(self.train_set)} train blocks of seq_len={self.seq_len}: fewer than "
                 f"data.batch_size={self.batch_size} per rank across {world} rank(s)"

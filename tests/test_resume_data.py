@@ -55,6 +55,21 @@ def test_loader_state_resumes_exactly_twice(small_dataset, workers):
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_state_saved_at_an_epochs_end_resumes_at_the_next_epoch(small_dataset, workers):
+    ref_loader = _loader(small_dataset, workers)
+    ref_loader.sampler.set_epoch(1)
+    ref = [b[0] for b in ref_loader]
+    loader = _loader(small_dataset, workers)
+    for _ in loader:  # the whole of epoch 0
+        pass
+    state = loader.state_dict()
+    loader = _loader(small_dataset, workers)
+    loader.load_state_dict(state)
+    got = [b[0] for b in loader]
+    assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
 def test_two_ranks_two_workers_cover_an_epoch_disjointly(small_dataset):
     seen = []
     for rank in range(2):
@@ -80,7 +95,7 @@ def test_two_ranks_two_workers_cover_an_epoch_disjointly(small_dataset):
 def test_resume_through_lightning_mid_epoch_and_across_epoch_boundary(small_dataset, tmp_path, workers):
     steps_per_epoch = len(_loader(small_dataset, 0))
     total = steps_per_epoch + 6
-    cuts = [steps_per_epoch - 3, steps_per_epoch + 2]  # mid-epoch, then just after the epoch boundary
+    cuts = [steps_per_epoch - 3, steps_per_epoch, steps_per_epoch + 2]  # mid-epoch, then just after the epoch boundary
 
     def cfg(name, max_steps, ckpt=None):
         overrides = TINY + [
