@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -36,6 +38,24 @@ TINY = [
     "callbacks=none",
     "logger=none",
 ]
+
+
+def run_train_cli(args: list[str], cwd: Path, extra_path: list[Path] = (), timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python train.py ARGS` in a fresh process, as a user runs it (a fresh run name per call)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [*extra_path, ROOT])), "LMTRAIN_RUN_ID": ""}
+    cmd = [sys.executable, str(ROOT / "train.py"), *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, str]]:
+    """Rows of a run's CSV log (``logger=csv``)."""
+    with open(Path(run_dir) / "csv" / "metrics.csv") as fh:
+        return list(csv.DictReader(fh))
+
+
+def metric(run_dir: Path, key: str) -> list[float]:
+    """One metric's logged values, in order."""
+    return [float(r[key]) for r in read_metrics(run_dir) if r.get(key)]
 
 
 @pytest.fixture(scope="session")

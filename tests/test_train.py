@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import csv
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,26 +11,15 @@ import torch
 from lmtrain.config import validate_config
 from lmtrain.model import num_params
 from lmtrain.run import train
-from tests.conftest import ROOT, TINY, make_cfg
+from tests.conftest import ROOT, TINY, make_cfg, metric, read_metrics, run_train_cli
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
-PY = sys.executable
-
-
-def run_cli(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LMTRAIN_RUN_ID": ""}
-    return subprocess.run([PY, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def read_losses(run_dir: Path) -> list[float]:
-    with open(run_dir / "csv" / "metrics.csv") as fh:
-        return [float(r["train/loss"]) for r in csv.DictReader(fh) if r.get("train/loss")]
 
 
 @pytest.mark.slow
 def test_cli_fast_dev_run_on_the_embedded_corpus(tmp_path):
     """`python train.py debug=fdr`: the default config end to end, data preparation included."""
-    res = run_cli(
+    res = run_train_cli(
         ["debug=fdr", "trainer.enable_progress_bar=false", f"paths.data={tmp_path / 'data'}", f"paths.runs={tmp_path / 'runs'}"], tmp_path
     )
     assert res.returncode == 0, res.stderr[-3000:]
@@ -44,7 +30,7 @@ def test_cli_fast_dev_run_on_the_embedded_corpus(tmp_path):
 
 
 def test_cli_config_error_exits_2_with_one_message(tmp_path):
-    res = run_cli(["data.seq_len=100000", f"paths.runs={tmp_path / 'runs'}"], tmp_path)
+    res = run_train_cli(["data.seq_len=100000", f"paths.runs={tmp_path / 'runs'}"], tmp_path)
     assert res.returncode == 2
     assert "data.seq_len=100000 exceeds model.max_seq_len=256" in res.stderr
     assert "Traceback" not in res.stderr
@@ -55,7 +41,7 @@ def test_cli_config_error_exits_2_with_one_message(tmp_path):
 def test_loss_falls(tiny_cfg, model):
     cfg = tiny_cfg(f"model={model}", "trainer.max_steps=40", "optimizer.lr=3e-3", "logger=csv", "trainer.val_check_interval=20")
     metrics = train(cfg)
-    losses = read_losses(Path(cfg.run_dir))
+    losses = metric(Path(cfg.run_dir), "train/loss")
     assert len(losses) == 40
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0, losses
     assert "val/loss" in metrics and "val/ppl" in metrics
@@ -65,8 +51,7 @@ def test_loss_falls(tiny_cfg, model):
 def test_logged_metrics_every_step(tiny_cfg):
     cfg = tiny_cfg("trainer.max_steps=3", "logger=csv", "callbacks=default", "callbacks.throughput.peak_tflops=1.0")
     train(cfg)
-    with open(Path(cfg.run_dir) / "csv" / "metrics.csv") as fh:
-        rows = list(csv.DictReader(fh))
+    rows = read_metrics(Path(cfg.run_dir))
     steps = [r for r in rows if r.get("train/loss")]
     assert len(steps) == 3
     for key in ("train/lr", "train/grad_norm", "perf/tokens_per_sec", "perf/mfu"):
@@ -77,7 +62,7 @@ def test_logged_metrics_every_step(tiny_cfg):
 def test_gradient_accumulation_and_bf16(tiny_cfg):
     cfg = tiny_cfg("trainer.accumulate_grad_batches=2", "trainer.precision=bf16-mixed", "trainer.max_steps=2", "logger=csv")
     train(cfg)
-    assert len(read_losses(Path(cfg.run_dir))) == 2
+    assert len(metric(Path(cfg.run_dir), "train/loss")) == 2
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
@@ -121,7 +106,7 @@ def test_multirun_sweep_gives_one_directory_per_job(tmp_path, dataset_dir):
         f"data.path={dataset_dir}",
         "data.prepare=null",
     ]
-    res = run_cli(args + [a for a in TINY if not a.startswith("trainer.max_steps")] + ["trainer.max_steps=2"], tmp_path)
+    res = run_train_cli(args + [a for a in TINY if not a.startswith("trainer.max_steps")] + ["trainer.max_steps=2"], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     jobs = sorted(p.name for p in (tmp_path / "runs" / "sweep").iterdir() if p.is_dir() and not p.name.startswith("."))
     assert jobs == ["0", "1"]
