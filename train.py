@@ -16,7 +16,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 import lmtrain.config  # noqa: F401  (registers the run-name resolver)
-from lmtrain.config import ConfigError
+from lmtrain.errors import InputError
 from lmtrain.run import train
 
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # lightning 2.6.6 on torch 2.13, harmless
@@ -31,7 +31,7 @@ def main(cfg: DictConfig) -> float | None:
             cfg.run_name = f"{cfg.run_name}-{hc.job.num}"
     try:
         metrics = train(cfg)
-    except ConfigError as exc:
+    except InputError as exc:  # config, data, tokenizer, checkpoint or disk: one message, no traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     return metrics.get("val/loss")  # the value a sweeper would optimise

@@ -20,11 +20,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from lmtrain.errors import InputError
+
 EMBEDDED = ("python-stdlib",)
 SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz")
 
 
-class CorpusError(ValueError):
+class CorpusError(InputError):
     """Bad corpus input, naming the file (and line) at fault."""
 
 

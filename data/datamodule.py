@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from data.prepare import PrepareError, prepare, read_manifest
+from lmtrain.errors import InputError
 from lmtrain.tokenizer import load_tokenizer
 
 
@@ -131,7 +132,7 @@ class BlockSampler(Sampler[int]):
         mine = {"seed": self.seed, "num_blocks": self.num_blocks, "num_replicas": self.num_replicas}
         theirs = {k: state[k] for k in mine}
         if mine != theirs:
-            raise ValueError(
+            raise InputError(
                 f"the checkpoint's data stream was {theirs}, this run's is {mine}: the dataset, data.seq_len, data.seed "
                 "or the number of ranks changed, so the saved position means nothing here"
             )
@@ -191,6 +192,24 @@ class TokenDataModule(L.LightningDataModule):
 
     def tokenizer(self):
         return load_tokenizer(self.manifest["tokenizer"], self.path)
+
+    # -- checkpointed identity of the stream ----------------------------------------------------
+    def _stream_identity(self) -> dict:
+        world, _ = self._world()
+        return {"dataset": self.manifest.get("fingerprint"), "data.seq_len": self.seq_len, "data.seed": self.seed, "world_size": world}
+
+    def state_dict(self) -> dict:
+        return {"stream": self._stream_identity()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Refuse, before any training, a checkpoint whose saved data position belongs to another stream."""
+        saved, mine = state.get("stream", {}), self._stream_identity()
+        changed = [f"{k}: {saved[k]!r} -> {mine[k]!r}" for k in mine if k in saved and saved[k] != mine[k]]
+        if changed:
+            raise InputError(
+                "the checkpoint's data position belongs to another data stream (" + "; ".join(changed) + "): "
+                "resume with the settings it was saved with"
+            )
 
     # -- loaders ------------------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data.corpus import CorpusError, expand_inputs, iter_documents
+from data.corpus import expand_inputs, iter_documents
+from lmtrain.errors import InputError
 from lmtrain.tokenizer import TokenizerError, encoding_from_ranks, eos_id, load_tokenizer, save_ranks, train_bpe
 
 FORMAT_VERSION = 1
@@ -37,7 +38,7 @@ SPLITS = ("train", "val")
 TOKENIZER_FILE = "tokenizer.tiktoken"
 
 
-class PrepareError(ValueError):
+class PrepareError(InputError):
     """A dataset that cannot be prepared, with the reason."""
 
 
@@ -179,7 +180,13 @@ def prepare(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        manifest = _build(files, tmp, settings, fp, workers, shard_tokens, bpe_sample_bytes, progress)
+        try:
+            manifest = _build(files, tmp, settings, fp, workers, shard_tokens, bpe_sample_bytes, progress)
+        except OSError as exc:  # reading errors are CorpusErrors already: this is the disk we write to
+            raise PrepareError(
+                f"writing the dataset for {output} failed ({exc.strerror or exc}; disk full?); "
+                f"the partial copy was removed and {output} was left as it was"
+            ) from exc
         if output.exists():
             old = output.parent / f".{output.name}.old-{os.getpid()}"
             output.rename(old)
@@ -311,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             args.shard_tokens,
             force=args.force,
         )
-    except (PrepareError, CorpusError, TokenizerError) as exc:
+    except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps({k: m[k] for k in ("num_documents", "num_tokens", "vocab_size", "dtype", "eos_id", "tokenizer")}))

@@ -17,10 +17,12 @@ from typing import Any
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from lmtrain.errors import InputError
+
 PRECISIONS = ("32-true", "32", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "transformer-engine")
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A config that cannot work, naming the key and the allowed values."""
 
 
@@ -193,6 +195,10 @@ def validate_config(cfg: DictConfig) -> None:
             problems.append(f"scheduler.warmup_steps={sched.warmup_steps!r} must be in 0..scheduler.total_steps={sched.total_steps}")
         if not 0.0 <= float(sched.get("min_lr_ratio", 0.0)) <= 1.0:
             problems.append(f"scheduler.min_lr_ratio={sched.min_lr_ratio} must be in [0, 1]")
+
+    ckpt = cfg.get("ckpt_path")
+    if ckpt is not None and not os.path.isfile(str(ckpt)):
+        problems.append(f"ckpt_path='{ckpt}' is not a file")
 
     opt = cfg.get("optimizer")
     if opt is not None and "lr" in opt and (not isinstance(opt.lr, (int, float)) or opt.lr <= 0):

@@ -12,6 +12,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from lmtrain.config import apply_global_batch_size, validate_config, validate_data
+from lmtrain.errors import InputError
 
 log = logging.getLogger("lmtrain")
 
@@ -63,7 +64,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     validate_config(cfg)
     apply_global_batch_size(cfg)
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"cannot create the run directory {run_dir} (run_dir / paths.runs): {exc.strerror or exc}") from exc
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     datamodule = instantiate(cfg.data)
@@ -89,7 +93,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy)
 
     if trainer.is_global_zero:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        try:
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        except OSError as exc:
+            raise InputError(f"cannot write {run_dir / 'config.yaml'}: {exc.strerror or exc} (disk full?)") from exc
     _log_config(trainer, cfg, run_dir)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))

@@ -21,13 +21,15 @@ from pathlib import Path
 
 import tiktoken
 
+from lmtrain.errors import InputError
+
 EOS_TEXT = "<|endoftext|>"
 NAMED = ("gpt2", "r50k_base", "p50k_base", "cl100k_base", "o200k_base")
 # The GPT-2 / r50k pre-tokenisation pattern (identical to the HF ByteLevel pre-tokenizer's regex).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
-class TokenizerError(ValueError):
+class TokenizerError(InputError):
     """A tokenizer that cannot be loaded or built, with the reason and the way out."""
 
 

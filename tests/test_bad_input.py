@@ -1,0 +1,127 @@
+"""Every input a user can get wrong ends in one clear error naming it (exit 2, no traceback), nothing lost."""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data.prepare import read_manifest
+from lmtrain.errors import InputError
+from lmtrain.run import train
+from tests.conftest import ROOT, TINY, make_cfg, run_train_cli
+
+
+def _broken_dataset(kind: str, good: Path, tmp_path: Path) -> Path:
+    ds = tmp_path / f"ds-{kind}"
+    if kind == "missing":
+        return ds
+    shutil.copytree(good, ds)
+    if kind == "corrupt-manifest":
+        (ds / "manifest.json").write_text("{not json")
+    elif kind == "truncated-shard":
+        shard = ds / read_manifest(ds)["splits"]["train"]["shards"][0]["path"]
+        os.truncate(shard, shard.stat().st_size - 2)
+    elif kind == "corrupt-tokenizer":
+        (ds / "tokenizer.tiktoken").write_bytes(b"%%% not a ranks file\n")
+    return ds
+
+
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("missing", r"no prepared dataset at .*ds-missing \(manifest.json missing\)"),
+        ("corrupt-manifest", r"corrupt dataset manifest .*ds-corrupt-manifest/manifest.json"),
+        ("truncated-shard", r"dataset shard .*ds-truncated-shard/train_00000.bin is damaged"),
+    ],
+)
+def test_bad_dataset_is_one_message(kind, message, dataset_dir, tmp_path):
+    ds = _broken_dataset(kind, dataset_dir, tmp_path)
+    before = {p.name: p.read_bytes() for p in ds.iterdir()} if ds.exists() else None
+    res = run_train_cli([*TINY, f"paths.runs={tmp_path / 'runs'}", f"data.path={ds}", "data.prepare=null"], tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    import re
+
+    assert re.search(message, res.stderr), res.stderr[-1000:]
+    after = {p.name: p.read_bytes() for p in ds.iterdir()} if ds.exists() else None
+    assert after == before  # the user's files are untouched
+
+
+def test_corrupt_tokenizer_file_is_named(dataset_dir, tmp_path):
+    ds = _broken_dataset("corrupt-tokenizer", dataset_dir, tmp_path)
+    from data.datamodule import TokenDataModule
+
+    with pytest.raises(InputError, match=r"corrupt tokenizer ranks file .*tokenizer.tiktoken at line 1"):
+        TokenDataModule(str(ds)).tokenizer()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["ckpt_path=/nonexistent/last.ckpt"], r"ckpt_path='/nonexistent/last.ckpt' is not a file"),
+    ],
+)
+def test_bad_paths_are_one_message(overrides, message, dataset_dir, tmp_path):
+    res = run_train_cli([*TINY, f"data.path={dataset_dir}", "data.prepare=null", *overrides], tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    import re
+
+    assert re.search(message, res.stderr), res.stderr[-1000:]
+
+
+def test_run_directory_that_cannot_be_created(tiny_cfg, tmp_path):
+    (tmp_path / "afile").write_text("")
+    cfg = tiny_cfg(f"run_dir={tmp_path / 'afile' / 'run'}")
+    with pytest.raises(InputError, match=r"cannot create the run directory .*afile/run"):
+        train(cfg)
+
+
+def _limit_file_size():  # a disk that fills up after 20 kB per file (EFBIG, as ENOSPC would)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+
+def test_prepare_on_a_full_disk_fails_clearly_and_keeps_the_old_dataset(corpus_jsonl, dataset_dir, tmp_path):
+    ds = tmp_path / "ds"
+    shutil.copytree(dataset_dir, ds)
+    before = {p.name: p.read_bytes() for p in ds.iterdir()}
+    cmd = [
+        sys.executable,
+        "-m",
+        "data.prepare",
+        "--input",
+        str(corpus_jsonl),
+        "--output",
+        str(ds),
+        "--tokenizer",
+        "bpe:600",
+        "--force",
+        "--workers",
+        "1",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"}
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, preexec_fn=_limit_file_size)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    assert f"writing the dataset for {ds} failed (File too large; disk full?)" in res.stderr
+    assert {p.name: p.read_bytes() for p in ds.iterdir()} == before  # the dataset that was there is intact
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ds.")]  # no partial copy left
+
+
+def test_resuming_with_another_data_seed_is_refused(tiny_cfg, tmp_path, dataset_dir):
+    ckpt_args = [
+        "trainer.enable_checkpointing=true", "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"+callbacks.ckpt.dirpath={tmp_path / 'ckpt'}", "+callbacks.ckpt.filename=last", "trainer.max_steps=2",
+    ]  # fmt: skip
+    train(tiny_cfg(*ckpt_args))
+    cfg = make_cfg([*TINY, "seed=99", "trainer.max_steps=3", f"ckpt_path={tmp_path / 'ckpt' / 'last.ckpt'}"], tmp_path / "b", dataset_dir)
+    with pytest.raises(InputError, match=r"another data stream \(data.seed: 1234 -> 99\)"):
+        train(cfg)
