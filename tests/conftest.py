@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import subprocess
@@ -45,17 +44,6 @@ def run_train_cli(args: list[str], cwd: Path, extra_path: list[Path] = (), timeo
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [*extra_path, ROOT])), "LMTRAIN_RUN_ID": ""}
     cmd = [sys.executable, str(ROOT / "train.py"), *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, str]]:
-    """Rows of a run's CSV log (``logger=csv``)."""
-    with open(Path(run_dir) / "csv" / "metrics.csv") as fh:
-        return list(csv.DictReader(fh))
-
-
-def metric(run_dir: Path, key: str) -> list[float]:
-    """One metric's logged values, in order."""
-    return [float(r[key]) for r in read_metrics(run_dir) if r.get(key)]
 
 
 @pytest.fixture(scope="session")

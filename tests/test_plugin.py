@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import ROOT, metric, run_train_cli
+from lmtrain.logs import metric
+from tests.conftest import ROOT, run_train_cli
 
 PLUGIN = ROOT / "examples" / "plugin"
 

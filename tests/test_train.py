@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from lmtrain.config import validate_config
+from lmtrain.logs import metric, read_metrics
 from lmtrain.model import num_params
 from lmtrain.run import train
-from tests.conftest import ROOT, TINY, make_cfg, metric, read_metrics, run_train_cli
+from tests.conftest import ROOT, TINY, make_cfg, run_train_cli
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
 

@@ -1,0 +1,110 @@
+"""Training throughput: the trainer's real code path beside a plain PyTorch loop, same model, batch and data.
+
+    python bench/throughput.py [--steps N] [--warmup W] [HYDRA_OVERRIDES ...]
+    python bench/throughput.py --steps 60 model=mini data.seq_len=256 data.batch_size=8      # the CPU quickstart shape
+
+The trainer side is ``lmtrain.run.train`` with the composed config (Lightning, callbacks, CSV logging on; the
+progress bar and validation off), its per-step ``perf/tokens_per_sec`` read back from the CSV log. The baseline
+is a bare loop over the same ``Decoder``: forward, cross-entropy, backward, global-norm clip, AdamW step, with
+its batches drawn from the same prepared dataset before timing starts (so it pays no data-loading cost).
+Both report the median tokens/s over the steps after ``--warmup``; the table row gives both and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra.utils import instantiate  # noqa: E402
+from omegaconf import open_dict  # noqa: E402
+
+import lmtrain.config  # noqa: E402,F401
+from data.datamodule import PackedBlocks  # noqa: E402
+from lmtrain.logs import metric  # noqa: E402
+from lmtrain.model import num_params  # noqa: E402
+from lmtrain.run import train  # noqa: E402
+
+
+def trainer_tokens_per_sec(cfg, steps: int, warmup: int, out: Path) -> list[float]:
+    with open_dict(cfg):
+        cfg.run_dir = str(out / "trainer")
+        cfg.trainer.max_steps = steps
+        cfg.trainer.val_check_interval = 10**9
+        cfg.trainer.limit_val_batches = 0
+        cfg.trainer.enable_progress_bar = False
+        cfg.logger = {"csv": {"_target_": "lightning.pytorch.loggers.CSVLogger", "save_dir": cfg.run_dir, "name": "csv", "version": ""}}
+    train(cfg)
+    return metric(Path(cfg.run_dir), "perf/tokens_per_sec")[warmup:]
+
+
+def raw_tokens_per_sec(cfg, steps: int, warmup: int, device: torch.device) -> list[float]:
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model)().to(device)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.optimizer.lr, betas=tuple(cfg.optimizer.betas), weight_decay=0.1, fused=device.type == "cuda" or None
+    )
+    blocks = PackedBlocks(cfg.data.path, "train", cfg.data.seq_len)
+    bs = cfg.data.batch_size
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(steps):
+        idx = torch.randint(0, len(blocks), (bs,), generator=g).tolist()
+        x, y = zip(*(blocks[i] for i in idx))
+        batches.append((torch.stack(x).to(device), torch.stack(y).to(device)))
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=str(cfg.trainer.precision).startswith("bf16"))
+    rates = []
+    for x, y in batches:
+        t0 = time.perf_counter()
+        with autocast:
+            logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.module.grad_clip or float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()  # the trainer logs the loss every step too
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rates.append(x.numel() / (time.perf_counter() - t0))
+    return rates[warmup:]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    args, overrides = p.parse_known_args()
+    os.environ.setdefault("LMTRAIN_RUN_ID", "bench")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer_rates = trainer_tokens_per_sec(cfg.copy(), args.steps, args.warmup, Path(tmp))
+        device = torch.device("cuda" if torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda") else "cpu")
+        raw_rates = raw_tokens_per_sec(cfg, args.steps, args.warmup, device)
+    card = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    with torch.device("meta"):
+        n = num_params(instantiate(cfg.model)())
+    t, r = statistics.median(trainer_rates), statistics.median(raw_rates)
+    print("| device | model | params | precision | batch x seq | steps (timed) | trainer tokens/s | raw PyTorch tokens/s | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        f"| {card} | {cfg.model.name} | {n / 1e6:.2f}M | {cfg.trainer.precision} | {cfg.data.batch_size} x {cfg.data.seq_len} | "
+        f"{args.steps} ({len(trainer_rates)}) | {t:,.0f} | {r:,.0f} | {t / r:.3f} |"
+    )
+
+
+if __name__ == "__main__":
+    main()
