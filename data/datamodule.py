@@ -23,7 +23,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from data.prepare import PrepareError, prepare, read_manifest
 from lmtrain.errors import InputError
-from lmtrain.tokenizer import load_tokenizer
+from lmtrain.tokenizer import load_tokenizer, tokenizer_identity
 
 
 class PackedBlocks(Dataset):
@@ -76,21 +76,68 @@ class PackedBlocks(Dataset):
         return state
 
 
-class BlockSampler(Sampler[int]):
-    """Seeded, per-epoch shuffled block order, cut into equal disjoint parts, one per rank.
+class MixedBlocks(Dataset):
+    """Several sources' blocks end to end: index ``offsets[k] + b`` is block ``b`` of source ``k``."""
 
-    Every rank gets the same number of blocks, ``len(dataset) // world_size`` rounded down to whole batches
-    of ``batch_size`` (the remainder is dropped), so ranks never wait for each other at an epoch's end and
-    "all indices handed out" means "epoch finished". The order depends only on (seed, epoch, world_size).
+    def __init__(self, parts: list[PackedBlocks]) -> None:
+        self.parts = parts
+        self.sizes = [len(p) for p in parts]
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k = int(np.searchsorted(self.offsets, i, side="right") - 1)
+        return self.parts[k][i - int(self.offsets[k])]
+
+
+def mixture_counts(total: int, weights: list[float]) -> np.ndarray:
+    """``total`` split in proportion to ``weights`` by largest remainder: exact, sums to ``total``."""
+    w = np.asarray(weights, dtype=np.float64) / sum(weights)
+    exact = w * total
+    counts = np.floor(exact).astype(np.int64)
+    short = total - int(counts.sum())
+    counts[np.argsort(-(exact - counts), kind="stable")[:short]] += 1
+    return counts
+
+
+class BlockSampler(Sampler[int]):
+    """Seeded, per-epoch shuffled block order over one or several sources, cut into equal disjoint parts per rank.
+
+    ``sizes`` are the sources' block counts (an int for one source); indices refer to their concatenation
+    (:class:`MixedBlocks`). An epoch has ``sum(sizes)`` samples; source ``k`` contributes exactly its share
+    ``weights[k]`` of them (largest remainder), interleaved in a seeded random order. Each source is read in
+    passes: a seeded permutation of all its blocks per pass, continued across epochs, so within a pass no block
+    repeats and a source with a large weight is simply read more often. Unweighted (one source), an epoch is one
+    pass over a fresh permutation.
+
+    Every rank gets the same number of samples, ``epoch // world_size`` rounded down to whole batches of
+    ``batch_size`` (the remainder is dropped), so ranks never wait for each other at an epoch's end and
+    "all indices handed out" means "epoch finished". The order depends only on (seed, epoch, world size,
+    sizes, weights). ``shuffle=False`` gives the sources' blocks in order (validation).
     """
 
     def __init__(
-        self, num_blocks: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0, batch_size: int = 1
+        self,
+        sizes: int | list[int],
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        batch_size: int = 1,
+        weights: list[float] | None = None,
     ) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} not in [0, {num_replicas})")
-        self.num_blocks, self.num_replicas, self.rank, self.batch_size = num_blocks, num_replicas, rank, batch_size
+        self.sizes = [int(sizes)] if isinstance(sizes, (int, np.integer)) else [int(s) for s in sizes]
+        self.weights = [float(w) for w in weights] if weights is not None else [float(max(s, 1)) for s in self.sizes]
+        if len(self.weights) != len(self.sizes) or any(not w > 0 for w in self.weights):
+            raise ValueError(f"weights {self.weights} must be positive, one per source {self.sizes}")
+        self.num_blocks = sum(self.sizes)
+        self.num_replicas, self.rank, self.batch_size = num_replicas, rank, batch_size
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.counts = mixture_counts(self.num_blocks, self.weights)  # samples per source per epoch
         self.yielded = 0  # indices handed out in the current epoch
         self._resume_at = 0  # where the next iteration starts (non-zero only after load_state_dict)
 
@@ -100,14 +147,38 @@ class BlockSampler(Sampler[int]):
     def __len__(self) -> int:
         return self.num_blocks // self.num_replicas // self.batch_size * self.batch_size
 
-    def indices(self, epoch: int) -> list[int]:
-        """This rank's block order for ``epoch``."""
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            order = torch.randperm(self.num_blocks, generator=g)
-        else:
-            order = torch.arange(self.num_blocks)
-        return order[self.rank : len(self) * self.num_replicas : self.num_replicas].tolist()
+    def _permutation(self, n: int, *key: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, *key]).permutation(n)
+
+    def _source_blocks(self, k: int, start: int, count: int) -> np.ndarray:
+        """Blocks ``start .. start+count`` of source ``k``'s endless stream of seeded passes."""
+        n = self.sizes[k]
+        out = np.empty(count, dtype=np.int64)
+        pos = 0
+        while pos < count:
+            p, r = divmod(start + pos, n)
+            take = min(count - pos, n - r)
+            out[pos : pos + take] = self._permutation(n, 1, k, p)[r : r + take]
+            pos += take
+        return out
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """Every sample of ``epoch`` as an index into the concatenated sources (all ranks' together)."""
+        offsets = np.concatenate([[0], np.cumsum(self.sizes)])
+        if not self.shuffle:
+            return np.arange(self.num_blocks, dtype=np.int64)
+        if len(self.sizes) == 1:
+            return self._source_blocks(0, epoch * self.num_blocks, self.num_blocks)
+        source = np.repeat(np.arange(len(self.sizes)), self.counts)[self._permutation(self.num_blocks, 0, epoch)]
+        order = np.empty(self.num_blocks, dtype=np.int64)
+        for k, c in enumerate(self.counts):
+            if c:
+                order[source == k] = offsets[k] + self._source_blocks(k, epoch * int(c), int(c))
+        return order
+
+    def indices(self, epoch: int) -> np.ndarray:
+        """This rank's sample order for ``epoch``."""
+        return self.epoch_order(epoch)[self.rank : len(self) * self.num_replicas : self.num_replicas]
 
     def __iter__(self):
         order = self.indices(self.epoch)
@@ -115,26 +186,23 @@ class BlockSampler(Sampler[int]):
         self.yielded = start
         for idx in order[start:]:
             self.yielded += 1
-            yield idx
+            yield int(idx)
 
     # Stateful (torchdata calls these): the epoch and position travel with the loader's state. Lightning creates
     # the resumed iterator before it calls set_epoch, so the epoch must come from here.
+    def _identity(self) -> dict:
+        return {"seed": self.seed, "sizes": self.sizes, "weights": self.weights, "num_replicas": self.num_replicas}
+
     def state_dict(self) -> dict:
-        return {
-            "epoch": self.epoch,
-            "yielded": self.yielded,
-            "seed": self.seed,
-            "num_blocks": self.num_blocks,
-            "num_replicas": self.num_replicas,
-        }
+        return {"epoch": self.epoch, "yielded": self.yielded, **self._identity()}
 
     def load_state_dict(self, state: dict) -> None:
-        mine = {"seed": self.seed, "num_blocks": self.num_blocks, "num_replicas": self.num_replicas}
-        theirs = {k: state[k] for k in mine}
+        mine = self._identity()
+        theirs = {k: state.get(k) for k in mine}
         if mine != theirs:
             raise InputError(
-                f"the checkpoint's data stream was {theirs}, this run's is {mine}: the dataset, data.seq_len, data.seed "
-                "or the number of ranks changed, so the saved position means nothing here"
+                f"the checkpoint's data stream was {theirs}, this run's is {mine}: the dataset, data.seq_len, data.seed, "
+                "the mixture weights or the number of ranks changed, so the saved position means nothing here"
             )
         self.epoch, self._resume_at = state["epoch"], state["yielded"]
         if self._resume_at >= len(self):  # saved after the epoch's last batch: resume at the next epoch's start
@@ -142,14 +210,18 @@ class BlockSampler(Sampler[int]):
 
 
 class TokenDataModule(L.LightningDataModule):
-    """Train / validation loaders over a prepared dataset.
+    """Train / validation loaders over one prepared dataset, or a weighted mixture of several.
 
     Args:
         path: prepared dataset directory (``manifest.json`` + shards).
+        sources: instead of ``path``, a mixture: ``[{path: A, weight: 0.7}, {path: B, weight: 0.3}]``. Every
+            source must use the same tokenizer (prepare the others with ``--tokenizer A/tokenizer.tiktoken``).
+            Each epoch draws exactly ``weight / sum(weights)`` of its samples from each source, in a seeded
+            order (see :class:`BlockSampler`); validation uses every source's validation split, in order.
         seq_len: tokens per training example (blocks hold ``seq_len + 1``).
         batch_size: micro-batch size per device.
         num_workers: loader worker processes per rank.
-        seed: shuffling seed (the order is fixed by seed, epoch and world size).
+        seed: shuffling and mixing seed (the order is fixed by seed, epoch, world size and the sources).
         prepare: if set and ``path`` holds no dataset, build it first with ``data.prepare.prepare(**prepare)``
             (how the quickstart makes its data on first use).
         val_batch_size: micro-batch size for validation (default: ``batch_size``).
@@ -157,7 +229,7 @@ class TokenDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        path: str,
+        path: str | None = None,
         seq_len: int = 1024,
         batch_size: int = 8,
         num_workers: int = 0,
@@ -165,15 +237,19 @@ class TokenDataModule(L.LightningDataModule):
         prepare: dict | None = None,
         val_batch_size: int | None = None,
         pin_memory: bool = True,
+        sources: list[dict] | None = None,
     ) -> None:
         super().__init__()
-        self.path = Path(path)
+        self.paths, self.weights = _resolve_sources(path, sources)
+        self.path = self.paths[0]
         self.seq_len, self.batch_size, self.num_workers, self.seed = seq_len, batch_size, num_workers, seed
         self.prepare_args = dict(prepare) if prepare else None
+        if self.prepare_args and len(self.paths) > 1:
+            raise PrepareError("data.prepare builds one dataset: prepare each mixture source with `python -m data.prepare`")
         self.val_batch_size = val_batch_size or batch_size
         self.pin_memory = pin_memory
-        self.train_set: PackedBlocks | None = None
-        self.val_set: PackedBlocks | None = None
+        self.train_set: MixedBlocks | None = None
+        self.val_set: MixedBlocks | None = None
 
     # -- dataset on disk ----------------------------------------------------------------------
     def prepare_data(self) -> None:
@@ -188,15 +264,36 @@ class TokenDataModule(L.LightningDataModule):
 
     @property
     def manifest(self) -> dict:
+        """The (first) dataset's manifest; with a mixture, every source shares its tokenizer."""
         return read_manifest(self.path)
 
     def tokenizer(self):
         return load_tokenizer(self.manifest["tokenizer"], self.path)
 
+    def _check_sources_agree(self) -> None:
+        if len(self.paths) == 1:
+            return
+        first = None
+        for p in self.paths:
+            m = read_manifest(p)
+            ident = {"vocab_size": m["vocab_size"], "eos_id": m["eos_id"], "tokenizer": tokenizer_identity(m["tokenizer"], p)}
+            if first is None:
+                first = (p, ident)
+            elif ident != first[1]:
+                diff = [f"{k}: {first[1][k]} vs {ident[k]}" for k in ident if ident[k] != first[1][k]]
+                raise PrepareError(
+                    f"mixture sources {first[0]} and {p} use different tokenizers ({'; '.join(diff)}): prepare every "
+                    f"source with the same one, e.g. `python -m data.prepare ... --tokenizer {first[0] / 'tokenizer.tiktoken'}`"
+                )
+
     # -- checkpointed identity of the stream ----------------------------------------------------
     def _stream_identity(self) -> dict:
         world, _ = self._world()
-        return {"dataset": self.manifest.get("fingerprint"), "data.seq_len": self.seq_len, "data.seed": self.seed, "world_size": world}
+        fps = [read_manifest(p).get("fingerprint") for p in self.paths]
+        ident = {"dataset": fps[0] if len(fps) == 1 else fps, "data.seq_len": self.seq_len, "data.seed": self.seed, "world_size": world}
+        if len(fps) > 1:
+            ident["weights"] = self.weights
+        return ident
 
     def state_dict(self) -> dict:
         return {"stream": self._stream_identity()}
@@ -204,7 +301,7 @@ class TokenDataModule(L.LightningDataModule):
     def load_state_dict(self, state: dict) -> None:
         """Refuse, before any training, a checkpoint whose saved data position belongs to another stream."""
         saved, mine = state.get("stream", {}), self._stream_identity()
-        changed = [f"{k}: {saved[k]!r} -> {mine[k]!r}" for k in mine if k in saved and saved[k] != mine[k]]
+        changed = [f"{k}: {saved.get(k)!r} -> {mine[k]!r}" for k in mine if saved.get(k) != mine[k]]
         if changed:
             raise InputError(
                 "the checkpoint's data position belongs to another data stream (" + "; ".join(changed) + "): "
@@ -214,8 +311,13 @@ class TokenDataModule(L.LightningDataModule):
     # -- loaders ------------------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
-            self.train_set = PackedBlocks(self.path, "train", self.seq_len)
-            self.val_set = PackedBlocks(self.path, "val", self.seq_len)
+            self._check_sources_agree()
+            train = [PackedBlocks(p, "train", self.seq_len) for p in self.paths]
+            for p, part in zip(self.paths, train):
+                if len(part) == 0:
+                    raise PrepareError(f"dataset {p} has {part.num_tokens} train tokens: not one block of data.seq_len={self.seq_len}")
+            self.train_set = MixedBlocks(train)
+            self.val_set = MixedBlocks([PackedBlocks(p, "val", self.seq_len) for p in self.paths])
 
     def _world(self) -> tuple[int, int]:
         trainer = self.trainer
@@ -225,7 +327,9 @@ class TokenDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         world, rank = self._world()
-        sampler = BlockSampler(len(self.train_set), world, rank, shuffle=True, seed=self.seed, batch_size=self.batch_size)
+        sampler = BlockSampler(
+            self.train_set.sizes, world, rank, shuffle=True, seed=self.seed, batch_size=self.batch_size, weights=self.weights
+        )
         if len(sampler) == 0:
             raise PrepareError(
                 f"dataset {self.path} has {len(self.train_set)} train blocks of seq_len={self.seq_len}: fewer than "
@@ -236,7 +340,7 @@ class TokenDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         world, rank = self._world()
         # fixed and identical across runs: no shuffle, the same blocks for the same world size
-        sampler = BlockSampler(len(self.val_set), world, rank, shuffle=False)
+        sampler = BlockSampler(self.val_set.sizes, world, rank, shuffle=False)
         return self._loader(self.val_set, sampler, self.val_batch_size, drop_last=False)
 
     def _loader(self, dataset, sampler, batch_size: int, drop_last: bool, stateful: bool = False) -> DataLoader:
@@ -250,3 +354,23 @@ class TokenDataModule(L.LightningDataModule):
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
         )
+
+
+def _resolve_sources(path: str | None, sources) -> tuple[list[Path], list[float] | None]:
+    """(paths, weights) from ``data.path`` or ``data.sources``; weights is None for a single dataset."""
+    if (path is None) == (sources is None or len(sources) == 0):
+        raise PrepareError("give exactly one of data.path=DIR and data.sources=[{path: DIR, weight: W}, ...]")
+    if path is not None:
+        return [Path(path)], None
+    paths, weights = [], []
+    for i, s in enumerate(sources):
+        if not hasattr(s, "keys") or set(s.keys()) - {"path", "weight"} or "path" not in s:
+            raise PrepareError(f"data.sources[{i}] = {s!r}: expected {{path: DIR, weight: W}}")
+        w = s.get("weight", 1.0)
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
+            raise PrepareError(f"data.sources[{i}].weight = {w!r}: must be a positive number")
+        paths.append(Path(s["path"]))
+        weights.append(float(w))
+    if len(set(paths)) != len(paths):
+        raise PrepareError(f"data.sources lists a dataset twice: {[str(p) for p in paths]} (raise its weight instead)")
+    return paths, weights

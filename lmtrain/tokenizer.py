@@ -16,6 +16,7 @@ ordinary text. The one separator id (``eos_id``) is appended by the data pipelin
 from __future__ import annotations
 
 import base64
+import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -62,6 +63,17 @@ def load_tokenizer(spec: str, base_dir: str | Path | None = None) -> tiktoken.En
             "on first use; offline, copy the file into a folder and set TIKTOKEN_CACHE_DIR to it, or use the "
             "offline default `bpe:VOCAB` (a byte-level BPE trained on your corpus)."
         ) from exc
+
+
+def tokenizer_identity(spec: str, base_dir: str | Path | None = None) -> str:
+    """What makes two tokenizers the same: a named encoding's name, a ranks file's content hash."""
+    spec = str(spec)
+    if spec.endswith(".tiktoken") or "/" in spec:
+        path = Path(spec) if Path(spec).is_absolute() or base_dir is None else Path(base_dir) / spec
+        if not path.is_file():
+            raise TokenizerError(f"tokenizer ranks file not found: {path}")
+        return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return spec
 
 
 def encoding_from_ranks(ranks: dict[bytes, int], name: str = "lmtrain-bpe") -> tiktoken.Encoding:

@@ -1,0 +1,138 @@
+"""Mixtures of several prepared datasets: exact per-epoch proportions, deterministic order, exact resume."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from data.datamodule import BlockSampler, TokenDataModule, mixture_counts
+from data.prepare import PrepareError, prepare
+from lmtrain.errors import InputError
+from lmtrain.run import train
+from tests.conftest import TINY, make_cfg, python_stdlib_files
+
+SEQ, BATCH = 32, 4
+
+
+def test_mixture_counts_are_exact_and_sum_to_total():
+    assert mixture_counts(110, [0.5, 0.5]).tolist() == [55, 55]
+    assert mixture_counts(10, [0.7, 0.3]).tolist() == [7, 3]
+    c = mixture_counts(1001, [1, 1, 1])
+    assert c.sum() == 1001 and sorted(c.tolist()) == [333, 334, 334]
+
+
+def test_sampler_mixes_in_proportion_and_reads_each_source_in_whole_passes():
+    sizes, weights = [10, 100], [0.5, 0.5]  # source 0 is upsampled 5.5x per epoch
+    s = BlockSampler(sizes, seed=3, weights=weights)
+    orders = [s.epoch_order(e) for e in range(4)]
+    for order in orders:
+        assert sorted(Counter(order < 10).values()) == [55, 55]  # exactly half from each source
+    assert not np.array_equal(orders[0], orders[1])
+    assert np.array_equal(orders[2], BlockSampler(sizes, seed=3, weights=weights).epoch_order(2))  # deterministic
+    # source 0's draws, across epochs, are consecutive seeded permutations of its 10 blocks
+    small = np.concatenate([o[o < 10] for o in orders])
+    for p in range(len(small) // 10):
+        assert sorted(small[p * 10 : (p + 1) * 10].tolist()) == list(range(10))
+    big = np.concatenate([o[o >= 10] for o in orders[:2]]) - 10  # 110 draws: one pass and a bit
+    assert sorted(big[:100].tolist()) == list(range(100))
+
+
+def test_sampler_ranks_partition_the_mixed_epoch():
+    sizes, weights = [37, 90], [3.0, 1.0]
+    parts = [list(BlockSampler(sizes, 3, r, seed=1, batch_size=2, weights=weights)) for r in range(3)]
+    n = len(parts[0])
+    assert all(len(p) == n for p in parts)
+    order = BlockSampler(sizes, seed=1, weights=weights).epoch_order(0)[: 3 * n]
+    interleaved = [parts[i % 3][i // 3] for i in range(3 * n)]
+    assert interleaved == order.tolist()
+
+
+@pytest.fixture(scope="module")
+def two_sources(tmp_path_factory):
+    """Two small datasets of different text sharing one tokenizer, as a user would prepare them."""
+    root = tmp_path_factory.mktemp("mix")
+    files = python_stdlib_files()
+    for name, chunk in (("a", files[:12]), ("b", files[40:52])):
+        src = root / f"{name}.jsonl"
+        src.write_text("".join(json.dumps({"text": f.read_text(encoding="utf-8")[:3000]}) + "\n" for f in chunk), encoding="utf-8")
+    prepare([root / "a.jsonl"], root / "A", tokenizer="bpe:300", val_fraction=0.3, progress=False)
+    prepare([root / "b.jsonl"], root / "B", tokenizer=str(root / "A" / "tokenizer.tiktoken"), val_fraction=0.3, progress=False)
+    prepare([root / "b.jsonl"], root / "C", tokenizer="bpe:300", val_fraction=0.3, progress=False)  # its own BPE
+    return root
+
+
+def _dm(root, weights=(0.75, 0.25), workers=0, **kw):
+    sources = [{"path": str(root / "A"), "weight": weights[0]}, {"path": str(root / "B"), "weight": weights[1]}]
+    dm = TokenDataModule(sources=sources, seq_len=SEQ, batch_size=BATCH, num_workers=workers, seed=5, **kw)
+    dm.setup("fit")
+    return dm
+
+
+def test_batches_come_from_both_sources_in_proportion(two_sources):
+    dm = _dm(two_sources)
+    a_blocks = {tuple(dm.train_set.parts[0][i][0].tolist()) for i in range(len(dm.train_set.parts[0]))}
+    rows = [tuple(r.tolist()) for x, _ in dm.train_dataloader() for r in x]
+    from_a = sum(r in a_blocks for r in rows)
+    n = len(dm.train_set)
+    assert len(rows) == n // BATCH * BATCH
+    assert abs(from_a - round(0.75 * n)) <= BATCH  # exact per epoch up to the dropped partial batch
+    val = [tuple(r.tolist()) for x, _ in dm.val_dataloader() for r in x]
+    assert len(val) == len(dm.val_set) and val == [tuple(r.tolist()) for x, _ in _dm(two_sources).val_dataloader() for r in x]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_mixture_resumes_exactly(two_sources, workers):
+    ref = [x for x, _ in _dm(two_sources, workers=workers).train_dataloader()]
+    loader = _dm(two_sources, workers=workers).train_dataloader()
+    it = iter(loader)
+    got = [next(it)[0] for _ in range(3)]
+    state = loader.state_dict()
+    del it, loader
+    loader = _dm(two_sources, workers=workers).train_dataloader()
+    loader.load_state_dict(state)
+    got += [x for x, _ in loader]
+    assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_resuming_with_other_weights_is_refused(two_sources):
+    loader = _dm(two_sources).train_dataloader()
+    next(iter(loader))
+    state = loader.state_dict()
+    other = _dm(two_sources, weights=(0.5, 0.5))
+    with pytest.raises(InputError, match="weights"):
+        other.load_state_dict(_dm(two_sources).state_dict())
+        other.train_dataloader().load_state_dict(state)
+
+
+def test_sources_with_different_tokenizers_are_refused(two_sources):
+    sources = [{"path": str(two_sources / "A"), "weight": 1}, {"path": str(two_sources / "C"), "weight": 1}]
+    with pytest.raises(PrepareError, match="different tokenizers.*--tokenizer"):
+        TokenDataModule(sources=sources).setup("fit")
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({}, "exactly one of data.path"),
+        ({"path": "x", "sources": [{"path": "y"}]}, "exactly one of data.path"),
+        ({"sources": [{"path": "y", "weight": 0}]}, r"weight = 0: must be a positive"),
+        ({"sources": [{"path": "y", "wieght": 1}]}, r"data.sources\[0\]"),
+        ({"sources": [{"path": "y"}, {"path": "y"}]}, "twice"),
+    ],
+)
+def test_bad_mixture_specs(kw, message):
+    with pytest.raises(PrepareError, match=message):
+        TokenDataModule(**kw)
+
+
+def test_train_on_a_mixture_from_the_command_line_config(two_sources, tmp_path):
+    srcs = f"[{{path: {two_sources / 'A'}, weight: 2}}, {{path: {two_sources / 'B'}, weight: 1}}]"
+    cfg = make_cfg(
+        TINY + ["data=mixture", f"data.sources={srcs}", f"data.seq_len={SEQ}", "data.num_workers=0", "model.vocab_size=300"], tmp_path
+    )
+    train(cfg)
+    assert (tmp_path / "run" / "config.yaml").is_file()
