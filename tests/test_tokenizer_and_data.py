@@ -5,12 +5,14 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from data.corpus import CorpusError
+from data.corpus import CorpusError, python_stdlib_files
 from data.datamodule import BlockSampler, PackedBlocks
 from data.prepare import PrepareError, prepare, read_manifest
 from lmtrain.tokenizer import EOS_TEXT, TokenizerError, encoding_from_ranks, eos_id, load_ranks, load_tokenizer, save_ranks, train_bpe
@@ -156,3 +158,41 @@ def test_sampler_is_disjoint_complete_and_deterministic():
     s = BlockSampler(103, 1, 0, seed=5)
     s.set_epoch(1)
     assert list(s) != list(BlockSampler(103, 1, 0, seed=5))
+
+
+_PEAK_RSS = """
+import resource, sys
+from data.prepare import prepare
+prepare([sys.argv[1]], sys.argv[2], tokenizer=sys.argv[3], val_fraction=0.01, workers=2, progress=False)
+hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1]  # this image's peak, kB
+print(hwm, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM from /proc")
+def test_prepare_streams_memory_does_not_grow_with_the_corpus(tmp_path):
+    """Peak memory of data.prepare (main process and workers) on a 4 MB and a 40 MB corpus: flat, not 10x.
+
+    The main process's peak is VmHWM (ru_maxrss would carry over pytest's own peak through exec).
+    """
+    from tests.conftest import ROOT
+
+    texts = [f.read_text(encoding="utf-8") for f in python_stdlib_files()]
+    save_ranks(train_bpe(texts[:20], 512), tmp_path / "tok.tiktoken")
+    peaks = {}
+    for mb in (4, 40):
+        corpus = tmp_path / f"c{mb}.jsonl"
+        with open(corpus, "w", encoding="utf-8") as fh:
+            size, i = 0, 0
+            while size < mb * 1e6:
+                line = json.dumps({"text": f"{i} {texts[i % len(texts)]}"}) + "\n"
+                size += fh.write(line)
+                i += 1
+        out = subprocess.run(
+            [sys.executable, "-c", _PEAK_RSS, str(corpus), str(tmp_path / f"ds{mb}"), str(tmp_path / "tok.tiktoken")],
+            capture_output=True, text=True, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+        peaks[mb] = [int(v) / 1024 for v in out.stdout.split()]  # MiB
+    (small_main, small_workers), (big_main, big_workers) = peaks[4], peaks[40]
+    assert big_main - small_main < 12, peaks  # 36 MB more text: a corpus held in memory would add at least that
+    assert big_workers - small_workers < 12, peaks
