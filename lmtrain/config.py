@@ -197,8 +197,11 @@ def validate_config(cfg: DictConfig) -> None:
             problems.append(f"scheduler.min_lr_ratio={sched.min_lr_ratio} must be in [0, 1]")
 
     ckpt = cfg.get("ckpt_path")
-    if ckpt is not None and not os.path.isfile(str(ckpt)):
-        problems.append(f"ckpt_path='{ckpt}' is not a file")
+    if ckpt is not None and not os.path.exists(str(ckpt)):
+        problems.append(f"ckpt_path='{ckpt}' does not exist (a checkpoint directory step-N or a Lightning .ckpt file)")
+    for key in ("resume", "overwrite"):
+        if key in cfg and not isinstance(cfg.get(key), bool):
+            problems.append(f"{key}={cfg.get(key)!r} must be true or false")
 
     opt = cfg.get("optimizer")
     if opt is not None and "lr" in opt and (not isinstance(opt.lr, (int, float)) or opt.lr <= 0):

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from lightning.pytorch.loggers import MLFlowLogger
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lmtrain.config import apply_global_batch_size, validate_config, validate_data
+from callbacks.checkpoint import Checkpointer
+from lmtrain import checkpoint as ck
+from lmtrain import logbook
+from lmtrain.checkpoint import CheckpointError, check_compatible, config_hash
+from lmtrain.config import ConfigError, apply_global_batch_size, validate_config, validate_data
 from lmtrain.errors import InputError
 
 log = logging.getLogger("lmtrain")
@@ -34,12 +40,16 @@ def flat_params(cfg: DictConfig) -> dict[str, Any]:
     return {k: ("null" if v is None else v) for k, v in _flatten(container).items() if k}
 
 
-def describe_model(model_factory) -> str:
-    """Parameter counts from a meta-device build (no memory allocated)."""
+def meta_model(model_factory) -> torch.nn.Module:
+    """The model built on the meta device: shapes and counts without allocating memory."""
+    with torch.device("meta"):
+        return model_factory()
+
+
+def describe_model(model: torch.nn.Module) -> str:
+    """Parameter counts of a (meta-device) model."""
     from lmtrain.model import Decoder, matmul_params, num_params
 
-    with torch.device("meta"):
-        model = model_factory()
     total = num_params(model)
     if isinstance(model, Decoder):
         c = model.cfg
@@ -48,6 +58,20 @@ def describe_model(model_factory) -> str:
             f"{c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads"
         )
     return f"model {type(model).__name__}: {total:,} parameters"
+
+
+def model_identity(model: torch.nn.Module, cfg: DictConfig) -> dict:
+    """What a checkpoint records about the model, and what a resume compares (lmtrain.checkpoint.check_compatible)."""
+    import dataclasses
+
+    from lmtrain.checkpoint import param_shapes
+
+    mc = getattr(model, "cfg", None)
+    return {
+        "model_config": dataclasses.asdict(mc) if dataclasses.is_dataclass(mc) else None,
+        "params": param_shapes(model),
+        "optimizer": (cfg.get("optimizer") or {}).get("_target_"),
+    }
 
 
 def instantiate_group(node: DictConfig | None) -> list:
@@ -68,6 +92,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise InputError(f"cannot create the run directory {run_dir} (run_dir / paths.runs): {exc.strerror or exc}") from exc
+    resume = resume_point(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     datamodule = instantiate(cfg.data)
@@ -76,7 +101,16 @@ def train(cfg: DictConfig) -> dict[str, float]:
     validate_data(cfg, datamodule.manifest, len(datamodule.train_set))
 
     model_factory = instantiate(cfg.model)
-    print(describe_model(model_factory), file=sys.stderr)
+    shape = meta_model(model_factory)
+    print(describe_model(shape), file=sys.stderr)
+    identity = model_identity(shape, cfg)
+    del shape
+    if resume is not None:
+        check_compatible(resume_identity(resume), identity, f"checkpoint {resume.path}")
+        print(f"[lmtrain] resuming from {resume.path} (step {resume.step})", file=sys.stderr)
+        if resume.meta.get("mlflow_run_id") and (cfg.get("logger") or {}).get("mlflow"):
+            with open_dict(cfg):
+                cfg.logger.mlflow.run_id = cfg.logger.mlflow.get("run_id") or resume.meta["mlflow_run_id"]
     module = instantiate(
         cfg.module,
         model=model_factory,
@@ -89,8 +123,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     loggers = instantiate_group(cfg.get("logger"))
+    if resume is not None:
+        for lg in loggers:
+            if hasattr(lg, "resume_at"):
+                lg.resume_at(resume.step)
     strategy = instantiate(cfg.strategy) if cfg.get("strategy") else "auto"
-    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy)
+    checkpointer = next((c for c in callbacks if isinstance(c, Checkpointer)), None)
+    extra = {"enable_checkpointing": True} if checkpointer is not None else {}  # ours replaces Lightning's ModelCheckpoint
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy, **extra)
 
     if trainer.is_global_zero:
         try:
@@ -98,14 +138,104 @@ def train(cfg: DictConfig) -> dict[str, float]:
         except OSError as exc:
             raise InputError(f"cannot write {run_dir / 'config.yaml'}: {exc.strerror or exc} (disk full?)") from exc
     _log_config(trainer, cfg, run_dir)
+    if checkpointer is not None:
+        checkpointer.run_info = {
+            **identity,
+            "run_name": cfg.run_name,
+            "config_hash": config_hash(OmegaConf.to_container(cfg, resolve=True)),
+            "mlflow_run_id": _mlflow_run_id(trainer),
+        }
+        checkpointer.alert_hooks = [_mlflow_tagger(lg) for lg in trainer.loggers if isinstance(lg, MLFlowLogger)]
+    if trainer.is_global_zero:
+        if resume is not None:
+            logbook.append(run_dir, "resume", f"resumed from {resume.path.name}", step=resume.step)
+        else:
+            logbook.append(run_dir, "start", f"training from scratch, run {cfg.run_name}")
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume.load_path) if resume is not None else None)
     except BaseException:
         # Lightning marks loggers failed for exceptions inside fit; make sure of it for the rest too
         for lg in trainer.loggers:
             _safe_finalize(lg, "failed")
         raise
     return {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+
+
+def _checkpoint_root(cfg: DictConfig) -> Path | None:
+    for node in (cfg.get("callbacks") or {}).values():
+        if node is not None and str(node.get("_target_", "")).endswith("Checkpointer"):
+            return Path(node.dirpath)
+    return None
+
+
+def resume_point(cfg: DictConfig) -> ck.Checkpoint | None:
+    """Where training continues from: ``ckpt_path``, else (``resume=true``) the run's newest complete checkpoint.
+
+    With ``resume=false`` a run whose checkpoint directory already holds checkpoints is refused unless
+    ``overwrite=true``, which deletes them. Decided before any expensive work.
+    """
+    if cfg.get("ckpt_path"):
+        return open_checkpoint(Path(cfg.ckpt_path))
+    root = _checkpoint_root(cfg)
+    if root is None:
+        return None
+    if cfg.get("resume", True):
+        return ck.newest(root)
+    existing = [d for d in root.iterdir() if ck.NAME_RE.match(d.name)] if root.is_dir() else []
+    if existing and not cfg.get("overwrite", False):
+        raise ConfigError(
+            f"resume=false but {root} already holds {len(existing)} checkpoint(s) of run '{cfg.run_name}' "
+            f"(newest {max(existing).name}): pass resume=true to continue it, overwrite=true to delete them and start "
+            "fresh, or choose another run_name"
+        )
+    if existing and int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0:
+        import shutil
+
+        print(f"[lmtrain] overwrite=true: deleting {len(existing)} checkpoint(s) in {root}", file=sys.stderr)
+        for d in existing:
+            shutil.rmtree(d, ignore_errors=True)
+        (root / ck.LATEST).unlink(missing_ok=True)
+    return None
+
+
+def open_checkpoint(path: Path) -> ck.Checkpoint:
+    """A user-named checkpoint: a ``step-N`` directory (or its ``checkpoint.pt``), or a plain Lightning ``.ckpt``."""
+    if path.is_file() and path.name == ck.SINGLE_FILE and (path.parent / ck.META).exists():
+        path = path.parent
+    if path.is_dir():
+        meta, why = ck.verify(path)
+        if meta is None:
+            raise CheckpointError(f"ckpt_path={path} is not a usable checkpoint: {why}")
+        return ck.Checkpoint(int(meta["step"]), path, meta)
+    if not path.is_file():
+        raise CheckpointError(f"ckpt_path={path} does not exist")
+    return ck.Checkpoint(-1, path, {"format": "lightning-file"})
+
+
+def resume_identity(resume: ck.Checkpoint) -> dict:
+    """The saved model identity: from ``meta.json``, or read from a plain Lightning file's state dict."""
+    if resume.meta.get("format") != "lightning-file":
+        return resume.meta
+    try:
+        state = torch.load(resume.path, map_location="cpu", mmap=True, weights_only=False)
+        sd = state["state_dict"]
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
+        raise CheckpointError(f"ckpt_path={resume.path} is not a readable Lightning checkpoint ({type(exc).__name__}: {exc})") from None
+    return {"params": {k.removeprefix("model."): list(v.shape) for k, v in sd.items() if hasattr(v, "shape")}}
+
+
+def _mlflow_run_id(trainer) -> str | None:
+    for lg in trainer.loggers:
+        if isinstance(lg, MLFlowLogger) and trainer.is_global_zero:
+            return lg.run_id
+    return None
+
+
+def _mlflow_tagger(lg):
+    def tag(kind: str, message: str) -> None:
+        lg.experiment.set_tag(lg.run_id, f"alert.{kind}", message[:5000])
+
+    return tag
 
 
 def _safe_finalize(logger, status: str) -> None:
@@ -117,8 +247,6 @@ def _safe_finalize(logger, status: str) -> None:
 
 def _log_config(trainer, cfg: DictConfig, run_dir: Path) -> None:
     """Resolved config as MLflow params and as an artifact (rank zero only)."""
-    from lightning.pytorch.loggers import MLFlowLogger
-
     if not trainer.is_global_zero:
         return
     for lg in trainer.loggers:

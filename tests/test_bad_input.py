@@ -65,7 +65,7 @@ def test_corrupt_tokenizer_file_is_named(dataset_dir, tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["ckpt_path=/nonexistent/last.ckpt"], r"ckpt_path='/nonexistent/last.ckpt' is not a file"),
+        (["ckpt_path=/nonexistent/last.ckpt"], r"ckpt_path='/nonexistent/last.ckpt' does not exist"),
     ],
 )
 def test_bad_paths_are_one_message(overrides, message, dataset_dir, tmp_path):

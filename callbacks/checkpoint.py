@@ -1,0 +1,372 @@
+"""Atomic, verified, optionally asynchronous checkpoints every N steps, with retention (see lmtrain.checkpoint).
+
+Everything needed for an identical continuation goes in: model, optimizer, scheduler, loop counters, the
+precision plugin (gradient scaler), callback states, the data stream position (the train loader's state), and
+the RNG states of every rank, which Lightning itself does not save; they are restored at the first training
+batch after a resume (restoring them earlier is undone by the loader's own setup).
+
+Single-process and DDP runs write one file from rank zero; sharded strategies (FSDP2 through
+``ModelParallelStrategy``) write a PyTorch distributed checkpoint, every rank its own part. With
+``async_save`` a single-file save copies the state to host memory (the only stall), then a background thread
+writes, verifies and publishes it; the next save waits for the previous one.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import Checkpoint
+
+from lmtrain import checkpoint as ck
+from lmtrain.checkpoint import CheckpointError
+
+
+def _rng_state() -> dict:
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": list(np.random.get_state()),
+        "python": random.getstate(),
+    }
+    state["numpy"][1] = torch.from_numpy(state["numpy"][1].copy())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _is_sharded(strategy) -> bool:
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(strategy, ModelParallelStrategy):
+        return bool(getattr(strategy, "_save_distributed_checkpoint", True))
+    if isinstance(strategy, FSDPStrategy):
+        return getattr(strategy, "_state_dict_type", "full") == "sharded"
+    return False
+
+
+def _to_host(obj, pin: bool):
+    """A copy of every tensor in ``obj`` on the CPU (training goes on changing the originals in place)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if t.device.type == "cpu":
+            return t.clone()
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        out.copy_(t, non_blocking=pin)
+        return out
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_host(v, pin)) for k, v in obj.items()) if not hasattr(obj, "_fields") else obj
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_to_host(v, pin) for v in obj)
+    return obj
+
+
+class Checkpointer(Checkpoint):
+    """Save ``step-NNNNNNN`` checkpoints under ``dirpath`` every ``every_n_steps`` optimizer steps and at the end.
+
+    Args:
+        dirpath: the checkpoint root (default config: ``RUN_DIR/checkpoints``).
+        every_n_steps: save interval in optimizer steps (0: only at the end).
+        keep_last: complete checkpoints kept (at least 2: the newest may still be in flight).
+        keep_every: also keep every checkpoint whose step is a multiple of this, permanently (None: none).
+        async_save: write single-file checkpoints in a background thread after a host copy.
+        save_on_train_end: save when training ends (max_steps reached or a clean stop).
+        max_consecutive_failures: stop the run with an error after this many failed saves in a row.
+    """
+
+    def __init__(
+        self,
+        dirpath: str,
+        every_n_steps: int = 500,
+        keep_last: int = 3,
+        keep_every: int | None = None,
+        async_save: bool = False,
+        save_on_train_end: bool = True,
+        max_consecutive_failures: int = 3,
+    ) -> None:
+        if keep_last < 2:
+            raise CheckpointError(f"callbacks.checkpoint.keep_last={keep_last}: keep at least 2 (the newest may be in flight)")
+        if every_n_steps < 0 or (keep_every is not None and keep_every <= 0) or max_consecutive_failures < 1:
+            raise CheckpointError(
+                f"callbacks.checkpoint: every_n_steps={every_n_steps} must be >= 0, keep_every={keep_every} null or > 0, "
+                f"max_consecutive_failures={max_consecutive_failures} >= 1"
+            )
+        self.root = Path(dirpath)
+        self.every_n_steps, self.keep_last, self.keep_every = every_n_steps, keep_last, keep_every
+        self.async_save, self.save_on_train_end = async_save, save_on_train_end
+        self.max_consecutive_failures = max_consecutive_failures
+        self.run_info: dict = {}  # set by lmtrain.run: config hash, model config, parameter shapes, MLflow run id
+        self.health: dict = {}  # filled by the stability callbacks; stored in meta.json
+        self.faults = None  # a callbacks.fault.FaultInjector, for drills
+        self.failures = 0
+        self.last_saved_step: int | None = None
+        self.last_stall_s = self.last_write_s = 0.0
+        self._thread: threading.Thread | None = None
+        self._thread_error: BaseException | None = None
+        self._rng_to_restore: list | None = None
+        self._wall_before = 0.0  # wall-clock seconds of earlier segments of this run
+        self._t_start = time.time()
+        self._sharded = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._sharded = _is_sharded(trainer.strategy)
+        if self.async_save and self._sharded:
+            raise CheckpointError("callbacks.checkpoint.async_save is not supported with sharded strategies yet; set it to false")
+        if trainer.is_global_zero:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for d in ck.remove_partials(self.root):
+                ck.warn(f"removed {d.name}, left by a save that did not finish")
+        self._t_start = time.time()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._rng_to_restore is not None:
+            states, self._rng_to_restore = self._rng_to_restore, None
+            rank = trainer.global_rank
+            if rank < len(states):
+                _set_rng_state(states[rank])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # Lightning runs Checkpoint callbacks after all others, so a stop requested in this hook is seen here.
+        # The final save happens here too, not in on_train_end: by then Lightning has marked the epoch finished,
+        # and a run extended from that checkpoint would start a new epoch instead of continuing this one.
+        step = trainer.global_step
+        if step == 0 or step == self.last_saved_step:
+            return
+        periodic = self.every_n_steps and step % self.every_n_steps == 0
+        last = self.save_on_train_end and (trainer.should_stop or (trainer.max_steps > 0 and step >= trainer.max_steps))
+        if periodic or last:
+            self.save(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.save_on_train_end and trainer.global_step > 0 and trainer.global_step != self.last_saved_step:
+            self.save(trainer)  # training ended some other way (an epoch limit): still keep the final state
+        self.wait()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        try:  # an in-flight save of an earlier step is still a good checkpoint: let it finish
+            self.wait(raise_errors=False)
+        except Exception:
+            pass
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.wait(raise_errors=False)
+
+    # -- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        states = [_rng_state()]
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            states = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(states, _rng_state())
+        return {"rng": states, "wall_time": self._wall_before + time.time() - self._t_start}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._rng_to_restore = state.get("rng")
+        self._wall_before = float(state.get("wall_time", 0.0))
+
+    # -- saving ------------------------------------------------------------------------------
+    def estimate_bytes(self, trainer) -> int:
+        """Bytes the next checkpoint will take: the last one's size, else parameters plus optimizer state."""
+        if self.last_saved_step is not None:
+            last = self.root / ck.step_name(self.last_saved_step)
+            try:
+                return sum(ck.dir_files(last).values())
+            except OSError:
+                pass
+        params = sum(p.numel() * p.element_size() for p in trainer.lightning_module.parameters())
+        opt_state = 0
+        for opt in trainer.optimizers:
+            for st in opt.state.values():
+                opt_state += sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
+            if not opt.state and "Adam" in type(opt).__name__:
+                opt_state += 2 * sum(p.numel() * 4 for g in opt.param_groups for p in g["params"])  # exp_avg, exp_avg_sq
+        return int((params + opt_state) * 1.02) + (1 << 16)
+
+    def _meta(self, trainer, step: int) -> dict:
+        dm = trainer.datamodule
+        tokens = None
+        if dm is not None and hasattr(dm, "seq_len"):
+            tokens = step * dm.batch_size * dm.seq_len * trainer.world_size * trainer.accumulate_grad_batches
+        return {
+            "step": step,
+            "epoch": trainer.current_epoch,
+            "tokens_seen": tokens,
+            "world_size": trainer.world_size,
+            "format": "sharded" if self._sharded else "single",
+            "strategy": type(trainer.strategy).__name__,
+            "wall_time": self._wall_before + time.time() - self._t_start,
+            "health": dict(self.health),
+            **self.run_info,
+        }
+
+    def save(self, trainer) -> bool:
+        """Save a checkpoint of the current step; returns False if it was skipped or failed (training goes on)."""
+        step = trainer.global_step
+        self.wait()
+        for guard in (c for c in trainer.callbacks if hasattr(c, "before_save")):
+            if not guard.before_save(trainer, self, self.estimate_bytes(trainer)):
+                return False
+        t0 = time.perf_counter()
+        if trainer.is_global_zero:
+            for lg in trainer.loggers:  # rows up to this step are on disk whenever this checkpoint is
+                lg.save()
+        partial, final = self.root / ck.partial_name(step), self.root / ck.step_name(step)
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)  # collective: every rank
+        meta = self._meta(trainer, step)
+        self.last_saved_step = step
+        if self._sharded:
+            return self._save_sharded(trainer, checkpoint, partial, final, meta, t0)
+        if not trainer.is_global_zero:
+            return True
+        if self.async_save:
+            snapshot = _to_host(checkpoint, pin=torch.cuda.is_available())
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.last_stall_s = time.perf_counter() - t0
+            self._thread = threading.Thread(
+                target=self._write_single, args=(trainer, snapshot, partial, final, meta, t0), name=f"lmtrain-save-{step}", daemon=True
+            )
+            self._thread.start()
+            return True
+        ok = self._write_single(trainer, checkpoint, partial, final, meta, t0)
+        self.last_stall_s = time.perf_counter() - t0
+        if not ok:
+            self._raise_if_too_many()
+        return ok
+
+    def _write_single(self, trainer, checkpoint: dict, partial: Path, final: Path, meta: dict, t0: float) -> bool:
+        try:
+            partial.mkdir(parents=True, exist_ok=True)
+            self._fault("save_start", meta["step"], partial)
+            path = partial / ck.SINGLE_FILE
+            io = trainer.strategy.checkpoint_io
+            from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+            if type(io) is TorchCheckpointIO:  # stream straight to the file (Lightning's buffers it in memory first)
+                with open(path, "wb") as fh:
+                    torch.save(checkpoint, fh)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            else:  # a user's CheckpointIO plugin decides how bytes are written
+                io.save_checkpoint(checkpoint, path)
+            self._fault("before_commit", meta["step"], partial)
+            self._commit(partial, final, meta)
+        except BaseException as exc:  # noqa: BLE001 - a failed save must never pass silently
+            self._failed(meta["step"], partial, exc)
+            if threading.current_thread() is not threading.main_thread():
+                self._thread_error = exc
+            return False
+        self.last_write_s = time.perf_counter() - t0
+        self._succeeded(trainer, final, meta)
+        return True
+
+    def _save_sharded(self, trainer, checkpoint: dict, partial: Path, final: Path, meta: dict, t0: float) -> bool:
+        error = None
+        try:
+            if trainer.is_global_zero:
+                partial.mkdir(parents=True, exist_ok=True)
+            trainer.strategy.barrier("lmtrain-ckpt-mkdir")
+            self._fault("save_start", meta["step"], partial)
+            trainer.strategy.save_checkpoint(checkpoint, partial)  # every rank writes its shards
+        except OSError as exc:
+            error = exc
+        ok = trainer.strategy.reduce_boolean_decision(error is None, all=True)
+        if ok and trainer.is_global_zero:
+            try:
+                self._fault("before_commit", meta["step"], partial)
+                self._commit(partial, final, meta)
+            except OSError as exc:
+                error = exc
+        ok = trainer.strategy.broadcast(ok and error is None, src=0)
+        self.last_stall_s = self.last_write_s = time.perf_counter() - t0
+        if not ok:
+            if trainer.is_global_zero:
+                self._failed(meta["step"], partial, error or OSError("another rank failed to write its shards"))
+            else:
+                self.failures += 1
+            self._raise_if_too_many()
+            return False
+        if trainer.is_global_zero:
+            self._succeeded(trainer, final, meta)
+        else:
+            self.failures = 0
+        return True
+
+    def _commit(self, partial: Path, final: Path, meta: dict) -> None:
+        ck.commit(partial, final, meta)
+        self._fault("after_commit", meta["step"], final)
+        got, why = ck.verify(final)  # read back what the filesystem holds now
+        if got is None:
+            ck.quarantine(final)
+            raise CheckpointError(f"checkpoint {final.name} failed verification after saving ({why}); moved aside")
+
+    def _succeeded(self, trainer, final: Path, meta: dict) -> None:
+        self.failures = 0
+        deleted = ck.prune(self.root, self.keep_last, self.keep_every, protect={meta["step"]})
+        size = sum(ck.dir_files(final).values())
+        for guard in (c for c in trainer.callbacks if hasattr(c, "after_save")):
+            guard.after_save(trainer, self, final, size)
+        if deleted:
+            print(f"[lmtrain] retention removed {', '.join(p.name for p in deleted)}", file=sys.stderr)
+
+    def _failed(self, step: int, partial: Path, exc: BaseException) -> None:
+        import shutil
+
+        self.failures += 1
+        shutil.rmtree(partial, ignore_errors=True)
+        reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, OSError) else f"{exc.strerror or exc} (errno {exc.errno})"
+        alert(
+            self,
+            "checkpoint_failed",
+            f"checkpoint at step {step} FAILED ({reason}); {self.failures} consecutive failure(s), "
+            f"the run stops at {self.max_consecutive_failures}",
+        )
+
+    def _raise_if_too_many(self) -> None:
+        if self.failures >= self.max_consecutive_failures:
+            raise CheckpointError(
+                f"{self.failures} consecutive checkpoint saves failed under {self.root}: stopping rather than training on "
+                f"with nothing saved. The newest complete checkpoint is {ck.read_latest(self.root) or 'none'}."
+            )
+
+    def wait(self, raise_errors: bool = True) -> None:
+        """Block until an in-flight asynchronous save is done; count its failure."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._thread_error is not None:
+            self._thread_error = None
+            if raise_errors:
+                self._raise_if_too_many()
+
+    def _fault(self, point: str, step: int, path: Path) -> None:
+        if self.faults is not None:
+            self.faults.at_checkpoint(point, step, path)
+
+
+def alert(checkpointer: Checkpointer, kind: str, message: str) -> None:
+    """Loud: stderr at once, the run logbook, and an MLflow tag on the run (when there is one)."""
+    from lmtrain.logbook import append
+
+    print(f"[lmtrain] ALERT: {message}", file=sys.stderr, flush=True)
+    append(checkpointer.root.parent, kind, message)
+    for hook in getattr(checkpointer, "alert_hooks", ()):
+        try:
+            hook(kind, message)
+        except Exception as exc:  # noqa: BLE001 - an alert channel failing must not hide the alert
+            print(f"[lmtrain] could not send the alert to {hook}: {exc}", file=sys.stderr)

@@ -1,0 +1,122 @@
+"""Disk guard: never train on with nothing being saved.
+
+The FSDP report's job trained for weeks while every checkpoint failed on a full disk. This callback compares
+the next checkpoint's estimated size (parameters and optimizer state, or the last checkpoint's real size) plus
+a margin with the free space at the checkpoint root:
+
+* at the start of training: not enough -> refuse to start, saying how much is needed and free;
+* before every save: not enough -> delete older checkpoints (never the newest complete one, never the
+  permanent ``keep_every`` ones) and check again; still not enough -> alert (stderr, run logbook, MLflow tag)
+  and stop training cleanly: the newest complete checkpoint is the last good state;
+* after every save: log ``ckpt/size_gb``, ``ckpt/free_gb``, ``ckpt/write_s`` and ``ckpt/stall_s``.
+
+Failed saves (ENOSPC and the like) are alerted by the checkpointer itself, which stops the run after
+``max_consecutive_failures``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import lightning as L
+
+from lmtrain import checkpoint as ck
+from lmtrain.errors import InputError
+
+GB = 1e9
+
+
+class DiskSpaceError(InputError):
+    """Not enough free disk space for a checkpoint, with the numbers."""
+
+
+def free_bytes(path: Path) -> int:
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+class DiskGuard(L.Callback):
+    """Args:
+    margin_gb: free space to keep beyond one checkpoint (GB, 1e9 bytes).
+    """
+
+    def __init__(self, margin_gb: float = 1.0) -> None:
+        if margin_gb < 0:
+            raise DiskSpaceError(f"callbacks.disk_guard.margin_gb={margin_gb} must be >= 0")
+        self.margin = int(margin_gb * GB)
+        self._pending: dict[str, float] = {}
+
+    @staticmethod
+    def _checkpointer(trainer):
+        from callbacks.checkpoint import Checkpointer
+
+        return next((c for c in trainer.callbacks if isinstance(c, Checkpointer)), None)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        ckptr = self._checkpointer(trainer)
+        if ckptr is None:
+            return
+        need = ckptr.estimate_bytes(trainer) + self.margin
+        free = free_bytes(ckptr.root)
+        fits = trainer.strategy.broadcast(free >= need, src=0)
+        if not fits:
+            raise DiskSpaceError(
+                f"not enough disk space for checkpoints at {ckptr.root}: one checkpoint needs about "
+                f"{(need - self.margin) / GB:.3f} GB plus the {self.margin / GB:.3f} GB margin "
+                f"(callbacks.disk_guard.margin_gb), {free / GB:.3f} GB is free. Free some space, point "
+                "callbacks.checkpoint.dirpath at a larger disk, or lower the margin."
+            )
+        self._pending.update({"ckpt/free_gb": free / GB, "ckpt/estimate_gb": (need - self.margin) / GB})
+
+    def before_save(self, trainer, ckptr, estimate: int) -> bool:
+        """Called by the checkpointer on every rank before a save; False means: do not save, stop training."""
+        ok = True
+        if trainer.is_global_zero:
+            need = estimate + self.margin
+            free = free_bytes(ckptr.root)
+            if free < need:
+                deleted = ck.prune(ckptr.root, 1, ckptr.keep_every)
+                if deleted:
+                    from callbacks.checkpoint import alert
+
+                    alert(
+                        ckptr,
+                        "disk_pruned",
+                        f"low disk space ({free / GB:.3f} GB free, {need / GB:.3f} GB needed): deleted {', '.join(p.name for p in deleted)}",
+                    )
+                free = free_bytes(ckptr.root)
+            if free < need:
+                from callbacks.checkpoint import alert
+
+                latest = ck.newest(ckptr.root, quiet=True)
+                alert(
+                    ckptr,
+                    "disk_full",
+                    f"not enough disk space to save step {trainer.global_step} at {ckptr.root}: {free / GB:.3f} GB free, "
+                    f"{need / GB:.3f} GB needed (checkpoint about {estimate / GB:.3f} GB + margin). Stopping training; "
+                    f"the newest complete checkpoint is {latest.path.name if latest else 'none'}.",
+                )
+                ok = False
+        ok = trainer.strategy.broadcast(ok, src=0)
+        if not ok:
+            trainer.should_stop = True
+        return ok
+
+    def after_save(self, trainer, ckptr, final: Path, size: int) -> None:
+        self._pending.update(
+            {
+                "ckpt/size_gb": size / GB,
+                "ckpt/free_gb": free_bytes(ckptr.root) / GB,
+                "ckpt/write_s": ckptr.last_write_s,
+                "ckpt/stall_s": ckptr.last_stall_s,
+            }
+        )
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._pending and trainer.is_global_zero:
+            metrics, self._pending = self._pending, {}
+            for lg in trainer.loggers:
+                lg.log_metrics(metrics, step=trainer.global_step)

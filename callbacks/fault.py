@@ -1,0 +1,74 @@
+"""Fault injection for tests and drills (the ``fault`` config group; real runs leave it off).
+
+Kinds, each firing once per run directory (a marker under ``RUN_DIR/.faults/`` is written first, so the
+resumed run goes on):
+
+* ``crash``: the process is killed (SIGKILL, as by a node failure) at the start of optimizer step ``step``;
+* ``crash_mid_save``: killed while writing the first checkpoint at or after ``step``, after its files and
+  before its completion (``meta.json``, rename);
+* ``enospc``: the first save at or after ``step`` fails with ENOSPC (no space left on device);
+* ``truncate``: the first checkpoint at or after ``step`` has its largest file cut in half right after it is
+  written (the post-save verification must catch it).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+from pathlib import Path
+
+import lightning as L
+
+from lmtrain.errors import InputError
+
+KINDS = ("crash", "crash_mid_save", "enospc", "truncate")
+
+
+class FaultInjector(L.Callback):
+    def __init__(self, kind: str, step: int, run_dir: str, rank: int | None = 0) -> None:
+        if kind not in KINDS:
+            raise InputError(f"fault.kind={kind!r}: use one of {list(KINDS)}")
+        self.kind, self.step, self.rank = kind, int(step), rank
+        self.marker = Path(run_dir) / ".faults" / f"{kind}-{self.step}"
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        from callbacks.checkpoint import Checkpointer
+
+        for c in trainer.callbacks:
+            if isinstance(c, Checkpointer):
+                c.faults = self
+        self._global_rank = trainer.global_rank
+
+    def _arm(self) -> bool:
+        """True (once per run directory, on the chosen rank) when the fault should fire now."""
+        if self.marker.exists() or (self.rank is not None and self._global_rank != self.rank):
+            return False
+        self.marker.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.marker, "w") as fh:
+            fh.write("fired\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        return True
+
+    def _kill(self, what: str) -> None:
+        print(f"[lmtrain] FAULT: killing the process ({what})", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.kind == "crash" and trainer.global_step >= self.step and self._arm():
+            self._kill(f"crash at step {trainer.global_step}")
+
+    def at_checkpoint(self, point: str, step: int, path: Path) -> None:
+        if step < self.step:
+            return
+        if self.kind == "enospc" and point == "save_start" and self._arm():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        if self.kind == "crash_mid_save" and point == "before_commit" and self._arm():
+            self._kill(f"crash while saving step {step}")
+        if self.kind == "truncate" and point == "after_commit" and self._arm():
+            files = [p for p in path.rglob("*") if p.is_file() and p.name != "meta.json"]
+            victim = max(files, key=lambda p: p.stat().st_size)
+            os.truncate(victim, victim.stat().st_size // 2)
+            print(f"[lmtrain] FAULT: truncated {victim}", file=sys.stderr, flush=True)

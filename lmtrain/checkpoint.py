@@ -1,0 +1,258 @@
+"""The checkpoint directory: layout, completeness, the ``latest`` pointer, retention, compatibility.
+
+Layout under ``CKPT_ROOT`` (default ``RUN_DIR/checkpoints``)::
+
+    step-0000500/            a complete checkpoint
+        checkpoint.pt        single-process strategies: one file (Lightning's checkpoint dict)
+        .metadata, __0_0.distcp, ...   sharded strategies: a PyTorch distributed checkpoint, one file per rank
+        meta.json            written last: step, tokens, config hash, model config, world size, files and sizes
+    .step-0001000.partial/   being written (or left by a crash): never read
+    latest                   text file naming the newest complete checkpoint, replaced atomically
+
+A checkpoint is written into ``.step-N.partial/``, its ``meta.json`` last, then renamed to ``step-N/``; only then
+is ``latest`` updated. A directory counts as complete when its name is ``step-N``, its ``meta.json`` parses and
+every file it lists exists with the recorded size; anything else is skipped with a warning naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmtrain.errors import InputError
+
+NAME_RE = re.compile(r"^step-(\d{7,})$")
+META = "meta.json"
+LATEST = "latest"
+SINGLE_FILE = "checkpoint.pt"
+FORMAT_VERSION = 1
+# model fields a resumed run may change (learned position tables still refuse a new max_seq_len by shape)
+RESUMABLE_MODEL_CHANGES = ("name", "dropout", "init_std", "max_seq_len")
+
+
+class CheckpointError(InputError):
+    """A checkpoint that cannot be used here (foreign model, corrupt, missing), naming the problem."""
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def partial_name(step: int) -> str:
+    return f".{step_name(step)}.partial"
+
+
+def warn(msg: str) -> None:
+    print(f"[lmtrain] WARNING: {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: Path
+    meta: dict
+
+    @property
+    def load_path(self) -> Path:
+        """What Lightning's ``ckpt_path`` takes: the single file, or the directory of a sharded checkpoint."""
+        return self.path / SINGLE_FILE if self.meta.get("format") == "single" else self.path
+
+
+def dir_files(directory: Path) -> dict[str, int]:
+    """Every file under ``directory`` (relative path -> size), ``meta.json`` excluded."""
+    out = {}
+    for root, _, names in os.walk(directory):
+        for n in names:
+            p = Path(root) / n
+            rel = str(p.relative_to(directory))
+            if rel != META:
+                out[rel] = p.stat().st_size
+    return out
+
+
+def fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def verify(directory: Path) -> tuple[dict | None, str | None]:
+    """(metadata, None) for a complete checkpoint directory, else (None, why not)."""
+    meta_path = directory / META
+    if not meta_path.is_file():
+        return None, f"{META} missing (the save did not finish)"
+    try:
+        meta = json.loads(meta_path.read_text())
+        files, step = meta["files"], int(meta["step"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
+        return None, f"{META} does not parse ({type(exc).__name__}: {exc})"
+    m = NAME_RE.match(directory.name)
+    if m and int(m.group(1)) != step:
+        return None, f"{META} says step {step}, the directory name says {int(m.group(1))}"
+    if not files:
+        return None, "it lists no files"
+    for rel, size in files.items():
+        f = directory / rel
+        if not f.is_file():
+            return None, f"{rel} is missing"
+        if f.stat().st_size != size:
+            return None, f"{rel} is {f.stat().st_size} bytes, {size} expected (truncated?)"
+    return meta, None
+
+
+def scan(root: Path, quiet: bool = False) -> list[Checkpoint]:
+    """Complete checkpoints under ``root``, oldest first; incomplete ones are skipped with a warning."""
+    found: list[Checkpoint] = []
+    if not root.is_dir():
+        return found
+    for d in sorted(root.iterdir()):
+        m = NAME_RE.match(d.name)
+        if not m or not d.is_dir():
+            continue
+        meta, why = verify(d)
+        if meta is None:
+            if not quiet:
+                warn(f"skipping incomplete checkpoint {d}: {why}")
+            continue
+        found.append(Checkpoint(int(m.group(1)), d, meta))
+    return sorted(found, key=lambda c: c.step)
+
+
+def newest(root: Path, quiet: bool = False) -> Checkpoint | None:
+    """The newest complete checkpoint (the ``latest`` pointer is a hint: a damaged target falls back)."""
+    complete = scan(root, quiet=quiet)
+    return complete[-1] if complete else None
+
+
+def set_latest(root: Path, ckpt_dir: Path) -> None:
+    tmp = root / f".{LATEST}.tmp-{os.getpid()}"
+    tmp.write_text(ckpt_dir.name + "\n")
+    os.replace(tmp, root / LATEST)
+
+
+def read_latest(root: Path) -> str | None:
+    try:
+        return (root / LATEST).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def commit(partial: Path, final: Path, meta: dict) -> None:
+    """Write ``meta.json`` last into the partial directory, then rename it into place and publish ``latest``."""
+    meta = {**meta, "files": dir_files(partial), "format_version": FORMAT_VERSION, "saved_at": time.time()}
+    write_json_atomic(partial / META, meta)
+    fsync_dir(partial)
+    if final.exists():  # a stale copy of the same step (an earlier attempt): replace it
+        shutil.rmtree(final)
+    os.rename(partial, final)
+    fsync_dir(final.parent)
+    set_latest(final.parent, final)
+
+
+def quarantine(directory: Path) -> Path:
+    """Move a checkpoint that failed verification out of the way (kept for inspection) and re-point ``latest``."""
+    target = directory.parent / f".{directory.name}.corrupt-{int(time.time())}"
+    os.rename(directory, target)
+    good = newest(directory.parent, quiet=True)
+    if good is not None:
+        set_latest(directory.parent, good.path)
+    else:
+        (directory.parent / LATEST).unlink(missing_ok=True)
+    return target
+
+
+def retention_victims(steps: list[int], keep_last: int, keep_every: int | None) -> list[int]:
+    """Steps to delete: all but the newest ``keep_last`` and the multiples of ``keep_every``."""
+    steps = sorted(steps)
+    keep = set(steps[-keep_last:]) if keep_last > 0 else set()
+    if keep_every:
+        keep |= {s for s in steps if s % keep_every == 0}
+    if steps:
+        keep.add(steps[-1])  # never the newest complete one
+    return [s for s in steps if s not in keep]
+
+
+def prune(root: Path, keep_last: int, keep_every: int | None, protect: set[int] = frozenset()) -> list[Path]:
+    """Apply retention to the complete checkpoints under ``root``; returns what was deleted."""
+    complete = {c.step: c for c in scan(root, quiet=True)}
+    deleted = []
+    for s in retention_victims(list(complete), keep_last, keep_every):
+        if s in protect:
+            continue
+        path = complete[s].path
+        trash = root / f".{path.name}.deleting"
+        os.rename(path, trash)  # no longer looks complete before its files go
+        shutil.rmtree(trash, ignore_errors=True)
+        deleted.append(path)
+    return deleted
+
+
+def remove_partials(root: Path) -> list[Path]:
+    """Delete what crashed saves left behind (``.step-N.partial``, ``.step-N.deleting``)."""
+    removed = []
+    if root.is_dir():
+        for d in root.iterdir():
+            if d.name.startswith(".step-") and (d.name.endswith(".partial") or d.name.endswith(".deleting")):
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(d)
+    return removed
+
+
+def config_hash(cfg_container: dict) -> str:
+    return hashlib.sha256(json.dumps(cfg_container, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# -- compatibility --------------------------------------------------------------------------------
+def param_shapes(module) -> dict[str, list[int]]:
+    return {k: list(v.shape) for k, v in module.state_dict().items()}
+
+
+def check_compatible(saved: dict, current: dict, what: str) -> None:
+    """Refuse a checkpoint whose model differs: config fields, then parameter names and shapes, both ways."""
+    problems = []
+    s_cfg, c_cfg = saved.get("model_config") or {}, current.get("model_config") or {}
+    for k in sorted(set(s_cfg) | set(c_cfg)) if s_cfg and c_cfg else ():
+        if k in RESUMABLE_MODEL_CHANGES:
+            continue
+        if s_cfg.get(k, "<absent>") != c_cfg.get(k, "<absent>"):
+            problems.append(f"model.{k}: checkpoint {s_cfg.get(k, '<absent>')!r}, this run {c_cfg.get(k, '<absent>')!r}")
+    s_p, c_p = saved.get("params") or {}, current.get("params") or {}
+    if s_p and c_p:
+        missing, extra = sorted(set(c_p) - set(s_p)), sorted(set(s_p) - set(c_p))
+        if missing:
+            problems.append(f"parameters this model has and the checkpoint lacks: {_few(missing)}")
+        if extra:
+            problems.append(f"parameters in the checkpoint this model lacks: {_few(extra)}")
+        shapes = [f"{k} {s_p[k]} vs {c_p[k]}" for k in sorted(set(s_p) & set(c_p)) if list(s_p[k]) != list(c_p[k])]
+        if shapes:
+            problems.append(f"shapes differ (checkpoint vs this run): {_few(shapes)}")
+    s_opt, c_opt = saved.get("optimizer"), current.get("optimizer")
+    if s_opt and c_opt and s_opt != c_opt:
+        problems.append(f"optimizer: checkpoint {s_opt}, this run {c_opt}")
+    if problems:
+        raise CheckpointError(f"{what} was saved by a different model or config:\n  - " + "\n  - ".join(problems))
+
+
+def _few(items: list[str], n: int = 5) -> str:
+    return ", ".join(items[:n]) + (f" (and {len(items) - n} more)" if len(items) > n else "")

@@ -1,0 +1,52 @@
+"""The run logbook: one JSON line per notable event (alerts, resumes, rollbacks), in ``RUN_DIR/logbook.jsonl``.
+
+OPT-175B's team kept a logbook of every restart and intervention by hand; here the trainer writes it.
+Read it with ``python -m lmtrain.logbook RUN_DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+FILE = "logbook.jsonl"
+
+
+def append(run_dir: str | Path, kind: str, message: str, **fields) -> None:
+    """Append an event; never raises (a full disk must not turn an alert into a crash)."""
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "kind": kind, "message": message, **fields}
+    try:
+        with open(Path(run_dir) / FILE, "a") as fh:
+            fh.write(json.dumps(entry, default=str) + "\n")
+    except OSError as exc:
+        print(f"[lmtrain] could not write the logbook in {run_dir}: {exc}", file=sys.stderr)
+
+
+def read(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / FILE
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m lmtrain.logbook RUN_DIR", file=sys.stderr)
+        return 2
+    for e in read(args[0]):
+        extra = {k: v for k, v in e.items() if k not in ("time", "kind", "message")}
+        print(f"{e['time']}  {e['kind']:<20} {e['message']}" + (f"  {extra}" if extra else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

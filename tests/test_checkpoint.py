@@ -1,0 +1,241 @@
+"""Checkpoints: atomic saves, retention, auto-resume with identical continuation, corrupt and foreign checkpoints,
+fault drills (kill -9, kill mid-save, ENOSPC, truncation) and the disk guard."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lmtrain import checkpoint as ck
+from lmtrain import logbook
+from lmtrain.checkpoint import CheckpointError
+from lmtrain.config import ConfigError
+from lmtrain.run import train
+from tests.conftest import TINY, make_cfg, run_train_cli
+
+# A run that checkpoints every 4 steps; dropout on, so the RNG state matters for an identical continuation.
+CKPT = [
+    "callbacks=checkpoint", "callbacks.checkpoint.every_n_steps=4", "callbacks.disk_guard.margin_gb=0",
+    "model.dropout=0.1", "logger=csv", "trainer.max_steps=14", "scheduler.total_steps=14", "trainer.val_check_interval=5",
+]  # fmt: skip
+
+
+def _losses(run_dir: Path) -> dict[int, str]:
+    """train/loss per step from the run's metrics.csv, exactly as written; a repeated step fails the test."""
+    out: dict[int, str] = {}
+    with open(run_dir / "csv" / "metrics.csv", newline="") as fh:
+        for row in csv.DictReader(fh):
+            if row.get("train/loss"):
+                step = int(row["step"])
+                assert step not in out, f"step {step} logged twice"
+                out[step] = row["train/loss"]
+    return out
+
+
+def _cli(tmp_path: Path, dataset_dir: Path, name: str, *extra: str):
+    args = TINY + CKPT + [f"paths.runs={tmp_path / 'runs'}", f"run_name={name}", f"data.path={dataset_dir}", "data.prepare=null", *extra]
+    return run_train_cli(args, cwd=tmp_path)
+
+
+# -- the directory format ---------------------------------------------------------------------------
+def test_retention_keeps_the_last_k_the_permanent_ones_and_always_the_newest():
+    assert ck.retention_victims([2, 4, 6, 8, 10, 12], keep_last=2, keep_every=4) == [2, 6]
+    assert ck.retention_victims([2, 4, 6], keep_last=2, keep_every=None) == [2]
+    assert ck.retention_victims([5], keep_last=0, keep_every=None) == []  # never the newest
+
+
+def _fake(root: Path, step: int, payload: bytes = b"x" * 100) -> Path:
+    partial = root / ck.partial_name(step)
+    partial.mkdir(parents=True)
+    (partial / ck.SINGLE_FILE).write_bytes(payload)
+    ck.commit(partial, root / ck.step_name(step), {"step": step, "format": "single"})
+    return root / ck.step_name(step)
+
+
+def test_incomplete_and_corrupt_checkpoints_are_skipped_with_a_warning(tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    for s in (1, 2, 3, 4):
+        _fake(root, s)
+    assert ck.read_latest(root) == "step-0000004"
+    (root / "step-0000004" / ck.SINGLE_FILE).write_bytes(b"x" * 50)  # truncated
+    (root / "step-0000003" / ck.META).write_text("{not json")
+    (root / "step-0000002" / ck.META).unlink()  # the save never finished
+    (root / ck.partial_name(5)).mkdir()  # a save in flight / crashed
+    found = ck.newest(root)
+    assert found.step == 1
+    err = capsys.readouterr().err
+    assert "step-0000004: checkpoint.pt is 50 bytes, 100 expected" in err
+    assert "step-0000003: meta.json does not parse" in err
+    assert "step-0000002: meta.json missing" in err
+    assert ".step-0000005.partial" not in err  # never even considered
+    assert ck.remove_partials(root) == [root / ck.partial_name(5)]
+
+
+def test_quarantine_moves_a_bad_checkpoint_aside_and_repoints_latest(tmp_path):
+    root = tmp_path / "c"
+    _fake(root, 1)
+    bad = _fake(root, 2)
+    moved = ck.quarantine(bad)
+    assert moved.name.startswith(".step-0000002.corrupt") and ck.read_latest(root) == "step-0000001"
+
+
+# -- resume -----------------------------------------------------------------------------------------
+def test_identical_continuation_after_kill_9_and_kill_mid_save(tmp_path, dataset_dir):
+    """Reference run; then the same run killed at step 6 (kill -9), re-run and killed while writing step 12's
+    checkpoint, re-run to the end: per-step train/loss identical to the reference, to the last digit."""
+    ref = _cli(tmp_path, dataset_dir, "ref")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    crash = _cli(tmp_path, dataset_dir, "cut", "fault=crash", "callbacks.fault.step=6")
+    assert crash.returncode == -9, crash.stderr[-3000:]
+    run = tmp_path / "runs" / "cut"
+    assert ck.newest(run / "checkpoints").step == 4
+    mid = _cli(tmp_path, dataset_dir, "cut", "fault=crash_mid_save", "callbacks.fault.step=12")
+    assert mid.returncode == -9 and "resuming from" in mid.stderr, mid.stderr[-3000:]
+    assert (run / "checkpoints" / ck.partial_name(12)).is_dir()  # files written, never completed
+    assert ck.newest(run / "checkpoints").step == 8
+    final = _cli(tmp_path, dataset_dir, "cut")
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert "resuming from" in final.stderr and "step-0000008" in final.stderr
+    assert not (run / "checkpoints" / ck.partial_name(12)).exists()
+    ref_loss, got = _losses(tmp_path / "runs" / "ref"), _losses(run)
+    assert sorted(ref_loss) == list(range(14))
+    assert got == ref_loss  # same steps, same printed values: 0 tolerance
+    kinds = [e["kind"] for e in logbook.read(run)]
+    assert kinds == ["start", "resume", "resume"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-0000008", "step-0000012", "step-0000014"]
+
+
+def _cfg(tmp_path, dataset_dir, *extra):
+    return make_cfg(TINY + CKPT + [f"paths.runs={tmp_path / 'runs'}", "run_name=r", *extra], tmp_path, dataset_dir)
+
+
+def test_resume_false_refuses_existing_checkpoints_unless_overwrite(tmp_path, dataset_dir):
+    cfg = _cfg(tmp_path, dataset_dir, "trainer.max_steps=4")
+    cfg.run_dir = str(tmp_path / "runs" / "r")
+    train(cfg)
+    root = tmp_path / "runs" / "r" / "checkpoints"
+    assert ck.newest(root).step == 4
+    with pytest.raises(ConfigError, match=r"resume=false but .* holds 1 checkpoint.*overwrite=true"):
+        train(_with_run_dir(_cfg(tmp_path, dataset_dir, "trainer.max_steps=4", "resume=false"), tmp_path))
+    assert ck.newest(root).step == 4  # nothing lost
+    train(_with_run_dir(_cfg(tmp_path, dataset_dir, "trainer.max_steps=3", "resume=false", "overwrite=true"), tmp_path))
+    assert [c.step for c in ck.scan(root)] == [3]
+
+
+def _with_run_dir(cfg, tmp_path):
+    cfg.run_dir = str(tmp_path / "runs" / "r")
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("model.n_layers=3", r"model.n_layers: checkpoint 2, this run 3(.|\n)*lacks: blocks.2"),
+        ("model.n_layers=1", r"parameters in the checkpoint this model lacks: blocks.1"),
+        ("model.d_model=96", r"model.d_model: checkpoint 64, this run 96(.|\n)*shapes differ"),
+        ("model.vocab_size=2048", r"model.vocab_size: checkpoint 1024, this run 2048"),
+        ("optimizer._target_=torch.optim.Adam", r"optimizer: checkpoint torch.optim.AdamW, this run torch.optim.Adam"),
+    ],
+)
+def test_a_checkpoint_of_another_model_is_refused_naming_the_mismatch(tmp_path, dataset_dir, change, message):
+    train(_with_run_dir(_cfg(tmp_path, dataset_dir, "trainer.max_steps=2", "model.vocab_size=1024"), tmp_path))
+    overrides = ["trainer.max_steps=4", "model.vocab_size=1024", change]
+    with pytest.raises(CheckpointError, match=message):
+        train(_with_run_dir(_cfg(tmp_path, dataset_dir, *overrides), tmp_path))
+
+
+def test_ckpt_path_accepts_a_step_directory_and_refuses_a_damaged_one(tmp_path, dataset_dir):
+    train(_with_run_dir(_cfg(tmp_path, dataset_dir, "trainer.max_steps=4"), tmp_path))
+    step4 = tmp_path / "runs" / "r" / "checkpoints" / "step-0000004"
+    other = make_cfg(TINY + CKPT + [f"ckpt_path={step4}", "trainer.max_steps=6"], tmp_path / "o", dataset_dir)
+    train(other)
+    assert ck.newest(tmp_path / "o" / "run" / "checkpoints").step == 6
+    (step4 / ck.SINGLE_FILE).write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"ckpt_path=.*step-0000004 is not a usable checkpoint: checkpoint.pt is 0 bytes"):
+        train(make_cfg(TINY + CKPT + [f"ckpt_path={step4}"], tmp_path / "o2", dataset_dir))
+
+
+# -- faults and the disk guard --------------------------------------------------------------------------
+def test_truncated_checkpoint_is_caught_at_save_and_skipped_at_resume(tmp_path, dataset_dir):
+    out = _cli(tmp_path, dataset_dir, "t", "fault=truncate", "callbacks.fault.step=8", "trainer.max_steps=10")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ALERT: checkpoint at step 8 FAILED" in out.stderr and "failed verification" in out.stderr
+    root = tmp_path / "runs" / "t" / "checkpoints"
+    assert [c.step for c in ck.scan(root)] == [4, 10]
+    assert any(p.name.startswith(".step-0000008.corrupt") for p in root.iterdir())
+    assert [e["kind"] for e in logbook.read(root.parent)] == ["start", "checkpoint_failed"]
+
+
+def test_enospc_is_alerted_training_goes_on_and_repeated_failures_stop_the_run(tmp_path, dataset_dir):
+    out = _cli(tmp_path, dataset_dir, "e", "fault=enospc", "callbacks.fault.step=4", "trainer.max_steps=8")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ALERT: checkpoint at step 4 FAILED (No space left on device (errno 28))" in out.stderr
+    root = tmp_path / "runs" / "e" / "checkpoints"
+    assert [c.step for c in ck.scan(root)] == [8] and not list(root.glob(".step-*"))
+    out = _cli(tmp_path, dataset_dir, "e1", "fault=enospc", "callbacks.fault.step=4", "callbacks.checkpoint.max_consecutive_failures=1")
+    assert out.returncode == 2
+    assert "1 consecutive checkpoint saves failed" in out.stderr and "Traceback" not in out.stderr
+    assert ck.read_latest(tmp_path / "runs" / "e1" / "checkpoints") is None
+
+
+def test_async_saves_keep_retention_and_continue_identically(tmp_path, dataset_dir):
+    extra = ["callbacks.checkpoint.async_save=true", "callbacks.checkpoint.every_n_steps=2", "callbacks.checkpoint.keep_last=2",
+             "callbacks.checkpoint.keep_every=4"]  # fmt: skip
+    ref = _cli(tmp_path, dataset_dir, "ref", *extra)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    root = tmp_path / "runs" / "ref" / "checkpoints"
+    assert [c.step for c in ck.scan(root)] == [4, 8, 12, 14]  # last 2 (12, 14) + multiples of 4
+    assert _cli(tmp_path, dataset_dir, "cut", *extra, "fault=crash", "callbacks.fault.step=7").returncode == -9
+    final = _cli(tmp_path, dataset_dir, "cut", *extra)
+    assert final.returncode == 0 and "step-0000006" in final.stderr, final.stderr[-3000:]
+    assert _losses(tmp_path / "runs" / "cut") == _losses(tmp_path / "runs" / "ref")
+
+
+def test_disk_guard_refuses_to_start_without_room_for_one_checkpoint(tmp_path, dataset_dir):
+    out = _cli(tmp_path, dataset_dir, "d", "callbacks.disk_guard.margin_gb=1000000")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "not enough disk space for checkpoints" in out.stderr and "GB is free" in out.stderr
+    assert not (tmp_path / "runs" / "d" / "csv" / "metrics.csv").exists()  # stopped before the first step
+
+
+def _free_gb(path: Path) -> float:
+    return shutil.disk_usage(path).free / 1e9
+
+
+@pytest.mark.slow
+def test_disk_guard_prunes_then_stops_cleanly_when_the_disk_fills(tmp_path, dataset_dir):
+    """The margin is set so that the real free space allows only about two more checkpoints of the mini model
+    (51 MB each): the guard first prunes old ones, and once the permanent ones fill the room it alerts and stops."""
+    common = [
+        f"data.path={dataset_dir}",
+        "data.prepare=null",
+        "model=mini",
+        "model.vocab_size=1024",
+        "callbacks.checkpoint.every_n_steps=2",
+    ]
+    probe = tmp_path / "probe"
+    train(make_cfg(TINY + CKPT + common + ["trainer.max_steps=2"], probe))
+    size = sum(ck.dir_files(probe / "run" / "checkpoints" / "step-0000002").values()) / 1e9
+    shutil.rmtree(probe)
+    # prune: room for 2.5 checkpoints beyond the margin; pruning to the newest one keeps it going
+    margin = _free_gb(tmp_path) - 2.5 * size
+    cfg = make_cfg(TINY + CKPT + common + [f"callbacks.disk_guard.margin_gb={margin}", "trainer.max_steps=10"], tmp_path / "p")
+    train(cfg)
+    events = logbook.read(tmp_path / "p" / "run")
+    assert "disk_pruned" in [e["kind"] for e in events]
+    assert ck.newest(tmp_path / "p" / "run" / "checkpoints").step == 10
+    # stop: the same room, but every checkpoint is permanent (keep_every), so pruning cannot help
+    margin = _free_gb(tmp_path) - 2.5 * size
+    cfg = make_cfg(
+        TINY + CKPT + common + [f"callbacks.disk_guard.margin_gb={margin}", "trainer.max_steps=10", "callbacks.checkpoint.keep_every=2"],
+        tmp_path / "s",
+    )
+    train(cfg)
+    run = tmp_path / "s" / "run"
+    events = logbook.read(run)
+    assert events[-1]["kind"] == "disk_full" and "Stopping training" in events[-1]["message"]
+    assert [c.step for c in ck.scan(run / "checkpoints")] == [2, 4]  # stopped at step 6, the last good one kept
+    assert max(_losses(run)) == 5
