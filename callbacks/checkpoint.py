@@ -29,25 +29,29 @@ from lmtrain.checkpoint import CheckpointError
 
 
 def _rng_state() -> dict:
+    """This process's RNG states as plain Python values (bytes, ints), which every collective can pickle."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
-        "torch": torch.get_rng_state(),
-        "numpy": list(np.random.get_state()),
+        "torch": torch.get_rng_state().numpy().tobytes(),
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
         "python": random.getstate(),
     }
-    state["numpy"][1] = torch.from_numpy(state["numpy"][1].copy())
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
+    def as_tensor(b: bytes) -> torch.Tensor:
+        return torch.frombuffer(bytearray(b), dtype=torch.uint8)
+
+    torch.set_rng_state(as_tensor(state["torch"]))
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([as_tensor(b) for b in state["cuda"]])
 
 
 def _is_sharded(strategy) -> bool:

@@ -13,6 +13,13 @@ from torch import nn
 from lmtrain.optim import build_optimizer
 
 
+def batch_seed(seed: int, batch: int, rank: int) -> int:
+    """A well-mixed 63-bit seed for one (seed, batch, rank)."""
+    x = (seed * 0x9E3779B97F4A7C15 + batch * 0xBF58476D1CE4E5B9 + rank * 0x94D049BB133111EB) % (1 << 64)
+    x ^= x >> 31
+    return (x * 0xD6E8FEB86659FD93 % (1 << 64)) >> 1
+
+
 class LMModule(L.LightningModule):
     """Pretraining objective around any ``(B, T) ids -> (B, T, V) logits`` network.
 
@@ -23,6 +30,9 @@ class LMModule(L.LightningModule):
         scheduler: a partial LR scheduler taking the optimizer, stepped once per optimizer step, or None.
         grad_clip: clip the global gradient norm to this value (None or 0: measure only). Done here rather than
             with the Trainer's ``gradient_clip_val``, which Lightning refuses with fused AdamW under mixed precision.
+        seed: if set, torch's RNG (dropout) is re-seeded before every training batch from (seed, batch number,
+            rank): the masks of a batch then do not depend on what else drew random numbers before it
+            (validation, loader start-up), so a resumed or rolled-back run draws exactly the same ones.
     """
 
     def __init__(
@@ -31,6 +41,7 @@ class LMModule(L.LightningModule):
         optimizer: Callable[..., torch.optim.Optimizer],
         scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None,
         grad_clip: float | None = 1.0,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         if isinstance(model, nn.Module):
@@ -42,6 +53,7 @@ class LMModule(L.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.grad_clip = grad_clip
+        self.seed = seed
         self._val_sum = torch.zeros(())
         self._val_count = torch.zeros(())
         self._train_losses: list[torch.Tensor] = []
@@ -58,6 +70,11 @@ class LMModule(L.LightningModule):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     # -- training ---------------------------------------------------------------------------------
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        if self.seed is not None:
+            n = self.trainer.fit_loop.epoch_loop.total_batch_idx  # restored with the loops on resume
+            torch.manual_seed(batch_seed(self.seed, n, self.global_rank))
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, targets = batch  # (B, T), (B, T)
         loss = self.loss(inputs, targets)

@@ -84,3 +84,32 @@ def test_a_run_that_raises_is_marked_failed(mlflow_server, tiny_cfg, tmp_path):
     client = MlflowClient(tracking_uri=mlflow_server)
     (run,) = client.search_runs([client.get_experiment_by_name("it").experiment_id], "attributes.run_name = 'crash'")
     assert run.info.status == "FAILED"
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_same_mlflow_run_without_duplicated_steps(mlflow_server, tmp_path, dataset_dir):
+    """Killed (kill -9) at step 6 after a checkpoint at step 4, then re-run: one MLflow run, steps 0..13 once each."""
+    from mlflow.tracking import MlflowClient
+
+    from lmtrain import checkpoint as ck
+    from tests.conftest import TINY, run_train_cli
+    from tests.test_checkpoint import CKPT
+
+    args = TINY + CKPT + [
+        "logger=mlflow", f"logger.mlflow.tracking_uri={mlflow_server}", "logger.mlflow.experiment_name=resume",
+        f"paths.runs={tmp_path / 'runs'}", "run_name=again", f"data.path={dataset_dir}", "data.prepare=null",
+    ]  # fmt: skip
+    first = run_train_cli(args + ["fault=crash", "callbacks.fault.step=6"], tmp_path)
+    assert first.returncode == -9, first.stderr[-3000:]
+    client = MlflowClient(tracking_uri=mlflow_server)
+    exp = client.get_experiment_by_name("resume").experiment_id
+    (run,) = client.search_runs([exp])
+    assert run.info.status == "RUNNING"  # killed: nobody could mark it
+    assert ck.newest(tmp_path / "runs" / "again" / "checkpoints").meta["mlflow_run_id"] == run.info.run_id
+    second = run_train_cli(args, tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    (run2,) = client.search_runs([exp])
+    assert run2.info.run_id == run.info.run_id and run2.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert sorted(steps) == list(range(14))  # 4 and 5 were logged before the kill and not again
+    assert ck.newest(tmp_path / "runs" / "again" / "checkpoints").meta["mlflow_run_id"] == run.info.run_id
