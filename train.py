@@ -20,6 +20,8 @@ from lmtrain.errors import InputError
 from lmtrain.run import train
 
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # lightning 2.6.6 on torch 2.13, harmless
+# val/loss is reduced over ranks by the module itself and logged from rank zero
+warnings.filterwarnings("ignore", message=r".*self.log\('val/.*sync_dist=True.*")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

@@ -109,6 +109,33 @@ def world_size(cfg: DictConfig) -> int:
     return n * num_nodes
 
 
+def _strategy_problems(cfg: DictConfig) -> list[str]:
+    st = cfg.get("strategy")
+    if st is None or not hasattr(st, "get"):
+        return []
+    target, out = str(st.get("_target_", "")), []
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    import torch
+
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if (target.endswith("FSDPStrategy") and "lmtrain" not in target) or (target.endswith(".named") and st.get("name") == "fsdp"):
+        if on_cpu:
+            out.append("Lightning's FSDPStrategy does not run on CPU: use strategy=fsdp (FSDP2, runs on CPU with gloo and on GPUs)")
+    if target.startswith("lmtrain.strategies.") and target.endswith(("FSDP2Strategy", "HSDPStrategy")):
+        if str(cfg.trainer.get("precision")) in ("16-mixed", "16"):
+            out.append(f"strategy {target.rsplit('.', 1)[1]} with trainer.precision=16-mixed is not supported: use bf16-mixed")
+        if target.endswith("HSDPStrategy"):
+            ws = world_size(cfg)
+            devices = cfg.trainer.get("devices")
+            shard = st.get("shard_size") or (devices if isinstance(devices, int) else None)
+            if isinstance(shard, int) and (shard < 1 or ws % shard):
+                out.append(
+                    f"strategy.shard_size={shard} does not divide the world size {ws} (trainer.devices x trainer.num_nodes): "
+                    "HSDP needs world size = replicas x shard_size"
+                )
+    return out
+
+
 # -- pass 1: the config alone --------------------------------------------------------------------
 def validate_config(cfg: DictConfig) -> None:
     """Raise ConfigError for the first problem in ``cfg`` (all problems are listed)."""
@@ -195,6 +222,8 @@ def validate_config(cfg: DictConfig) -> None:
             problems.append(f"scheduler.warmup_steps={sched.warmup_steps!r} must be in 0..scheduler.total_steps={sched.total_steps}")
         if not 0.0 <= float(sched.get("min_lr_ratio", 0.0)) <= 1.0:
             problems.append(f"scheduler.min_lr_ratio={sched.min_lr_ratio} must be in [0, 1]")
+
+    problems += _strategy_problems(cfg)
 
     ckpt = cfg.get("ckpt_path")
     if ckpt is not None and not os.path.exists(str(ckpt)):

@@ -59,8 +59,18 @@ class LMModule(L.LightningModule):
         self._train_losses: list[torch.Tensor] = []
 
     def configure_model(self) -> None:
+        """Build the model; under a sharding strategy (lmtrain.strategies) also shard it, once."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        parallelize = getattr(strategy, "parallelize", None)
         if self.model is None:
-            self.model = self._model_factory()
+            if parallelize is not None and getattr(strategy, "init_device", "cpu") == "cpu":
+                with torch.device("cpu"):  # the full seeded init on every rank, then shard: same weights as 1 process
+                    self.model = self._model_factory()
+            else:
+                self.model = self._model_factory()
+        if parallelize is not None and not getattr(self, "_parallelized", False):
+            self.model = parallelize(self.model)
+            self._parallelized = True
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

@@ -1,8 +1,173 @@
-"""Strategy construction for ``conf/strategy/*.yaml``."""
+"""Strategies for ``conf/strategy/*.yaml``: Lightning's own by name, and FSDP2 / HSDP through ModelParallelStrategy.
+
+``fsdp`` shards parameters, gradients and optimizer state over every rank (FSDP2 ``fully_shard`` per block,
+then the root); ``hsdp`` shards within groups of ``shard_size`` ranks (a node) and replicates across groups,
+through a 2-D ``("replicate", "shard")`` device mesh. Both run on CPU with gloo, so CI tests them, and write
+sharded checkpoints (PyTorch distributed checkpoint, one file per rank). Options:
+
+* ``mixed_precision``: under ``trainer.precision=bf16-mixed``, all-gather parameters in bf16 and reduce
+  gradients in fp32 (``MixedPrecisionPolicy``); the sharded master weights and optimizer state stay fp32;
+* ``activation_checkpointing``: ``none``, ``selective`` (every other block) or ``full`` (every block);
+* ``compile``: ``torch.compile`` each block;
+* ``cpu_offload``: keep sharded parameters, gradients and optimizer state in host memory;
+* ``reshard_after_forward``: free gathered parameters after forward (less memory, one more all-gather);
+* ``init_device``: ``cpu`` builds the full model on every rank with the seeded initialisation, then shards
+  it (bit-identical to a single-process run); ``meta`` builds it without memory and initialises each shard
+  in place (for models that do not fit one host's memory per rank).
+"""
 
 from __future__ import annotations
+
+import sys
+from datetime import timedelta
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+from lmtrain.errors import InputError
+
+AC_MODES = ("none", "selective", "full")
+
+
+class StrategyError(InputError):
+    """A strategy that cannot run as configured (accelerator, mesh, option)."""
 
 
 def named(name: str) -> str:
     """A strategy Lightning knows by name (``auto``, ``single_device``, ``ddp``...), passed through."""
     return name
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Fully sharded data parallel (FSDP2) over all ranks; see the module docstring for the options."""
+
+    def __init__(
+        self,
+        mixed_precision: bool = True,
+        activation_checkpointing: str = "none",
+        compile: bool = False,
+        cpu_offload: bool = False,
+        reshard_after_forward: bool = True,
+        init_device: str = "cpu",
+        process_group_backend: str | None = None,
+        timeout_s: int = 1800,
+    ) -> None:
+        if activation_checkpointing not in AC_MODES:
+            raise StrategyError(f"strategy.activation_checkpointing={activation_checkpointing!r}: use one of {list(AC_MODES)}")
+        if init_device not in ("cpu", "meta"):
+            raise StrategyError(f"strategy.init_device={init_device!r}: use 'cpu' or 'meta'")
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=True,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        self.mixed_precision, self.activation_checkpointing = mixed_precision, activation_checkpointing
+        self.compile_blocks, self.cpu_offload = compile, cpu_offload
+        self.reshard_after_forward, self.init_device = reshard_after_forward, init_device
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.world_size_for_mesh()
+        super().setup_environment()
+
+    def world_size_for_mesh(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    def shard_mesh(self):
+        """The mesh ``fully_shard`` gets: 1-D over every rank."""
+        return self.device_mesh["data_parallel"]
+
+    # -- applied from LMModule.configure_model -------------------------------------------------
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        kwargs = {"mesh": self.shard_mesh(), "reshard_after_forward": self.reshard_after_forward}
+        precision = str(getattr(self.precision_plugin, "precision", ""))
+        if self.mixed_precision and precision == "bf16-mixed":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if self.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        blocks = getattr(model, "blocks", None)
+        if blocks is None:
+            raise StrategyError(f"{type(self).__name__} shards per block: the model {type(model).__name__} has no `blocks` list")
+        for i, block in enumerate(blocks):
+            if self.activation_checkpointing == "full" or (self.activation_checkpointing == "selective" and i % 2 == 0):
+                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+                block = checkpoint_wrapper(block, preserve_rng_state=True)
+            if self.compile_blocks:
+                block.compile()
+            fully_shard(block, **kwargs)
+            blocks[i] = block
+        fully_shard(model, **kwargs)
+        if self.global_rank == 0:
+            mesh = kwargs["mesh"]
+            print(
+                f"[lmtrain] {type(self).__name__}: fully_shard per block on mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, "
+                f"mixed precision {'mp_policy' in kwargs}, activation checkpointing {self.activation_checkpointing}, "
+                f"compile {self.compile_blocks}, cpu offload {self.cpu_offload}",
+                file=sys.stderr,
+            )
+        if any(p.is_meta for p in model.parameters()):  # init_device=meta: allocate the local shards, then initialise
+            model.to_empty(device=self.root_device)
+            with torch.no_grad():
+                model.init_weights()
+        return model
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+
+class HSDPStrategy(FSDP2Strategy):
+    """Hybrid sharding: shard within groups of ``shard_size`` ranks, replicate across groups (2-D mesh).
+
+    Args:
+        shard_size: ranks per shard group; null = the processes of one node (``trainer.devices``).
+    """
+
+    def __init__(
+        self,
+        shard_size: int | None = None,
+        mixed_precision: bool = True,
+        activation_checkpointing: str = "none",
+        compile: bool = False,
+        cpu_offload: bool = False,
+        reshard_after_forward: bool = True,
+        init_device: str = "cpu",
+        process_group_backend: str | None = None,
+        timeout_s: int = 1800,
+    ) -> None:
+        super().__init__(
+            mixed_precision,
+            activation_checkpointing,
+            compile,
+            cpu_offload,
+            reshard_after_forward,
+            init_device,
+            process_group_backend,
+            timeout_s,
+        )
+        if shard_size is not None and shard_size < 1:
+            raise StrategyError(f"strategy.shard_size={shard_size} must be a positive number of ranks")
+        self.shard_size = shard_size
+
+    def setup_environment(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # set up devices and the process group as ModelParallelStrategy does, then our own 2-D mesh
+        super(ModelParallelStrategy, self).setup_environment()
+        self._setup_distributed()
+        world = self.world_size
+        shard = self.shard_size or self.num_processes
+        if shard < 1 or world % shard:
+            raise StrategyError(
+                f"strategy.shard_size={shard} does not divide the world size {world}: HSDP needs world = replicas x shard_size"
+            )
+        self._device_mesh = init_device_mesh(self.root_device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def shard_mesh(self):
+        return self.device_mesh  # 2-D: fully_shard replicates over dim 0 and shards over dim 1

@@ -1,0 +1,89 @@
+"""FSDP2 and HSDP on CPU with gloo: real multi-process runs through Lightning's launcher.
+
+They train, their per-step loss matches a single-process run of the same global batch, and sharded
+checkpoints (one file per rank) save and resume identically. Bad meshes and impossible strategies are
+refused before any process starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmtrain import checkpoint as ck
+from lmtrain.config import ConfigError, validate_config
+from tests.conftest import TINY, make_cfg, run_train_cli
+from tests.test_checkpoint import _losses
+
+BASE = [a for a in TINY if not a.startswith(("trainer.devices", "data.batch_size"))] + [
+    "logger=csv", "callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0", "callbacks.checkpoint.every_n_steps=3",
+    "trainer.max_steps=8", "scheduler.total_steps=8", "trainer.val_check_interval=3",
+]  # fmt: skip
+
+
+def _run(tmp_path, dataset_dir, name, *extra):
+    args = BASE + [f"paths.runs={tmp_path / 'runs'}", f"run_name={name}", f"data.path={dataset_dir}", "data.prepare=null", *extra]
+    res = run_train_cli(args, tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return res
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp_and_hsdp_match_one_process_and_resume_sharded_checkpoints(tmp_path, dataset_dir):
+    """Global batch 8 everywhere: 1 process x 8, fsdp 2 x 4, hsdp 2 x 2 (4 processes) x 2."""
+    _run(tmp_path, dataset_dir, "single", "trainer.devices=1", "data.batch_size=8")
+    fsdp = _run(tmp_path, dataset_dir, "fsdp", "strategy=fsdp", "trainer.devices=2", "data.batch_size=4")
+    assert "FSDP2Strategy: fully_shard per block on mesh (2,) ('data_parallel',)" in fsdp.stderr
+    hsdp = _run(tmp_path, dataset_dir, "hsdp", "strategy=hsdp", "strategy.shard_size=2", "trainer.devices=4", "data.batch_size=2")
+    assert "HSDPStrategy: fully_shard per block on mesh (2, 2) ('replicate', 'shard')" in hsdp.stderr
+    single = {s: float(v) for s, v in _losses(tmp_path / "runs" / "single").items()}
+    assert sorted(single) == list(range(8))
+    for name in ("fsdp", "hsdp"):
+        got = {s: float(v) for s, v in _losses(tmp_path / "runs" / name).items()}
+        assert sorted(got) == sorted(single)
+        for s in single:
+            assert got[s] == pytest.approx(single[s], rel=1e-5, abs=1e-5), (name, s)
+        last = ck.newest(tmp_path / "runs" / name / "checkpoints")
+        assert last.step == 8 and last.meta["format"] == "sharded"
+        assert sorted(f for f in last.meta["files"] if f.endswith(".distcp")) == [f"__{r}_0.distcp" for r in range(last.meta["world_size"])]
+
+    # a sharded run stopped after step 5 and re-run continues exactly (dropout on: every rank's masks restored)
+    drop = ["strategy=fsdp", "trainer.devices=2", "data.batch_size=4", "model.dropout=0.1"]
+    _run(tmp_path, dataset_dir, "ref", *drop)
+    _run(tmp_path, dataset_dir, "cut", *drop, "trainer.max_steps=5")
+    rest = _run(tmp_path, dataset_dir, "cut", *drop)
+    assert "resuming from" in rest.stderr and "step-0000005" in rest.stderr
+    assert _losses(tmp_path / "runs" / "cut") == _losses(tmp_path / "runs" / "ref")
+
+    # the same checkpoint on another number of ranks: refused, naming why
+    other = run_train_cli(
+        BASE + [f"paths.runs={tmp_path / 'runs'}", "run_name=cut", f"data.path={dataset_dir}", "data.prepare=null", "trainer.max_steps=10",
+                "strategy=fsdp", "trainer.devices=1", "data.batch_size=8"],
+        tmp_path,
+    )  # fmt: skip
+    assert other.returncode == 2 and "world_size: 2 -> 1" in other.stderr, other.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["strategy=hsdp", "strategy.shard_size=3", "trainer.devices=4"], "strategy.shard_size=3 does not divide the world size 4"),
+        (
+            ["strategy=hsdp", "trainer.devices=2", "trainer.num_nodes=3", "strategy.shard_size=4"],
+            "shard_size=4 does not divide the world size 6",
+        ),
+        (["strategy=fsdp", "trainer.precision=16-mixed"], "16-mixed is not supported: use bf16-mixed"),
+        (["strategy.name=fsdp"], "Lightning's FSDPStrategy does not run on CPU: use strategy=fsdp"),
+        (["strategy=fsdp", "strategy.activation_checkpointing=some"], None),
+        (["strategy=fsdp", "+strategy.reshard=false"], "unknown key 'strategy.reshard'.*did you mean 'strategy.reshard_after_forward'"),
+    ],
+)
+def test_impossible_strategies_are_refused_before_launch(tmp_path, overrides, message):
+    from lmtrain.strategies import FSDP2Strategy, StrategyError
+
+    cfg = make_cfg([a for a in TINY if not a.startswith("trainer.devices")] + overrides, tmp_path)
+    if message is None:  # a bad option value: refused when the strategy is built, still before any process starts
+        with pytest.raises(StrategyError, match="activation_checkpointing='some'"):
+            FSDP2Strategy(activation_checkpointing="some")
+        return
+    with pytest.raises(ConfigError, match=message):
+        validate_config(cfg)
