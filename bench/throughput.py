@@ -24,7 +24,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
@@ -33,10 +32,11 @@ import lmtrain.config  # noqa: E402,F401
 from data.datamodule import PackedBlocks  # noqa: E402
 from lmtrain.logs import metric  # noqa: E402
 from lmtrain.model import num_params  # noqa: E402
+from lmtrain.module import lm_loss  # noqa: E402
 from lmtrain.run import train  # noqa: E402
 
 
-def trainer_tokens_per_sec(cfg, steps: int, warmup: int, out: Path) -> list[float]:
+def trainer_tokens_per_sec(cfg, steps: int, warmup: int, out: Path) -> tuple[list[float], list[float], list[float]]:
     with open_dict(cfg):
         cfg.run_dir = str(out / "trainer")
         cfg.trainer.max_steps = steps
@@ -44,8 +44,11 @@ def trainer_tokens_per_sec(cfg, steps: int, warmup: int, out: Path) -> list[floa
         cfg.trainer.limit_val_batches = 0
         cfg.trainer.enable_progress_bar = False
         cfg.logger = {"csv": {"_target_": "lightning.pytorch.loggers.CSVLogger", "save_dir": cfg.run_dir, "name": "csv", "version": ""}}
+        for name in ("checkpoint", "disk_guard"):  # saving is measured by bench/checkpoint_stall.py
+            (cfg.get("callbacks") or {}).pop(name, None)
     train(cfg)
-    return metric(Path(cfg.run_dir), "perf/tokens_per_sec")[warmup:]
+    run = Path(cfg.run_dir)
+    return metric(run, "perf/tokens_per_sec")[warmup:], metric(run, "perf/mfu")[warmup:], metric(run, "perf/max_memory_gib")
 
 
 def raw_tokens_per_sec(cfg, steps: int, warmup: int, device: torch.device) -> list[float]:
@@ -63,12 +66,12 @@ def raw_tokens_per_sec(cfg, steps: int, warmup: int, device: torch.device) -> li
         x, y = zip(*(blocks[i] for i in idx))
         batches.append((torch.stack(x).to(device), torch.stack(y).to(device)))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=str(cfg.trainer.precision).startswith("bf16"))
+    loss_fn = torch.compile(lm_loss) if cfg.module.get("compile") else lm_loss  # as the trainer does
     rates = []
     for x, y in batches:
         t0 = time.perf_counter()
         with autocast:
-            logits = model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            loss = loss_fn(model, x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.module.grad_clip or float("inf"))
         opt.step()
@@ -91,18 +94,23 @@ def main() -> None:
     with open_dict(cfg):
         cfg.pop("hydra", None)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer_rates = trainer_tokens_per_sec(cfg.copy(), args.steps, args.warmup, Path(tmp))
+        trainer_rates, mfus, mems = trainer_tokens_per_sec(cfg.copy(), args.steps, args.warmup, Path(tmp))
         device = torch.device("cuda" if torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda") else "cpu")
         raw_rates = raw_tokens_per_sec(cfg, args.steps, args.warmup, device)
     card = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
     with torch.device("meta"):
         n = num_params(instantiate(cfg.model)())
     t, r = statistics.median(trainer_rates), statistics.median(raw_rates)
-    print("| device | model | params | precision | batch x seq | steps (timed) | trainer tokens/s | raw PyTorch tokens/s | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    mfu = f"{statistics.median(mfus):.1%}" if mfus else "n/a"
+    mem = f"{max(mems):.1f}" if mems else "n/a"
     print(
-        f"| {card} | {cfg.model.name} | {n / 1e6:.2f}M | {cfg.trainer.precision} | {cfg.data.batch_size} x {cfg.data.seq_len} | "
-        f"{args.steps} ({len(trainer_rates)}) | {t:,.0f} | {r:,.0f} | {t / r:.3f} |"
+        "| device | model | params | precision | compile | batch x seq | steps (timed) | trainer tokens/s | raw PyTorch tokens/s | ratio | trainer MFU | peak GiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        f"| {card} | {cfg.model.name} | {n / 1e6:.2f}M | {cfg.trainer.precision} | {bool(cfg.module.get('compile'))} | "
+        f"{cfg.data.batch_size} x {cfg.data.seq_len} | {args.steps} ({len(trainer_rates)}) | {t:,.0f} | {r:,.0f} | {t / r:.3f} | "
+        f"{mfu} | {mem} |"
     )
 
 

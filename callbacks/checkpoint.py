@@ -64,20 +64,52 @@ def _is_sharded(strategy) -> bool:
     return False
 
 
-def _to_host(obj, pin: bool):
-    """A copy of every tensor in ``obj`` on the CPU (training goes on changing the originals in place)."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if t.device.type == "cpu":
-            return t.clone()
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-        out.copy_(t, non_blocking=pin)
+class HostCopy:
+    """Copies of a checkpoint's tensors in host memory, into buffers kept from one save to the next.
+
+    Training changes the originals in place, so an asynchronous save writes from copies. Allocating pinned memory
+    is slow (seconds for tens of GB), so the buffers are allocated once and reused while the checkpoint's
+    tensors keep their shapes and dtypes (they do, step after step).
+    """
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+
+    def __call__(self, obj):
+        self._i = 0
+        self._seen: dict = {}  # one copy per original (tied weights stay tied, as torch.save would keep them)
+        pin = torch.cuda.is_available()
+        out = self._copy(obj, pin)
+        if pin:
+            torch.cuda.synchronize()
+        del self.buffers[self._i :]
         return out
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_host(v, pin)) for k, v in obj.items()) if not hasattr(obj, "_fields") else obj
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_to_host(v, pin) for v in obj)
-    return obj
+
+    def _buffer(self, t: torch.Tensor, pin: bool) -> torch.Tensor:
+        i, self._i = self._i, self._i + 1
+        if i < len(self.buffers) and self.buffers[i].shape == t.shape and self.buffers[i].dtype == t.dtype:
+            return self.buffers[i]
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and t.device.type == "cuda")
+        if i < len(self.buffers):
+            self.buffers[i] = buf
+        else:
+            self.buffers.append(buf)
+        return buf
+
+    def _copy(self, obj, pin: bool):
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            if key not in self._seen:
+                buf = self._buffer(t, pin)
+                buf.copy_(t, non_blocking=pin and t.device.type == "cuda")
+                self._seen[key] = buf
+            return self._seen[key]
+        if isinstance(obj, dict):
+            return type(obj)((k, self._copy(v, pin)) for k, v in obj.items())
+        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            return type(obj)(self._copy(v, pin) for v in obj)
+        return obj
 
 
 class Checkpointer(Checkpoint):
@@ -126,6 +158,7 @@ class Checkpointer(Checkpoint):
         self._wall_before = 0.0  # wall-clock seconds of earlier segments of this run
         self._t_start = time.time()
         self._sharded = False
+        self._host_copy = HostCopy()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -161,6 +194,8 @@ class Checkpointer(Checkpoint):
         if self.save_on_train_end and trainer.global_step > 0 and trainer.global_step != self.last_saved_step:
             self.save(trainer)  # training ended some other way (an epoch limit): still keep the final state
         self.wait()
+        for guard in (c for c in trainer.callbacks if hasattr(c, "flush_metrics")):
+            guard.flush_metrics(trainer)  # the last save's figures, now that it is complete
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         try:  # an in-flight save of an earlier step is still a good checkpoint: let it finish
@@ -238,9 +273,7 @@ class Checkpointer(Checkpoint):
         if not trainer.is_global_zero:
             return True
         if self.async_save:
-            snapshot = _to_host(checkpoint, pin=torch.cuda.is_available())
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            snapshot = self._host_copy(checkpoint)
             self.last_stall_s = time.perf_counter() - t0
             self._thread = threading.Thread(
                 target=self._write_single, args=(trainer, snapshot, partial, final, meta, t0), name=f"lmtrain-save-{step}", daemon=True
@@ -270,6 +303,8 @@ class Checkpointer(Checkpoint):
                 io.save_checkpoint(checkpoint, path)
             self._fault("before_commit", meta["step"], partial)
             self._commit(partial, final, meta)
+            if threading.current_thread() is threading.main_thread():
+                self.last_stall_s = time.perf_counter() - t0  # synchronous: the whole save stalled training
         except BaseException as exc:  # noqa: BLE001 - a failed save must never pass silently
             self._failed(meta["step"], partial, exc)
             if threading.current_thread() is not threading.main_thread():

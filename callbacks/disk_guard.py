@@ -116,6 +116,10 @@ class DiskGuard(L.Callback):
         )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.flush_metrics(trainer)
+
+    def flush_metrics(self, trainer) -> None:
+        """Log the figures of the saves completed since the last call (also called by the checkpointer at the end)."""
         if self._pending and trainer.is_global_zero:
             metrics, self._pending = self._pending, {}
             for lg in trainer.loggers:

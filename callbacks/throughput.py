@@ -71,6 +71,9 @@ class Throughput(L.Callback):
         pl_module.log("perf/tokens_per_sec_per_device", per_device, on_step=True, on_epoch=False)
         if self.log_mfu and self._peak and self._flops_per_token:
             pl_module.log("perf/mfu", per_device * self._flops_per_token / self._peak, on_step=True, on_epoch=False)
+        if pl_module.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
+            pl_module.log("perf/max_memory_gib", peak, on_step=True, on_epoch=False)
         self._t_last, self._tokens, self._last_step = now, 0, trainer.global_step
 
     def on_validation_end(self, trainer, pl_module) -> None:

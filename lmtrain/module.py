@@ -13,6 +13,12 @@ from torch import nn
 from lmtrain.optim import build_optimizer
 
 
+def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; logits upcast to fp32 (fused away when compiled)."""
+    logits = model(inputs)  # (B, T, V)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 def batch_seed(seed: int, batch: int, rank: int) -> int:
     """A well-mixed 63-bit seed for one (seed, batch, rank)."""
     x = (seed * 0x9E3779B97F4A7C15 + batch * 0xBF58476D1CE4E5B9 + rank * 0x94D049BB133111EB) % (1 << 64)
@@ -30,6 +36,8 @@ class LMModule(L.LightningModule):
         scheduler: a partial LR scheduler taking the optimizer, stepped once per optimizer step, or None.
         grad_clip: clip the global gradient norm to this value (None or 0: measure only). Done here rather than
             with the Trainer's ``gradient_clip_val``, which Lightning refuses with fused AdamW under mixed precision.
+        compile: ``torch.compile`` the forward pass and loss together (single device and DDP; sharded strategies
+            compile per block through their own ``compile`` option). Parameter names do not change.
         seed: if set, torch's RNG (dropout) is re-seeded before every training batch from (seed, batch number,
             rank): the masks of a batch then do not depend on what else drew random numbers before it
             (validation, loader start-up), so a resumed or rolled-back run draws exactly the same ones.
@@ -42,6 +50,7 @@ class LMModule(L.LightningModule):
         scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None,
         grad_clip: float | None = 1.0,
         seed: int | None = None,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(model, nn.Module):
@@ -54,6 +63,8 @@ class LMModule(L.LightningModule):
         self.scheduler_factory = scheduler
         self.grad_clip = grad_clip
         self.seed = seed
+        self.compile = compile
+        self._loss_fn = lm_loss
         self._val_sum = torch.zeros(())
         self._val_count = torch.zeros(())
         self._train_losses: list[torch.Tensor] = []
@@ -71,13 +82,14 @@ class LMModule(L.LightningModule):
         if parallelize is not None and not getattr(self, "_parallelized", False):
             self.model = parallelize(self.model)
             self._parallelized = True
+        if self.compile and parallelize is None and self._loss_fn is lm_loss:
+            self._loss_fn = torch.compile(lm_loss)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.model(inputs)  # (B, T, V)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return self._loss_fn(self.model, inputs, targets)
 
     # -- training ---------------------------------------------------------------------------------
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
