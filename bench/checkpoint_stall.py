@@ -57,13 +57,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--every", type=int, default=3)
+    p.add_argument("--modes", nargs="+", choices=("sync", "async"), default=["sync", "async"])
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary folder)")
     args, overrides = p.parse_known_args()
     os.environ.setdefault("LMTRAIN_RUN_ID", "bench")
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        for mode in (False, True):
+        for mode in (m == "async" for m in args.modes):
             got = run(overrides, mode, args.steps, args.every, Path(tmp) / ("async" if mode else "sync"))
             later = slice(1, None) if len(got["stall_s"]) > 1 else slice(None)
             rows.append(
