@@ -87,6 +87,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--no-raw", action="store_true", help="trainer only (multi-GPU runs: compare with raw_fsdp_baseline.py)")
+    p.add_argument("--dir", default=None, help="run directory (shared by all ranks under torchrun); default: temporary")
     args, overrides = p.parse_known_args()
     os.environ.setdefault("LMTRAIN_RUN_ID", "bench")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -94,22 +96,27 @@ def main() -> None:
     with open_dict(cfg):
         cfg.pop("hydra", None)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer_rates, mfus, mems = trainer_tokens_per_sec(cfg.copy(), args.steps, args.warmup, Path(tmp))
+        trainer_rates, mfus, mems = trainer_tokens_per_sec(cfg.copy(), args.steps, args.warmup, Path(args.dir or tmp))
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
         device = torch.device("cuda" if torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda") else "cpu")
-        raw_rates = raw_tokens_per_sec(cfg, args.steps, args.warmup, device)
+        raw_rates = [float("nan")] if args.no_raw else raw_tokens_per_sec(cfg, args.steps, args.warmup, device)
     card = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
     with torch.device("meta"):
         n = num_params(instantiate(cfg.model)())
     t, r = statistics.median(trainer_rates), statistics.median(raw_rates)
     mfu = f"{statistics.median(mfus):.1%}" if mfus else "n/a"
     mem = f"{max(mems):.1f}" if mems else "n/a"
+    ws = lmtrain.config.world_size(cfg)
+    strategy = str(cfg.strategy.get("_target_", "")).rsplit(".", 1)[-1] if cfg.get("strategy") else "auto"
     print(
-        "| device | model | params | precision | compile | batch x seq | steps (timed) | trainer tokens/s | raw PyTorch tokens/s | ratio | trainer MFU | peak GiB |"
+        "| device | processes | strategy | model | params | precision | compile | batch x seq (per device) | steps (timed) "
+        "| trainer tokens/s | per device | raw PyTorch tokens/s | ratio | trainer MFU | peak GiB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print(
-        f"| {card} | {cfg.model.name} | {n / 1e6:.2f}M | {cfg.trainer.precision} | {bool(cfg.module.get('compile'))} | "
-        f"{cfg.data.batch_size} x {cfg.data.seq_len} | {args.steps} ({len(trainer_rates)}) | {t:,.0f} | {r:,.0f} | {t / r:.3f} | "
+        f"| {card} | {ws} | {strategy} | {cfg.model.name} | {n / 1e6:.2f}M | {cfg.trainer.precision} | {bool(cfg.module.get('compile'))} | "
+        f"{cfg.data.batch_size} x {cfg.data.seq_len} | {args.steps} ({len(trainer_rates)}) | {t:,.0f} | {t / ws:,.0f} | {r:,.0f} | {t / r:.3f} | "
         f"{mfu} | {mem} |"
     )
 

@@ -47,7 +47,7 @@ class DiskGuard(L.Callback):
         if margin_gb < 0:
             raise DiskSpaceError(f"callbacks.disk_guard.margin_gb={margin_gb} must be >= 0")
         self.margin = int(margin_gb * GB)
-        self._pending: dict[str, float] = {}
+        self._pending: list[tuple[int, dict[str, float]]] = []  # (step, figures), logged from the main thread
 
     @staticmethod
     def _checkpointer(trainer):
@@ -69,7 +69,7 @@ class DiskGuard(L.Callback):
                 f"(callbacks.disk_guard.margin_gb), {free / GB:.3f} GB is free. Free some space, point "
                 "callbacks.checkpoint.dirpath at a larger disk, or lower the margin."
             )
-        self._pending.update({"ckpt/free_gb": free / GB, "ckpt/estimate_gb": (need - self.margin) / GB})
+        self._pending.append((trainer.global_step, {"ckpt/free_gb": free / GB, "ckpt/estimate_gb": (need - self.margin) / GB}))
 
     def before_save(self, trainer, ckptr, estimate: int) -> bool:
         """Called by the checkpointer on every rank before a save; False means: do not save, stop training."""
@@ -106,21 +106,20 @@ class DiskGuard(L.Callback):
         return ok
 
     def after_save(self, trainer, ckptr, final: Path, size: int) -> None:
-        self._pending.update(
-            {
-                "ckpt/size_gb": size / GB,
-                "ckpt/free_gb": free_bytes(ckptr.root) / GB,
-                "ckpt/write_s": ckptr.last_write_s,
-                "ckpt/stall_s": ckptr.last_stall_s,
-            }
-        )
+        figures = {
+            "ckpt/size_gb": size / GB,
+            "ckpt/free_gb": free_bytes(ckptr.root) / GB,
+            "ckpt/write_s": ckptr.last_write_s,
+            "ckpt/stall_s": ckptr.last_stall_s,
+        }
+        self._pending.append((int(ck.NAME_RE.match(final.name).group(1)), figures))  # may run in the saving thread
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.flush_metrics(trainer)
 
     def flush_metrics(self, trainer) -> None:
         """Log the figures of the saves completed since the last call (also called by the checkpointer at the end)."""
-        if self._pending and trainer.is_global_zero:
-            metrics, self._pending = self._pending, {}
+        while self._pending and trainer.is_global_zero:
+            step, metrics = self._pending.pop(0)
             for lg in trainer.loggers:
-                lg.log_metrics(metrics, step=trainer.global_step)
+                lg.log_metrics(metrics, step=step)
