@@ -148,6 +148,7 @@ class Checkpointer(Checkpoint):
         self.max_consecutive_failures = max_consecutive_failures
         self.run_info: dict = {}  # set by lmtrain.run: config hash, model config, parameter shapes, MLflow run id
         self.health: dict = {}  # filled by the stability callbacks; stored in meta.json
+        self.suppress_final_save = False  # set when training stops on divergence: never save the bad state
         self.faults = None  # a callbacks.fault.FaultInjector, for drills
         self.failures = 0
         self.last_saved_step: int | None = None
@@ -162,6 +163,7 @@ class Checkpointer(Checkpoint):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
+        self.suppress_final_save = False
         self._sharded = _is_sharded(trainer.strategy)
         if self.async_save and self._sharded:
             raise CheckpointError("callbacks.checkpoint.async_save is not supported with sharded strategies yet; set it to false")
@@ -183,7 +185,7 @@ class Checkpointer(Checkpoint):
         # The final save happens here too, not in on_train_end: by then Lightning has marked the epoch finished,
         # and a run extended from that checkpoint would start a new epoch instead of continuing this one.
         step = trainer.global_step
-        if step == 0 or step == self.last_saved_step:
+        if step == 0 or step == self.last_saved_step or self.suppress_final_save:
             return
         periodic = self.every_n_steps and step % self.every_n_steps == 0
         last = self.save_on_train_end and (trainer.should_stop or (trainer.max_steps > 0 and step >= trainer.max_steps))
@@ -191,7 +193,12 @@ class Checkpointer(Checkpoint):
             self.save(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self.save_on_train_end and trainer.global_step > 0 and trainer.global_step != self.last_saved_step:
+        if (
+            self.save_on_train_end
+            and trainer.global_step > 0
+            and trainer.global_step != self.last_saved_step
+            and not self.suppress_final_save
+        ):
             self.save(trainer)  # training ended some other way (an epoch limit): still keep the final state
         self.wait()
         for guard in (c for c in trainer.callbacks if hasattr(c, "flush_metrics")):
@@ -362,6 +369,13 @@ class Checkpointer(Checkpoint):
             guard.after_save(trainer, self, final, size)
         if deleted:
             print(f"[lmtrain] retention removed {', '.join(p.name for p in deleted)}", file=sys.stderr)
+        from lmtrain.logbook import append
+
+        removed = f"; retention removed {', '.join(p.name for p in deleted)}" if deleted else ""
+        append(
+            self.root.parent, "checkpoint", f"saved and verified {final.name} ({size / 1e9:.3f} GB){removed}",
+            step=meta["step"], tokens=meta.get("tokens_seen"), healthy=meta.get("health", {}).get("healthy"),
+        )  # fmt: skip
 
     def _failed(self, step: int, partial: Path, exc: BaseException) -> None:
         import shutil

@@ -8,7 +8,10 @@ resumed run goes on):
   before its completion (``meta.json``, rename);
 * ``enospc``: the first save at or after ``step`` fails with ENOSPC (no space left on device);
 * ``truncate``: the first checkpoint at or after ``step`` has its largest file cut in half right after it is
-  written (the post-save verification must catch it).
+  written (the post-save verification must catch it);
+* ``loss_spike``: the loss of step ``step`` is multiplied by ``factor`` (a real spike: the gradients follow);
+* ``nan_loss``: the loss of step ``step`` becomes NaN on rank ``rank`` only;
+* ``act_growth``: from step ``step`` on, the last block's output is multiplied by ``factor`` ** (steps since).
 """
 
 from __future__ import annotations
@@ -23,14 +26,15 @@ import lightning as L
 
 from lmtrain.errors import InputError
 
-KINDS = ("crash", "crash_mid_save", "enospc", "truncate")
+KINDS = ("crash", "crash_mid_save", "enospc", "truncate", "loss_spike", "nan_loss", "act_growth")
 
 
 class FaultInjector(L.Callback):
-    def __init__(self, kind: str, step: int, run_dir: str, rank: int | None = 0) -> None:
+    def __init__(self, kind: str, step: int, run_dir: str, rank: int | None = 0, factor: float = 20.0) -> None:
         if kind not in KINDS:
             raise InputError(f"fault.kind={kind!r}: use one of {list(KINDS)}")
-        self.kind, self.step, self.rank = kind, int(step), rank
+        self.kind, self.step, self.rank, self.factor = kind, int(step), rank, float(factor)
+        self._growth_from: int | None = None
         self.marker = Path(run_dir) / ".faults" / f"{kind}-{self.step}"
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -57,8 +61,18 @@ class FaultInjector(L.Callback):
         os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.kind == "crash" and trainer.global_step >= self.step and self._arm():
-            self._kill(f"crash at step {trainer.global_step}")
+        step = trainer.global_step
+        if self.kind == "crash" and step >= self.step and self._arm():
+            self._kill(f"crash at step {step}")
+        if self.kind in ("loss_spike", "nan_loss") and step == self.step and self._arm():
+            pl_module.loss_fault = self.factor if self.kind == "loss_spike" else float("nan")
+            print(f"[lmtrain] FAULT: {self.kind} at step {step} on rank {trainer.global_rank}", file=sys.stderr, flush=True)
+        if self.kind == "act_growth" and step == self.step and self._growth_from is None and self._arm():
+            self._growth_from = step
+            pl_module.model.norm.register_forward_pre_hook(
+                lambda module, args: (args[0] * self.factor ** (trainer.global_step - self._growth_from + 1),), prepend=True
+            )
+            print(f"[lmtrain] FAULT: activations growing x{self.factor} per step from step {step}", file=sys.stderr, flush=True)
 
     def at_checkpoint(self, point: str, step: int, path: Path) -> None:
         if step < self.step:

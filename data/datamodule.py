@@ -140,6 +140,7 @@ class BlockSampler(Sampler[int]):
         self.counts = mixture_counts(self.num_blocks, self.weights)  # samples per source per epoch
         self.yielded = 0  # indices handed out in the current epoch
         self._resume_at = 0  # where the next iteration starts (non-zero only after load_state_dict)
+        self.skip_on_load = 0  # samples to skip past a restored position (a rollback's skipped data window)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -204,9 +205,9 @@ class BlockSampler(Sampler[int]):
                 f"the checkpoint's data stream was {theirs}, this run's is {mine}: the dataset, data.seq_len, data.seed, "
                 "the mixture weights or the number of ranks changed, so the saved position means nothing here"
             )
-        self.epoch, self._resume_at = state["epoch"], state["yielded"]
-        if self._resume_at >= len(self):  # saved after the epoch's last batch: resume at the next epoch's start
-            self.epoch, self._resume_at = self.epoch + 1, 0
+        self.epoch, self._resume_at = state["epoch"], state["yielded"] + self.skip_on_load
+        while self._resume_at >= len(self) > 0:  # past the epoch's last batch (saved there, or skipped past it)
+            self.epoch, self._resume_at = self.epoch + 1, self._resume_at - len(self)
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -250,6 +251,7 @@ class TokenDataModule(L.LightningDataModule):
         self.pin_memory = pin_memory
         self.train_set: MixedBlocks | None = None
         self.val_set: MixedBlocks | None = None
+        self.skip_batches = 0  # set by lmtrain.run after a rollback: batches to skip past the restored position
 
     # -- dataset on disk ----------------------------------------------------------------------
     def prepare_data(self) -> None:
@@ -330,6 +332,7 @@ class TokenDataModule(L.LightningDataModule):
         sampler = BlockSampler(
             self.train_set.sizes, world, rank, shuffle=True, seed=self.seed, batch_size=self.batch_size, weights=self.weights
         )
+        sampler.skip_on_load = self.skip_batches * self.batch_size
         if len(sampler) == 0:
             raise PrepareError(
                 f"dataset {self.path} has {len(self.train_set)} train blocks of seq_len={self.seq_len}: fewer than "

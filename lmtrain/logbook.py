@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 FILE = "logbook.jsonl"
+# Called with (run_dir, entry) after every append: lmtrain.run registers one that mirrors the logbook to MLflow.
+mirrors: list = []
 
 
 def append(run_dir: str | Path, kind: str, message: str, **fields) -> None:
@@ -22,6 +24,12 @@ def append(run_dir: str | Path, kind: str, message: str, **fields) -> None:
             fh.write(json.dumps(entry, default=str) + "\n")
     except OSError as exc:
         print(f"[lmtrain] could not write the logbook in {run_dir}: {exc}", file=sys.stderr)
+        return
+    for mirror in list(mirrors):
+        try:
+            mirror(Path(run_dir), entry)
+        except Exception as exc:  # noqa: BLE001 - a mirror failing must not stop training
+            print(f"[lmtrain] could not mirror the logbook ({exc})", file=sys.stderr)
 
 
 def read(run_dir: str | Path) -> list[dict]:

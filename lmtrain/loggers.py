@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_only
 class CSVLogger(_CSVLogger):
     _keep_rows: list[dict] | None = None
 
-    def resume_at(self, step: int) -> None:
+    def resume_at(self, step: int, relog: bool = False) -> None:
         path = Path(self.log_dir) / "metrics.csv"
         rows: list[dict] = []
         if path.is_file():
@@ -57,17 +57,21 @@ class MLFlowLogger(_MLFlowLogger):
     _resume_step: int | None = None
     _logged_through: int | None = None
 
-    def resume_at(self, step: int) -> None:
-        self._resume_step = step
+    _relog = False
+
+    def resume_at(self, step: int, relog: bool = False) -> None:
+        """``relog``: a rollback's new timeline; its steps are logged again (MLflow keeps both values)."""
+        self._resume_step, self._relog = step, relog
 
     @property
     def experiment(self):
         first = not self._initialized
         client = super().experiment
         if first and self._resume_step is not None and self._run_id is not None and rank_zero_only.rank == 0:
-            run = client.get_run(self._run_id)
-            steps = [m.step for key in run.data.metrics for m in client.get_metric_history(self._run_id, key)]
-            self._logged_through = max(steps) if steps else None
+            if not self._relog:
+                run = client.get_run(self._run_id)
+                steps = [m.step for key in run.data.metrics for m in client.get_metric_history(self._run_id, key)]
+                self._logged_through = max(steps) if steps else None
             client.update_run(self._run_id, status="RUNNING")
         return client
 

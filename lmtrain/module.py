@@ -68,6 +68,9 @@ class LMModule(L.LightningModule):
         self._val_sum = torch.zeros(())
         self._val_count = torch.zeros(())
         self._train_losses: list[torch.Tensor] = []
+        self._act_sq: list[torch.Tensor] = []
+        self.loss_fault: float | None = None
+        self._act_hook = None
 
     def configure_model(self) -> None:
         """Build the model; under a sharding strategy (lmtrain.strategies) also shard it, once."""
@@ -82,6 +85,9 @@ class LMModule(L.LightningModule):
         if parallelize is not None and not getattr(self, "_parallelized", False):
             self.model = parallelize(self.model)
             self._parallelized = True
+        final_norm = getattr(self.model, "norm", None)
+        if self._act_hook is None and isinstance(final_norm, nn.Module):
+            self._act_hook = final_norm.register_forward_pre_hook(self._record_activation)
         if self.compile and parallelize is None and self._loss_fn is lm_loss:
             self._loss_fn = torch.compile(lm_loss)
 
@@ -100,8 +106,15 @@ class LMModule(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, targets = batch  # (B, T), (B, T)
         loss = self.loss(inputs, targets)
+        if self.loss_fault is not None:  # fault drills (callbacks/fault.py): a spike or a NaN, once
+            loss, self.loss_fault = loss * self.loss_fault, None
         self._train_losses.append(loss.detach())
         return loss
+
+    def _record_activation(self, module: nn.Module, args: tuple) -> None:
+        """Forward pre-hook on the final norm: mean square of the last block's output (the residual stream)."""
+        if self.training:
+            self._act_sq.append(args[0].detach().float().square().mean())
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Gradients are complete (and unscaled under fp16) here: measure and clip the global norm.
@@ -109,11 +122,56 @@ class LMModule(L.LightningModule):
         norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
         if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
             norm = norm.full_tensor()
-        loss = torch.stack(self._train_losses).mean() if self._train_losses else torch.tensor(float("nan"))
+        nan = torch.tensor(float("nan"), device=self.device)
+        local = torch.stack(
+            [
+                torch.stack(self._train_losses).mean().float() if self._train_losses else nan,
+                torch.stack(self._act_sq).mean() if self._act_sq else nan,
+            ]
+        )
         self._train_losses.clear()
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=True)
+        self._act_sq.clear()
+        loss, act_ms = self.trainer.strategy.reduce(local, reduce_op="mean")  # every rank sees the same values
+        act_rms = act_ms.sqrt()
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
         self.log("train/lr", optimizer.param_groups[0]["lr"], prog_bar=True, on_step=True, on_epoch=False)
+        if self._act_hook is not None:
+            self.log("train/act_rms", act_rms, on_step=True, on_epoch=False)
+        checkers = [c for c in self.trainer.callbacks if hasattr(c, "check_step")]
+        if checkers:
+            scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+            stats = {
+                "loss": float(loss),
+                "grad_norm": float(norm),
+                "act_rms": float(act_rms) if self._act_hook is not None else None,
+                "loss_scale": float(scaler.get_scale()) if scaler is not None else None,
+            }
+            skip = False
+            for checker in checkers:  # all ranks decide alike: the statistics are global
+                skip |= bool(checker.check_step(self.trainer, self, stats))
+            if skip:
+                self.drop_update(optimizer)
+
+    def tokens_per_step(self) -> int:
+        """Tokens in one optimizer step across all ranks (from the data module's batch shape)."""
+        dm = self.trainer.datamodule
+        if dm is None or not hasattr(dm, "seq_len"):
+            return 0
+        return dm.batch_size * dm.seq_len * self.trainer.world_size * self.trainer.accumulate_grad_batches
+
+    def drop_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make this optimizer step a no-op: no parameter, moment or weight-decay update."""
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is not None:  # fp16: gradients were unscaled already; mark them non-finite so scaler.step skips
+            found = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {})
+            for flag in found.values():
+                flag.fill_(1.0)
+            if found:
+                return
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None  # torch optimizers leave parameters without a gradient untouched
 
     # -- validation -------------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from callbacks.checkpoint import Checkpointer
 from lmtrain import checkpoint as ck
-from lmtrain import logbook
+from lmtrain import corrections, logbook
 from lmtrain.checkpoint import CheckpointError, check_compatible, config_hash
 from lmtrain.config import ConfigError, apply_global_batch_size, validate_config, validate_data
 from lmtrain.errors import InputError
@@ -82,7 +82,42 @@ def instantiate_group(node: DictConfig | None) -> list:
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Run training for ``cfg``; return the final logged metrics as floats."""
+    """Run training for ``cfg``; return the final logged metrics as floats.
+
+    A rollback requested by the divergence detector ends the attempt; the next attempt resumes from the
+    checkpoint it chose, with the learning-rate correction recorded (lmtrain.corrections).
+    """
+    rollback = None
+    while True:
+        metrics, detector = _attempt(cfg, rollback)
+        rollback = getattr(detector, "rollback_request", None)
+        if rollback is None:
+            return metrics
+        run_dir = Path(cfg.run_dir)
+        if _global_rank() == 0:
+            corrections.add(
+                run_dir,
+                {**{k: rollback[k] for k in ("from_step", "scale", "signal_step", "skip_batches", "checkpoint")}, "reason": "rollback"},
+            )
+            logbook.append(
+                run_dir,
+                "rollback",
+                f"step {rollback['signal_step']}: rolling back to {Path(rollback['checkpoint']).name}, learning rate "
+                f"x{rollback['scale']} from step {rollback['from_step']} on, skipping {rollback['skip_batches']} batch(es) of data "
+                f"({rollback['why']})",
+                step=rollback["signal_step"],
+            )
+        print(f"[lmtrain] rollback to {rollback['checkpoint']} (learning rate x{rollback['scale']})", file=sys.stderr, flush=True)
+        with open_dict(cfg):
+            cfg.ckpt_path = rollback["checkpoint"]
+
+
+def _global_rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", "0"))))
+
+
+def _attempt(cfg: DictConfig, rollback: dict | None):
+    """One ``trainer.fit``; returns (final metrics, the divergence detector or None)."""
     import lightning as L
 
     validate_config(cfg)
@@ -126,7 +161,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if resume is not None:
         for lg in loggers:
             if hasattr(lg, "resume_at"):
-                lg.resume_at(resume.step)
+                lg.resume_at(resume.step, relog=rollback is not None)  # a rollback's new timeline is logged again
+        skip = rollback["skip_batches"] if rollback is not None else corrections.data_skip(corrections.load(run_dir), resume.step)
+        datamodule.skip_batches = skip
     strategy = instantiate(cfg.strategy) if cfg.get("strategy") else "auto"
     checkpointer = next((c for c in callbacks if isinstance(c, Checkpointer)), None)
     extra = {"enable_checkpointing": True} if checkpointer is not None else {}  # ours replaces Lightning's ModelCheckpoint
@@ -146,8 +183,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
             "mlflow_run_id": _mlflow_run_id(trainer),
         }
         checkpointer.alert_hooks = [_mlflow_tagger(lg) for lg in trainer.loggers if isinstance(lg, MLFlowLogger)]
+    logbook.mirrors[:] = [_mlflow_logbook_mirror(lg) for lg in trainer.loggers if isinstance(lg, MLFlowLogger) and trainer.is_global_zero]
     if trainer.is_global_zero:
-        if resume is not None:
+        if rollback is not None:
+            pass  # the rollback entry says where it went
+        elif resume is not None:
             logbook.append(run_dir, "resume", f"resumed from {resume.path.name}", step=resume.step)
         else:
             logbook.append(run_dir, "start", f"training from scratch, run {cfg.run_name}")
@@ -158,7 +198,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
         for lg in trainer.loggers:
             _safe_finalize(lg, "failed")
         raise
-    return {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    finally:
+        logbook.mirrors.clear()
+    detector = next((c for c in callbacks if hasattr(c, "rollback_request")), None)
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}, detector
 
 
 def _checkpoint_root(cfg: DictConfig) -> Path | None:
@@ -229,6 +272,13 @@ def _mlflow_run_id(trainer) -> str | None:
         if isinstance(lg, MLFlowLogger) and trainer.is_global_zero:
             return lg.run_id
     return None
+
+
+def _mlflow_logbook_mirror(lg):
+    def mirror(run_dir: Path, entry: dict) -> None:
+        lg.experiment.log_artifact(lg.run_id, str(run_dir / logbook.FILE))
+
+    return mirror
 
 
 def _mlflow_tagger(lg):

@@ -30,3 +30,32 @@ class RecordBatches(L.Callback):
         import torch
 
         torch.save(self.batches, self.path)
+
+
+class RecordLR(L.Callback):
+    """Write every step's learning rate, as this rank applied it, to ``{path}.rank{R}.json`` at the end."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.lrs = path, {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.lrs[trainer.global_step] = optimizer.param_groups[0]["lr"]
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import json
+
+        with open(f"{self.path}.rank{trainer.global_rank}.json", "w") as fh:
+            json.dump(self.lrs, fh)
+
+
+class OperatorAt(L.Callback):
+    """Act as an operator: run ``python -m lmtrain.control RUN_DIR lr --scale S`` (in-process) at step ``step``."""
+
+    def __init__(self, run_dir: str, step: int, scale: float) -> None:
+        self.run_dir, self.step, self.scale = run_dir, step, scale
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.is_global_zero:
+            from lmtrain.control import main
+
+            assert main([self.run_dir, "lr", "--scale", str(self.scale)]) == 0

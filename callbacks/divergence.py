@@ -1,0 +1,271 @@
+"""Divergence detection and the actions taken on it: warn, skip the update, stop, or roll back.
+
+OPT-175B's logbook: loss spikes and divergence came with growing final-layer activations and, under fp16, a
+loss scale falling toward zero; each time the team restarted from an earlier healthy checkpoint with a lower
+learning rate. This callback watches, every optimizer step, statistics that are the same on every rank (the
+module all-reduces them), so every rank takes the same decision:
+
+* ``nonfinite``: the loss or the gradient norm is NaN or infinite;
+* ``loss_spike``: the loss is ``z`` standard deviations above its exponential moving average (and at least
+  ``min_ratio`` times it);
+* ``grad_spike``: the same test on the gradient norm (before clipping);
+* ``act_growth``: the RMS of the last block's output (``train/act_rms``) above ``ratio`` times its average;
+* ``loss_scale``: fp16 only, the gradient scaler's scale below ``floor``.
+
+Running averages are updated only by healthy steps and start judging after ``warmup_steps``. Each signal's
+action is one of ``warn`` (metric, logbook, MLflow tag), ``skip`` (this step's update is dropped), ``stop``
+(stop cleanly, no checkpoint of the bad state) or ``rollback``: stop this attempt, and ``lmtrain.run`` resumes from
+the newest checkpoint marked healthy that predates the trouble, with the learning rate multiplied by
+``rollback_lr_scale`` from there on (recorded in ``RUN_DIR/lr_corrections.jsonl``, so it holds across later
+resumes) and, with ``skip_data``, past the data that was being read. At most ``max_rollbacks`` rollbacks within
+``rollback_window`` steps; one more stops the run, saying so. The detector's state is saved in checkpoints, and
+every checkpoint's ``meta.json`` carries its health fields.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import lightning as L
+
+from lmtrain import checkpoint as ck
+from lmtrain import corrections, logbook
+from lmtrain.errors import InputError
+
+ACTIONS = ("warn", "skip", "stop", "rollback")
+SEVERITY = {a: i for i, a in enumerate(ACTIONS)}
+DEFAULTS = {
+    "nonfinite": {"action": "rollback"},
+    "loss_spike": {"z": 6.0, "min_ratio": 1.1, "action": "rollback"},
+    "grad_spike": {"z": 8.0, "min_ratio": 2.0, "action": "warn"},
+    "act_growth": {"ratio": 3.0, "action": "warn"},
+    "loss_scale": {"floor": 1.0, "action": "warn"},
+}
+
+
+class _EMA:
+    """Exponential moving average and variance."""
+
+    def __init__(self, beta: float) -> None:
+        self.beta, self.mean, self.var, self.n = beta, 0.0, 0.0, 0
+
+    def update(self, x: float) -> None:
+        if self.n == 0:
+            self.mean, self.var = x, 0.0
+        else:
+            d = x - self.mean
+            self.mean += (1 - self.beta) * d
+            self.var = self.beta * (self.var + (1 - self.beta) * d * d)
+        self.n += 1
+
+    def z(self, x: float) -> float:
+        return (x - self.mean) / math.sqrt(self.var + 1e-12 + (1e-3 * abs(self.mean)) ** 2)
+
+    def state(self) -> dict:
+        return {"mean": self.mean, "var": self.var, "n": self.n}
+
+    def load(self, s: dict) -> None:
+        self.mean, self.var, self.n = s["mean"], s["var"], s["n"]
+
+
+class DivergenceDetector(L.Callback):
+    """Args (each signal is a dict; missing keys take the defaults in ``DEFAULTS``):
+    warmup_steps: healthy steps observed before spikes are judged.
+    ema_beta: smoothing of the running statistics.
+    healthy_after: signal-free steps after which the run (and the checkpoints it saves) count as healthy again.
+    rollback_lr_scale: learning-rate factor applied from the rollback's checkpoint on.
+    skip_data: after a rollback, skip the batches read between that checkpoint and the signal.
+    max_rollbacks, rollback_window: the cap.
+    """
+
+    def __init__(
+        self,
+        warmup_steps: int = 20,
+        ema_beta: float = 0.95,
+        healthy_after: int = 10,
+        nonfinite: dict | None = None,
+        loss_spike: dict | None = None,
+        grad_spike: dict | None = None,
+        act_growth: dict | None = None,
+        loss_scale: dict | None = None,
+        rollback_lr_scale: float = 0.5,
+        skip_data: bool = True,
+        max_rollbacks: int = 3,
+        rollback_window: int = 1000,
+    ) -> None:
+        given = {
+            "nonfinite": nonfinite,
+            "loss_spike": loss_spike,
+            "grad_spike": grad_spike,
+            "act_growth": act_growth,
+            "loss_scale": loss_scale,
+        }
+        self.signals: dict[str, dict] = {}
+        for name, spec in given.items():
+            spec = dict(spec or {})
+            unknown = set(spec) - set(DEFAULTS[name])
+            if unknown:
+                raise InputError(f"callbacks.divergence.{name}: unknown key(s) {sorted(unknown)}; allowed: {sorted(DEFAULTS[name])}")
+            spec = {**DEFAULTS[name], **spec}
+            if spec["action"] not in ACTIONS:
+                raise InputError(f"callbacks.divergence.{name}.action={spec['action']!r}: use one of {list(ACTIONS)}")
+            self.signals[name] = spec
+        if not 0 < rollback_lr_scale <= 1 or not 0 < ema_beta < 1 or max_rollbacks < 0:
+            raise InputError(
+                f"callbacks.divergence: rollback_lr_scale={rollback_lr_scale} must be in (0, 1], ema_beta={ema_beta} in (0, 1), "
+                f"max_rollbacks={max_rollbacks} >= 0"
+            )
+        self.warmup_steps, self.healthy_after = warmup_steps, healthy_after
+        self.rollback_lr_scale, self.skip_data = rollback_lr_scale, skip_data
+        self.max_rollbacks, self.rollback_window = max_rollbacks, rollback_window
+        self.loss, self.grad, self.act = _EMA(ema_beta), _EMA(ema_beta), _EMA(ema_beta)
+        self.clean_streak = 0
+        self.trouble_start: int | None = None
+        self.rollback_request: dict | None = None
+        self.run_dir = None
+
+    # -- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "loss": self.loss.state(),
+            "grad": self.grad.state(),
+            "act": self.act.state(),
+            "clean_streak": self.clean_streak,
+            "trouble_start": self.trouble_start,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loss.load(state["loss"])
+        self.grad.load(state["grad"])
+        self.act.load(state["act"])
+        self.clean_streak, self.trouble_start = state["clean_streak"], state["trouble_start"]
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.checkpointer = next((c for c in trainer.callbacks if hasattr(c, "health") and hasattr(c, "root")), None)
+        self.run_dir = self.checkpointer.root.parent if self.checkpointer is not None else None
+        self.rollback_request = None
+
+    # -- the per-step check (called by LMModule.on_before_optimizer_step on every rank) --------
+    def check_step(self, trainer, pl_module, stats: dict) -> bool:
+        step = trainer.global_step
+        loss, grad, act, scale = stats["loss"], stats["grad_norm"], stats.get("act_rms"), stats.get("loss_scale")
+        fired: list[tuple[str, str]] = []
+        metrics = {}
+        if not (math.isfinite(loss) and math.isfinite(grad)):
+            fired.append(("nonfinite", f"loss {loss}, gradient norm {grad}"))
+        else:
+            judging = self.loss.n >= self.warmup_steps
+            lz, gz = self.loss.z(loss), self.grad.z(grad)
+            metrics.update({"stability/loss_z": lz if self.loss.n else 0.0, "stability/grad_z": gz if self.grad.n else 0.0})
+            sp = self.signals["loss_spike"]
+            if judging and lz > sp["z"] and loss > sp["min_ratio"] * self.loss.mean:
+                fired.append(("loss_spike", f"loss {loss:.4f} vs average {self.loss.mean:.4f} (z={lz:.1f})"))
+            sp = self.signals["grad_spike"]
+            if judging and gz > sp["z"] and grad > sp["min_ratio"] * self.grad.mean:
+                fired.append(("grad_spike", f"gradient norm {grad:.4g} vs average {self.grad.mean:.4g} (z={gz:.1f})"))
+            if act is not None and math.isfinite(act):
+                ratio = act / self.act.mean if self.act.n and self.act.mean > 0 else 1.0
+                metrics["stability/act_ratio"] = ratio
+                if judging and ratio > self.signals["act_growth"]["ratio"]:
+                    fired.append(("act_growth", f"final-layer activation RMS {act:.4g}, {ratio:.2f}x its average {self.act.mean:.4g}"))
+        if scale is not None:
+            metrics["stability/loss_scale"] = scale
+            if scale < self.signals["loss_scale"]["floor"]:
+                fired.append(("loss_scale", f"fp16 loss scale {scale:g} below the floor {self.signals['loss_scale']['floor']:g}"))
+
+        severe = [n for n, _ in fired if self.signals[n]["action"] != "warn"]  # warnings are reported, not acted on
+        if not severe:
+            self.loss.update(loss)
+            self.grad.update(grad)
+            if act is not None and math.isfinite(act):
+                self.act.update(act)
+            self.clean_streak += 1
+            if self.clean_streak >= self.healthy_after:
+                self.trouble_start = None
+        else:
+            self.clean_streak = 0
+            if self.trouble_start is None:
+                self.trouble_start = step
+        healthy = self.trouble_start is None
+        metrics["stability/healthy"] = float(healthy)
+        for name in self.signals:
+            metrics[f"stability/{name}"] = float(any(n == name for n, _ in fired))
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        if self.checkpointer is not None:
+            self.checkpointer.health = {
+                "healthy": healthy,
+                "loss_ema": self.loss.mean,
+                "grad_norm_ema": self.grad.mean,
+                "act_rms_ema": self.act.mean,
+                "loss_scale": scale,
+                "trouble_start": self.trouble_start,
+            }
+        if not fired:
+            return False
+        action = max((self.signals[n]["action"] for n, _ in fired), key=SEVERITY.get)
+        text = "; ".join(f"{n}: {why}" for n, why in fired)
+        tokens = step * pl_module.tokens_per_step() if hasattr(pl_module, "tokens_per_step") else None
+        signals = [n for n, _ in fired]
+        self._event(
+            trainer, "divergence_signal", f"step {step}: {text} -> {action}", step=step, tokens=tokens, signals=signals, action=action
+        )
+        if action == "warn":
+            return False
+        if action == "skip":
+            return True
+        if action == "stop":
+            self._stop(trainer, f"stopping at step {step} ({text}); the newest complete checkpoint is the last good state")
+            return True
+        return self._rollback(trainer, step, text)
+
+    # -- actions -------------------------------------------------------------------------------
+    def _stop(self, trainer, message: str) -> None:
+        self._event(trainer, "stop", message, step=trainer.global_step)
+        trainer.should_stop = True
+        if self.checkpointer is not None:
+            self.checkpointer.suppress_final_save = True  # never save the diverged state as the newest checkpoint
+
+    def _rollback(self, trainer, step: int, why: str) -> bool:
+        if self.checkpointer is None:
+            self._stop(trainer, f"step {step}: rollback needs callbacks.checkpoint; stopping instead")
+            return True
+        history = [e for e in corrections.load(self.run_dir) if e.get("reason") == "rollback"]
+        recent = [e for e in history if e.get("signal_step", -1) >= step - self.rollback_window]
+        if len(recent) >= self.max_rollbacks:
+            self._stop(
+                trainer,
+                f"step {step}: divergence again after {len(recent)} rollback(s) within {self.rollback_window} steps "
+                f"(callbacks.divergence.max_rollbacks={self.max_rollbacks}): stopping for a human to look ({why})",
+            )
+            return True
+        before = self.trouble_start if self.trouble_start is not None else step
+        healthy = [
+            c for c in ck.scan(self.checkpointer.root, quiet=True) if c.step < before and c.meta.get("health", {}).get("healthy", True)
+        ]
+        if not healthy:
+            self._stop(trainer, f"step {step}: no healthy checkpoint before step {before} to roll back to; stopping ({why})")
+            return True
+        target = healthy[-1]
+        batches = (step - target.step) * trainer.accumulate_grad_batches if self.skip_data else 0
+        self.rollback_request = {
+            "checkpoint": str(target.path),
+            "from_step": target.step,
+            "signal_step": step,
+            "scale": self.rollback_lr_scale,
+            "skip_batches": batches,
+            "why": why,
+        }
+        trainer.should_stop = True
+        self.checkpointer.suppress_final_save = True
+        return True
+
+    def _event(self, trainer, kind: str, message: str, **fields) -> None:
+        print(f"[lmtrain] {kind}: {message}", file=sys.stderr, flush=True)
+        if trainer.is_global_zero and self.run_dir is not None:
+            logbook.append(self.run_dir, kind, message, **fields)
+            for hook in getattr(self.checkpointer, "alert_hooks", ()):
+                try:
+                    hook(kind, message)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"[lmtrain] could not send {kind} to {hook}: {exc}", file=sys.stderr)

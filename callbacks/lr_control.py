@@ -1,0 +1,147 @@
+"""Mid-flight learning-rate corrections: applied at a step boundary on every rank, recorded, kept across resumes.
+
+Sources (see lmtrain.corrections): automatic rollbacks (the divergence detector), an operator
+(``python -m lmtrain.control RUN_DIR lr --scale 0.5`` or ``--value 1e-4`` while the run runs), and the config
+at a (re)start (``callbacks.lr_control.scale``). The learning rate used at each step is the scheduler's value
+times the corrections in force at that step, so ``train/lr`` in MLflow shows the schedule the run really
+followed (OPT's "empirical LR schedule"); at the end of training it is also saved as a plot artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+
+from lmtrain import corrections, logbook
+from lmtrain.errors import InputError
+
+REQUESTS = "control"
+
+
+class LRControl(L.Callback):
+    """Args:
+    run_dir: the run directory (corrections file, operator requests under ``RUN_DIR/control/``).
+    scale: a learning-rate factor given at (re)start; recorded when it differs from the one in force.
+    poll_every: look for operator requests every this many optimizer steps.
+    """
+
+    def __init__(self, run_dir: str, scale: float | None = None, poll_every: int = 10) -> None:
+        if scale is not None and not scale > 0:
+            raise InputError(f"callbacks.lr_control.scale={scale}: must be a positive factor")
+        if poll_every < 1:
+            raise InputError(f"callbacks.lr_control.poll_every={poll_every}: must be >= 1")
+        self.run_dir, self.scale, self.poll_every = Path(run_dir), scale, poll_every
+        self.entries: list[dict] = []
+        self.history: list[tuple[int, float]] = []  # (step, lr) where it changed, for the plot; kept in checkpoints
+        self._last_polled = -1
+
+    def state_dict(self) -> dict:
+        return {"history": self.history}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = [tuple(p) for p in state.get("history", [])]
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # rank zero's reading, so that every rank applies the same corrections even while the file is being written
+        self.entries = trainer.strategy.broadcast(corrections.load(self.run_dir) if trainer.is_global_zero else None, src=0)
+        if self.scale is not None and corrections.config_scale(self.entries) != self.scale:
+            entry = {"from_step": trainer.global_step, "scale": self.scale, "reason": "config"}
+            if trainer.is_global_zero:
+                corrections.add(self.run_dir, entry)
+                logbook.append(
+                    self.run_dir,
+                    "lr_correction",
+                    f"config: learning rate x{self.scale} from step {trainer.global_step}",
+                    step=trainer.global_step,
+                )
+            self.entries.append(entry)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step != self._last_polled and step % self.poll_every == 0:
+            self._last_polled = step
+            self._poll(trainer, pl_module)
+        mult = corrections.multiplier(self.entries, step)
+        for cfg in trainer.lr_scheduler_configs or []:
+            base = cfg.scheduler.get_last_lr()
+            for group, lr in zip(cfg.scheduler.optimizer.param_groups, base):
+                group["lr"] = lr * mult
+        if not trainer.lr_scheduler_configs:
+            for opt in trainer.optimizers:
+                for group in opt.param_groups:
+                    group.setdefault("lmtrain_base_lr", group["lr"])
+                    group["lr"] = group["lmtrain_base_lr"] * mult
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        while self.history and self.history[-1][0] >= step:  # a rollback rewound the steps: a new timeline
+            self.history.pop()
+        if not self.history or abs(lr - self.history[-1][1]) > 1e-3 * abs(self.history[-1][1]) or step % 100 == 0:
+            self.history.append((step, lr))
+
+    def _poll(self, trainer, pl_module) -> None:
+        """Rank zero reads pending operator requests; every rank applies them from this same step."""
+        requests = []
+        if trainer.is_global_zero:
+            folder = self.run_dir / REQUESTS
+            for f in sorted(folder.glob("lr-*.json")) if folder.is_dir() else []:
+                try:
+                    requests.append(json.loads(f.read_text()))
+                except (OSError, json.JSONDecodeError) as exc:
+                    print(f"[lmtrain] ignoring unreadable control request {f}: {exc}", file=sys.stderr)
+                done = folder / "applied"
+                done.mkdir(exist_ok=True)
+                f.rename(done / f.name)
+        requests = trainer.strategy.broadcast(requests, src=0)
+        step = trainer.global_step
+        for req in requests:
+            current = trainer.optimizers[0].param_groups[0]["lr"]
+            scale = float(req["scale"]) if req.get("scale") is not None else float(req["value"]) / current
+            entry = {"from_step": step, "scale": scale, "reason": "operator", "request": req}
+            self.entries.append(entry)
+            if trainer.is_global_zero:
+                corrections.add(self.run_dir, entry)
+                what = f"x{req['scale']}" if req.get("scale") is not None else f"set to {req['value']:g} (x{scale:.4g})"
+                logbook.append(self.run_dir, "lr_correction", f"operator: learning rate {what} from step {step}", step=step)
+                print(f"[lmtrain] learning rate {what} from step {step} (operator request)", file=sys.stderr)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            save_lr_plot(trainer, self.run_dir, self.history)
+
+
+def save_lr_plot(trainer, run_dir: Path, history: list[tuple[int, float]]) -> None:
+    """``RUN_DIR/lr_schedule.svg`` from the learning rates used, and to MLflow as an artifact."""
+    if not history:
+        return
+    path = run_dir / "lr_schedule.svg"
+    path.write_text(svg_line_plot(history, "learning rate followed (schedule x corrections)"))
+    for lg in trainer.loggers:
+        if type(lg).__name__ == "MLFlowLogger":
+            lg.experiment.log_artifact(lg.run_id, str(path))
+
+
+def svg_line_plot(points: list[tuple[float, float]], title: str, w: int = 640, h: int = 320) -> str:
+    """A dependency-free SVG line plot."""
+    points = sorted(points)
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x0, x1, y0, y1 = min(xs), max(xs) or 1, 0.0, max(ys) or 1.0
+    pad = 40
+
+    def px(x: float) -> float:
+        return pad + (x - x0) / max(x1 - x0, 1e-12) * (w - 2 * pad)
+
+    def py(y: float) -> float:
+        return h - pad - (y - y0) / max(y1 - y0, 1e-12) * (h - 2 * pad)
+
+    path = " ".join(f"{'M' if i == 0 else 'L'}{px(x):.1f},{py(y):.1f}" for i, (x, y) in enumerate(points))
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">'
+        f'<text x="{pad}" y="20">{title}</text>'
+        f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>'
+        f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>'
+        f'<text x="{pad}" y="{h - pad + 15}">{x0:g}</text><text x="{w - pad}" y="{h - pad + 15}" text-anchor="end">step {x1:g}</text>'
+        f'<text x="{pad - 4}" y="{pad}" text-anchor="end">{y1:.3g}</text><text x="{pad - 4}" y="{h - pad}" text-anchor="end">0</text>'
+        f'<path d="{path}" fill="none" stroke="#1f77b4" stroke-width="1.5"/></svg>\n'
+    )

@@ -1,0 +1,196 @@
+"""Divergence detection and its actions, rollback with a lowered learning rate, operator LR corrections, logbook."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from callbacks.divergence import _EMA, DivergenceDetector
+from lmtrain import checkpoint as ck
+from lmtrain import corrections, logbook
+from lmtrain.errors import InputError
+from lmtrain.run import train
+from tests.conftest import ROOT, TINY, make_cfg, run_train_cli
+
+STABLE = [
+    "callbacks=default", "trainer.enable_progress_bar=false", "callbacks.checkpoint.every_n_steps=4",
+    "callbacks.disk_guard.margin_gb=0", "callbacks.divergence.warmup_steps=5", "callbacks.lr_control.poll_every=1",
+    "callbacks.divergence.act_growth={ratio: 10.0, action: warn}",  # the first steps of training grow activations 4x
+    "logger=csv", "trainer.max_steps=16", "scheduler.total_steps=16", "scheduler.warmup_steps=2", "trainer.val_check_interval=100",
+]  # fmt: skip
+
+
+def _rows(run_dir: Path) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    with open(run_dir / "csv" / "metrics.csv", newline="") as fh:
+        for row in csv.DictReader(fh):
+            if row.get("train/loss"):
+                out[int(row["step"])] = row
+    return out
+
+
+def _kinds(run_dir: Path) -> list[str]:
+    return [e["kind"] for e in logbook.read(run_dir) if e["kind"] != "checkpoint"]
+
+
+def test_running_statistics_and_corrections_arithmetic():
+    ema = _EMA(0.9)
+    for x in [1.0, 1.1, 0.9, 1.0, 1.05, 0.95] * 5:
+        ema.update(x)
+    assert abs(ema.mean - 1.0) < 0.05 and ema.z(3.0) > 10 and abs(ema.z(1.0)) < 1
+    entries = [
+        {"from_step": 10, "scale": 0.5, "reason": "rollback", "skip_batches": 6},
+        {"from_step": 20, "scale": 0.5, "reason": "operator"},
+        {"from_step": 5, "scale": 2.0, "reason": "config"},
+        {"from_step": 25, "scale": 1.0, "reason": "config"},
+    ]
+    assert [corrections.multiplier(entries, s) for s in (0, 5, 10, 20, 25)] == [1.0, 2.0, 1.0, 0.5, 0.25]
+    assert corrections.data_skip(entries, 10) == 6 and corrections.data_skip(entries, 8) == 0
+    with pytest.raises(InputError, match="action='explode'"):
+        DivergenceDetector(loss_spike={"action": "explode"})
+    with pytest.raises(InputError, match=r"unknown key\(s\) \['zz'\]"):
+        DivergenceDetector(loss_spike={"zz": 1})
+
+
+def test_loss_spike_rolls_back_to_a_healthy_checkpoint_with_a_lower_learning_rate(tmp_path, dataset_dir):
+    ref = make_cfg(TINY + STABLE, tmp_path / "ref", dataset_dir)
+    train(ref)
+    cfg = make_cfg(TINY + STABLE + ["fault=loss_spike", "callbacks.fault.step=10"], tmp_path / "spike", dataset_dir)
+    train(cfg)
+    run = tmp_path / "spike" / "run"
+    (entry,) = corrections.load(run)
+    assert entry["reason"] == "rollback" and entry["signal_step"] == 10 and entry["from_step"] == 8 and entry["scale"] == 0.5
+    assert entry["skip_batches"] == 2
+    signal = next(e for e in logbook.read(run) if e["kind"] == "divergence_signal")
+    assert "loss_spike" in signal["signals"] and signal["action"] == "rollback" and signal["step"] == 10 and signal["tokens"] > 0
+    assert _kinds(run) == ["start", "divergence_signal", "rollback"]
+    rows, ref_rows = _rows(run), _rows(tmp_path / "ref" / "run")
+    assert sorted(rows) == list(range(16))  # the abandoned steps 8..10 were replaced by the new timeline
+    for s in range(8):  # before the rollback's checkpoint: the reference run exactly
+        assert rows[s]["train/loss"] == ref_rows[s]["train/loss"] and rows[s]["train/lr"] == ref_rows[s]["train/lr"]
+    for s in range(8, 16):  # from it on: half the scheduled learning rate
+        assert math.isclose(float(rows[s]["train/lr"]), 0.5 * float(ref_rows[s]["train/lr"]), rel_tol=1e-5)
+    assert all(float(rows[s]["train/loss"]) < 20 for s in rows)  # the spike is gone from the logged timeline
+    healthy = {c.step: c.meta["health"]["healthy"] for c in ck.scan(run / "checkpoints")}
+    assert healthy and all(healthy.values())
+    assert (run / "lr_schedule.svg").read_text().startswith("<svg")
+    out = subprocess.run([sys.executable, "-m", "lmtrain.logbook", str(run)], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and "rolling back to step-0000008" in out.stdout
+
+
+def test_growing_activations_stop_the_run_without_saving_the_bad_state(tmp_path, dataset_dir):
+    cfg = make_cfg(
+        TINY + STABLE + ["fault=act_growth", "callbacks.fault.step=9", "callbacks.divergence.act_growth={ratio: 10.0, action: stop}"],
+        tmp_path,
+        dataset_dir,
+    )
+    train(cfg)
+    run = tmp_path / "run"
+    kinds = _kinds(run)
+    assert kinds[:1] == ["start"] and kinds[-1] == "stop" and "divergence_signal" in kinds
+    stopped_at = max(_rows(run))
+    assert 9 < stopped_at < 15
+    assert [c.step for c in ck.scan(run / "checkpoints")] == [4, 8]  # nothing saved after the signal
+
+
+def test_warn_and_skip_actions(tmp_path, dataset_dir):
+    """A spike with action skip: the step's update is dropped (parameters and optimizer state untouched)."""
+    cfg = make_cfg(
+        TINY + STABLE + ["fault=loss_spike", "callbacks.fault.step=10", "callbacks.divergence.loss_spike={action: skip}",
+                         "callbacks.divergence.grad_spike={action: warn}", "+callbacks.rec._target_=tests.plugins.RecordLR",
+                         f"+callbacks.rec.path={tmp_path / 'lr'}"],
+        tmp_path, dataset_dir,
+    )  # fmt: skip
+    train(cfg)
+    run = tmp_path / "run"
+    rows = _rows(run)
+    assert sorted(rows) == list(range(16)) and float(rows[10]["stability/loss_spike"]) == 1.0
+    assert float(rows[10]["stability/grad_spike"]) == 1.0  # warned and logged
+    assert float(rows[11]["train/loss"]) < 10  # the 20x loss of step 10 never reached the weights
+    sig = next(e for e in logbook.read(run) if e["kind"] == "divergence_signal")
+    assert sig["action"] == "skip" and not corrections.load(run)
+
+
+@pytest.mark.slow
+def test_real_divergence_is_caught_rolled_back_and_capped(tmp_path, dataset_dir):
+    """No injected fault: the tiny model with a peak learning rate of 0.3 diverges; the detector rolls back once with a
+    lower rate, diverges again and, at the cap (max_rollbacks=1), stops and says so."""
+    cfg = make_cfg(
+        TINY + STABLE + ["optimizer.lr=0.3", "scheduler.warmup_steps=10", "callbacks.divergence.max_rollbacks=1",
+                         "callbacks.divergence.warmup_steps=2", "callbacks.checkpoint.every_n_steps=2", "trainer.max_steps=40",
+                         "scheduler.total_steps=40"],
+        tmp_path, dataset_dir,
+    )  # fmt: skip
+    train(cfg)
+    run = tmp_path / "run"
+    kinds = _kinds(run)
+    assert kinds.count("rollback") == 1 and kinds[-1] == "stop", kinds
+    assert "after 1 rollback(s)" in logbook.read(run)[-1]["message"]
+    assert max(_rows(run)) < 39
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_nan_on_one_rank_and_an_operator_lr_change_apply_on_both_ranks(tmp_path, dataset_dir):
+    """2 processes (gloo): a NaN loss on rank 1 only is seen by both ranks, which skip the same step; an operator's
+    `python -m lmtrain.control RUN_DIR lr --scale 0.25` issued when step 5 is done is applied by both ranks from the next."""
+    run_dir = tmp_path / "runs" / "two"
+    args = [a for a in TINY if not a.startswith("trainer.devices")] + STABLE + [
+        "strategy=ddp", "trainer.devices=2", f"paths.runs={tmp_path / 'runs'}", "run_name=two", f"data.path={dataset_dir}",
+        "data.prepare=null", "trainer.max_steps=10", "fault=nan_loss", "callbacks.fault.step=7", "callbacks.fault.rank=1",
+        "callbacks.divergence.nonfinite={action: skip}", "+callbacks.rec._target_=tests.plugins.RecordLR",
+        f"+callbacks.rec.path={tmp_path / 'lr'}", "+callbacks.op._target_=tests.plugins.OperatorAt", f"+callbacks.op.run_dir={run_dir}",
+        "+callbacks.op.step=5", "+callbacks.op.scale=0.25",
+    ]  # fmt: skip
+    res = run_train_cli(args, tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    lrs = [json.loads((tmp_path / f"lr.rank{r}.json").read_text()) for r in (0, 1)]
+    assert lrs[0] == lrs[1]
+    ref = json.loads((tmp_path / "lr.rank0.json").read_text())
+    (op,) = [e for e in corrections.load(run_dir) if e["reason"] == "operator"]
+    assert op["from_step"] == 5 and op["scale"] == 0.25  # requested when step 5 was done: in force from the next one
+    sig = [e for e in logbook.read(run_dir) if e["kind"] == "divergence_signal"]
+    assert len(sig) == 1 and sig[0]["signals"] == ["nonfinite"] and sig[0]["step"] == 7
+    assert "lr_correction" in _kinds(run_dir)
+    rows = _rows(run_dir)
+    assert math.isnan(float(rows[7]["train/loss"])) and all(math.isfinite(float(rows[s]["train/loss"])) for s in rows if s != 7)
+    assert float(ref["5"]) < 0.3 * float(ref["4"])  # x0.25 on top of the (slowly decaying) schedule
+
+
+def test_operator_command_line(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    bad = subprocess.run(
+        [sys.executable, "-m", "lmtrain.control", str(run), "lr", "--scale", "0.5"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert bad.returncode == 2 and "not a run directory" in bad.stderr
+    (run / "config.yaml").write_text("x: 1\n")
+    ok = subprocess.run(
+        [sys.executable, "-m", "lmtrain.control", str(run), "lr", "--value", "1e-4"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert ok.returncode == 0
+    (req,) = list((run / "control").glob("lr-*.json"))
+    assert json.loads(req.read_text())["value"] == 1e-4
+    neg = subprocess.run(
+        [sys.executable, "-m", "lmtrain.control", str(run), "lr", "--scale", "-1"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert neg.returncode == 2 and "must be positive" in neg.stderr
+
+
+def test_detector_state_survives_a_resume(tmp_path, dataset_dir):
+    """Stopped after step 9 and resumed: the detector's running statistics continue as if never interrupted."""
+    train(make_cfg(TINY + STABLE, tmp_path / "ref", dataset_dir))
+    train(make_cfg(TINY + STABLE + ["trainer.max_steps=9"], tmp_path / "cut", dataset_dir))
+    train(make_cfg(TINY + STABLE, tmp_path / "cut", dataset_dir))  # the same run directory: resumes from step 9
+    assert _kinds(tmp_path / "cut" / "run") == ["start", "resume"]
+    ref, got = _rows(tmp_path / "ref" / "run"), _rows(tmp_path / "cut" / "run")
+    assert sorted(got) == list(range(16))
+    for s in range(16):
+        for key in ("train/loss", "stability/loss_z", "stability/grad_z", "stability/act_ratio"):
+            assert got[s][key] == ref[s][key], (s, key)
