@@ -198,9 +198,14 @@ def _attempt(cfg: DictConfig, rollback: dict | None):
         for lg in trainer.loggers:
             _safe_finalize(lg, "failed")
         raise
+    else:
+        detector = next((c for c in callbacks if hasattr(c, "rollback_request")), None)
+        if trainer.is_global_zero and getattr(detector, "rollback_request", None) is None:
+            step = trainer.global_step
+            tokens = step * module.tokens_per_step() if hasattr(module, "tokens_per_step") else 0
+            logbook.append(run_dir, "end", f"training ended at step {step} ({tokens:,} tokens)", step=step, tokens=tokens)
     finally:
         logbook.mirrors.clear()
-    detector = next((c for c in callbacks if hasattr(c, "rollback_request")), None)
     return {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}, detector
 
 
