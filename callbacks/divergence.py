@@ -155,7 +155,7 @@ class DivergenceDetector(L.Callback):
         if not (math.isfinite(loss) and math.isfinite(grad)):
             fired.append(("nonfinite", f"loss {loss}, gradient norm {grad}"))
         else:
-            judging = self.loss.n >= self.warmup_steps
+            judging = self.loss.n >= max(self.warmup_steps, 2)  # never on statistics of nothing
             lz, gz = self.loss.z(loss), self.grad.z(grad)
             metrics.update({"stability/loss_z": lz if self.loss.n else 0.0, "stability/grad_z": gz if self.grad.n else 0.0})
             sp = self.signals["loss_spike"]
@@ -170,7 +170,7 @@ class DivergenceDetector(L.Callback):
                 if judging and ratio > self.signals["act_growth"]["ratio"]:
                     fired.append(("act_growth", f"final-layer activation RMS {act:.4g}, {ratio:.2f}x its average {self.act.mean:.4g}"))
         if scale is not None:
-            metrics["stability/loss_scale"] = scale
+            metrics["train/loss_scale"] = scale
             if scale < self.signals["loss_scale"]["floor"]:
                 fired.append(("loss_scale", f"fp16 loss scale {scale:g} below the floor {self.signals['loss_scale']['floor']:g}"))
 

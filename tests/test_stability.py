@@ -194,3 +194,19 @@ def test_detector_state_survives_a_resume(tmp_path, dataset_dir):
     for s in range(16):
         for key in ("train/loss", "stability/loss_z", "stability/grad_z", "stability/act_ratio"):
             assert got[s][key] == ref[s][key], (s, key)
+
+
+def test_fp16_loss_scale_below_its_floor_is_a_signal():
+    """The decision alone (fp16 autocast does not run on CPU: Lightning turns 16-mixed into bf16 there, so no
+    gradient scaler exists in CI). The detector gets the scale the module reads from the precision plugin."""
+    from types import SimpleNamespace
+
+    logged = {}
+    det = DivergenceDetector(warmup_steps=0, loss_scale={"floor": 1.0, "action": "skip"})
+    det.checkpointer, det.run_dir = None, None
+    trainer = SimpleNamespace(global_step=3, is_global_zero=True, accumulate_grad_batches=1)
+    module = SimpleNamespace(log_dict=lambda m, **kw: logged.update(m))
+    assert det.check_step(trainer, module, {"loss": 2.0, "grad_norm": 1.0, "act_rms": 1.0, "loss_scale": 65536.0}) is False
+    assert logged["stability/loss_scale"] == 0.0 and logged["train/loss_scale"] == 65536.0
+    assert det.check_step(trainer, module, {"loss": 2.0, "grad_norm": 1.0, "act_rms": 1.0, "loss_scale": 0.5}) is True  # skipped
+    assert logged["stability/loss_scale"] == 1.0 and logged["stability/healthy"] == 0.0
