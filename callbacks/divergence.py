@@ -32,6 +32,7 @@ import lightning as L
 from lmtrain import checkpoint as ck
 from lmtrain import corrections, logbook
 from lmtrain.errors import InputError
+from lmtrain.logs import log_direct
 
 ACTIONS = ("warn", "skip", "stop", "rollback")
 SEVERITY = {a: i for i, a in enumerate(ACTIONS)}
@@ -191,7 +192,7 @@ class DivergenceDetector(L.Callback):
         metrics["stability/healthy"] = float(healthy)
         for name in self.signals:
             metrics[f"stability/{name}"] = float(any(n == name for n, _ in fired))
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        log_direct(trainer, metrics)
         if self.checkpointer is not None:
             self.checkpointer.health = {
                 "healthy": healthy,

@@ -20,6 +20,12 @@ class ProgressBar(TQDMProgressBar):
     def get_metrics(self, trainer, pl_module) -> dict:
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
+        # logged straight to the loggers (lmtrain.logs.log_direct), so read them at the source
+        if trainer.optimizers:
+            metrics["train/lr"] = trainer.optimizers[0].param_groups[0]["lr"]
+        rate = next((c.last_tokens_per_sec for c in trainer.callbacks if getattr(c, "last_tokens_per_sec", None)), None)
+        if rate is not None:
+            metrics["perf/tokens_per_sec"] = rate
         out = {}
         for key, value in metrics.items():
             name = self.SHORT.get(key, key)

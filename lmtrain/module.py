@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmtrain.logs import log_direct
 from lmtrain.optim import build_optimizer
 
 
@@ -134,17 +135,18 @@ class LMModule(L.LightningModule):
         loss, act_ms = self.trainer.strategy.reduce(local, reduce_op="mean")  # every rank sees the same values
         act_rms = act_ms.sqrt()
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
-        self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
-        self.log("train/lr", optimizer.param_groups[0]["lr"], prog_bar=True, on_step=True, on_epoch=False)
+        # one host sync per step, as the loss logging has anyway; plain floats skip Lightning's per-call cost
+        extra = {"train/lr": optimizer.param_groups[0]["lr"], "train/grad_norm": float(norm)}
         if self._act_hook is not None:
-            self.log("train/act_rms", act_rms, on_step=True, on_epoch=False)
+            extra["train/act_rms"] = float(act_rms)
+        log_direct(self.trainer, extra)
         checkers = [c for c in self.trainer.callbacks if hasattr(c, "check_step")]
         if checkers:
             scaler = getattr(self.trainer.precision_plugin, "scaler", None)
             stats = {
                 "loss": float(loss),
-                "grad_norm": float(norm),
-                "act_rms": float(act_rms) if self._act_hook is not None else None,
+                "grad_norm": extra["train/grad_norm"],
+                "act_rms": extra.get("train/act_rms"),
                 "loss_scale": float(scaler.get_scale()) if scaler is not None else None,
             }
             skip = False

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import subprocess
@@ -15,6 +14,7 @@ from callbacks.divergence import _EMA, DivergenceDetector
 from lmtrain import checkpoint as ck
 from lmtrain import corrections, logbook
 from lmtrain.errors import InputError
+from lmtrain.logs import by_step
 from lmtrain.run import train
 from tests.conftest import ROOT, TINY, make_cfg, run_train_cli
 
@@ -27,12 +27,8 @@ STABLE = [
 
 
 def _rows(run_dir: Path) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    with open(run_dir / "csv" / "metrics.csv", newline="") as fh:
-        for row in csv.DictReader(fh):
-            if row.get("train/loss"):
-                out[int(row["step"])] = row
-    return out
+    """Every logged value per step, for the steps that logged a loss."""
+    return {s: r for s, r in by_step(run_dir).items() if "train/loss" in r}
 
 
 def _kinds(run_dir: Path) -> list[str]:
@@ -204,8 +200,12 @@ def test_fp16_loss_scale_below_its_floor_is_a_signal():
     logged = {}
     det = DivergenceDetector(warmup_steps=0, loss_scale={"floor": 1.0, "action": "skip"})
     det.checkpointer, det.run_dir = None, None
-    trainer = SimpleNamespace(global_step=3, is_global_zero=True, accumulate_grad_batches=1)
-    module = SimpleNamespace(log_dict=lambda m, **kw: logged.update(m))
+    trainer = SimpleNamespace(
+        global_step=3, is_global_zero=True, accumulate_grad_batches=1, log_every_n_steps=1,
+        loggers=[SimpleNamespace(log_metrics=lambda m, step: logged.update(m))],
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=3)),
+    )  # fmt: skip
+    module = SimpleNamespace()
     assert det.check_step(trainer, module, {"loss": 2.0, "grad_norm": 1.0, "act_rms": 1.0, "loss_scale": 65536.0}) is False
     assert logged["stability/loss_scale"] == 0.0 and logged["train/loss_scale"] == 65536.0
     assert det.check_step(trainer, module, {"loss": 2.0, "grad_norm": 1.0, "act_rms": 1.0, "loss_scale": 0.5}) is True  # skipped

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmtrain.config import validate_config
-from lmtrain.logs import metric, read_metrics
+from lmtrain.logs import by_step, metric
 from lmtrain.model import num_params
 from lmtrain.run import train
 from tests.conftest import ROOT, TINY, make_cfg, run_train_cli
@@ -52,8 +52,7 @@ def test_loss_falls(tiny_cfg, model):
 def test_logged_metrics_every_step(tiny_cfg):
     cfg = tiny_cfg("trainer.max_steps=3", "logger=csv", "callbacks=default", "callbacks.throughput.peak_tflops=1.0")
     train(cfg)
-    rows = read_metrics(Path(cfg.run_dir))
-    steps = [r for r in rows if r.get("train/loss")]
+    steps = [r for r in by_step(Path(cfg.run_dir)).values() if r.get("train/loss")]
     assert len(steps) == 3
     for key in ("train/lr", "train/grad_norm", "perf/tokens_per_sec", "perf/mfu"):
         assert all(r[key] for r in steps), key
