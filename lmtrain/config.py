@@ -122,6 +122,8 @@ def _strategy_problems(cfg: DictConfig) -> list[str]:
         if on_cpu:
             out.append("Lightning's FSDPStrategy does not run on CPU: use strategy=fsdp (FSDP2, runs on CPU with gloo and on GPUs)")
     if target.startswith("lmtrain.strategies.") and target.endswith(("FSDP2Strategy", "HSDPStrategy")):
+        if on_cpu and st.get("cpu_offload"):
+            out.append("strategy.cpu_offload=true needs GPUs: on CPU the parameters already live in host memory")
         if str(cfg.trainer.get("precision")) in ("16-mixed", "16"):
             out.append(f"strategy {target.rsplit('.', 1)[1]} with trainer.precision=16-mixed is not supported: use bf16-mixed")
         if target.endswith("HSDPStrategy"):

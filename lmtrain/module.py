@@ -78,8 +78,12 @@ class LMModule(L.LightningModule):
         strategy = self._trainer.strategy if self._trainer is not None else None
         parallelize = getattr(strategy, "parallelize", None)
         if self.model is None:
-            if parallelize is not None and getattr(strategy, "init_device", "cpu") == "cpu":
+            init_device = getattr(strategy, "init_device", None) if parallelize is not None else None
+            if init_device == "cpu":
                 with torch.device("cpu"):  # the full seeded init on every rank, then shard: same weights as 1 process
+                    self.model = self._model_factory()
+            elif init_device == "meta":
+                with torch.device("meta"):  # no memory: the strategy allocates and initialises each shard in place
                     self.model = self._model_factory()
             else:
                 self.model = self._model_factory()

@@ -72,6 +72,7 @@ def test_fsdp_and_hsdp_match_one_process_and_resume_sharded_checkpoints(tmp_path
             "shard_size=4 does not divide the world size 6",
         ),
         (["strategy=fsdp", "trainer.precision=16-mixed"], "16-mixed is not supported: use bf16-mixed"),
+        (["strategy=fsdp", "strategy.cpu_offload=true"], "cpu_offload=true needs GPUs"),
         (["strategy.name=fsdp"], "Lightning's FSDPStrategy does not run on CPU: use strategy=fsdp"),
         (["strategy=fsdp", "strategy.activation_checkpointing=some"], None),
         (
@@ -90,3 +91,20 @@ def test_impossible_strategies_are_refused_before_launch(tmp_path, overrides, me
         return
     with pytest.raises(ConfigError, match=message):
         validate_config(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp_options_activation_checkpointing_and_meta_init(tmp_path, dataset_dir):
+    """2 ranks: full and selective activation checkpointing recompute exactly what was freed (same losses, to
+    the digit); meta-device init allocates and initialises each shard in place and trains."""
+    common = ["strategy=fsdp", "trainer.devices=2", "data.batch_size=4", "trainer.max_steps=4", "scheduler.total_steps=4"]
+    _run(tmp_path, dataset_dir, "none", *common)
+    _run(tmp_path, dataset_dir, "full", *common, "strategy.activation_checkpointing=full")
+    _run(tmp_path, dataset_dir, "sel", *common, "strategy.activation_checkpointing=selective")
+    _run(tmp_path, dataset_dir, "meta", *common, "strategy.init_device=meta")
+    none = _losses(tmp_path / "runs" / "none")
+    assert _losses(tmp_path / "runs" / "full") == none == _losses(tmp_path / "runs" / "sel")
+    meta = {s: float(v) for s, v in _losses(tmp_path / "runs" / "meta").items()}
+    assert sorted(meta) == [0, 1, 2, 3] and all(7.0 < v < 9.0 for v in meta.values())
+    assert meta != {s: float(v) for s, v in none.items()}  # its own per-shard initialisation
