@@ -29,15 +29,17 @@ def _run(tmp_path, dataset_dir, name, *extra):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_fsdp_and_hsdp_match_one_process_and_resume_sharded_checkpoints(tmp_path, dataset_dir):
-    """Global batch 8 everywhere: 1 process x 8, fsdp 2 x 4, hsdp 2 x 2 (4 processes) x 2."""
+    """Global batch 8 everywhere: 1 process x 8, fsdp 2 x 4 and 4 x 2, hsdp 2 x 2 (4 processes) x 2."""
     _run(tmp_path, dataset_dir, "single", "trainer.devices=1", "data.batch_size=8")
     fsdp = _run(tmp_path, dataset_dir, "fsdp", "strategy=fsdp", "trainer.devices=2", "data.batch_size=4")
     assert "FSDP2Strategy: fully_shard per block on mesh (2,) ('data_parallel',)" in fsdp.stderr
+    fsdp4 = _run(tmp_path, dataset_dir, "fsdp4", "strategy=fsdp", "trainer.devices=4", "data.batch_size=2")
+    assert "fully_shard per block on mesh (4,) ('data_parallel',)" in fsdp4.stderr
     hsdp = _run(tmp_path, dataset_dir, "hsdp", "strategy=hsdp", "strategy.shard_size=2", "trainer.devices=4", "data.batch_size=2")
     assert "HSDPStrategy: fully_shard per block on mesh (2, 2) ('replicate', 'shard')" in hsdp.stderr
     single = {s: float(v) for s, v in _losses(tmp_path / "runs" / "single").items()}
     assert sorted(single) == list(range(8))
-    for name in ("fsdp", "hsdp"):
+    for name in ("fsdp", "fsdp4", "hsdp"):
         got = {s: float(v) for s, v in _losses(tmp_path / "runs" / name).items()}
         assert sorted(got) == sorted(single)
         for s in single:

@@ -1,0 +1,221 @@
+"""Compute and memory planner: the arithmetic before a large run, from the same presets and overrides as training.
+
+    python -m lmtrain.plan model=opt-175b cluster.gpus=1024 cluster.tflops_per_gpu=147 budget.flops=4.3e23
+    python -m lmtrain.plan model=opt-1.3b data.seq_len=1024 data.batch_size=16 cluster.gpus=8 budget.tokens=3e11 output=json
+
+Planner keys (everything else is a training override: ``model=``, ``model.*``, ``data.seq_len``, ``data.batch_size``):
+
+* ``cluster.gpus`` (8), ``cluster.gpus_per_node`` (8), ``cluster.memory_gb`` per GPU (80),
+  ``cluster.tflops_per_gpu`` sustained (default: 50% of 989, an H100's dense bf16 peak) or
+  ``cluster.tokens_per_sec_per_gpu`` measured (docs/BENCHMARKS.md);
+* ``budget.tokens`` or ``budget.flops`` (training length);
+* ``output=table|json``.
+
+Memory per GPU, bf16 mixed precision with fp32 master weights and AdamW: weights 4 B/param, gradients 4 B/param,
+optimizer state 8 B/param, each divided by the shard group (ddp: 1, fsdp: all GPUs, hsdp: one node); activations
+per micro-batch from Korthikanti et al. (2022) with flash attention: 34 x seq x batch x d_model bytes per layer
+without recomputation, 2 x seq x batch x d_model per layer (the saved block inputs) plus one layer's full set with
+full activation checkpointing, half of the layers each way with selective (every other block); plus the logits,
+batch x seq x vocab x 6 bytes (bf16 and the fp32 copy the loss takes). A 10% margin is kept free.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STRATEGIES = ("ddp", "fsdp", "hsdp")
+AC = ("none", "selective", "full")
+GB = 1e9
+MARGIN = 0.9
+DEFAULT_TFLOPS = 0.5 * 989.0
+
+
+def model_numbers(model_cfg, seq_len: int) -> dict:
+    """Parameters and FLOPs of a model config (a meta-device build: no memory)."""
+    import torch
+
+    from lmtrain.model import Decoder, flops_per_token, matmul_params, num_params
+
+    with torch.device("meta"):
+        model = Decoder(model_cfg)
+    total = num_params(model)
+    embedding = model.tok_emb.weight.numel() + (model.pos_emb.weight.numel() if model.pos_emb is not None else 0)
+    if not model_cfg.tie_embeddings:
+        embedding += model.lm_head.weight.numel()
+    return {
+        "params": total,
+        "non_embedding_params": total - embedding,
+        "matmul_params": matmul_params(model),
+        "flops_per_token": flops_per_token(model, seq_len),
+    }
+
+
+def memory(cfg, params: int, seq: int, batch: int, strategy: str, world: int, node: int, ac: str) -> dict:
+    """Bytes per GPU (see the module docstring)."""
+    shard = {"ddp": 1, "fsdp": world, "hsdp": min(node, world)}[strategy]
+    L, d, V = cfg.n_layers, cfg.d_model, cfg.vocab_size
+    per_layer_full = 34 * seq * batch * d
+    per_layer_saved = 2 * seq * batch * d
+    if ac == "none":
+        act = L * per_layer_full
+    elif ac == "full":
+        act = L * per_layer_saved + per_layer_full
+    else:
+        act = math.ceil(L / 2) * per_layer_full + (L // 2) * per_layer_saved
+    out = {
+        "weights": 4 * params / shard,
+        "gradients": 4 * params / shard,
+        "optimizer": 8 * params / shard,
+        "activations": act,
+        "logits": 6 * batch * seq * V,
+    }
+    if strategy != "ddp":  # one block's bf16 parameters gathered for compute (forward and the prefetched next one)
+        out["gathered"] = 2 * 2 * (params / max(L, 1))
+    out["total"] = sum(out.values())
+    return out
+
+
+def fewest_gpus(cfg, params: int, seq: int, batch: int, node: int, mem_bytes: float, ac: str) -> int | None:
+    """Fewest GPUs (whole nodes) on which fsdp fits the model, or None up to 65,536 GPUs."""
+    world = node
+    while world <= 65536:
+        if memory(cfg, params, seq, batch, "fsdp", world, node, ac)["total"] <= MARGIN * mem_bytes:
+            return world
+        world += node
+    return None
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
+
+
+def plan(cfg, cluster: dict, budget: dict) -> dict:
+    from lmtrain.model import ModelConfig
+
+    fields = {k: v for k, v in cfg.model.items() if not str(k).startswith("_")}
+    mcfg = ModelConfig(**fields)
+    seq, batch = int(cfg.data.seq_len), int(cfg.data.batch_size)
+    gpus, node = int(cluster["gpus"]), int(cluster["gpus_per_node"])
+    mem_bytes = float(cluster["memory_gb"]) * GB
+    nums = model_numbers(mcfg, seq)
+    out: dict = {"model": mcfg.name, **nums, "fp16_weights_gb": 2 * nums["params"] / GB, "seq_len": seq, "micro_batch": batch}
+    out["cluster"] = {"gpus": gpus, "gpus_per_node": node, "memory_gb": cluster["memory_gb"]}
+    if cluster.get("tokens_per_sec_per_gpu"):
+        rate_flops = float(cluster["tokens_per_sec_per_gpu"]) * nums["flops_per_token"]
+        out["cluster"]["tokens_per_sec_per_gpu"] = float(cluster["tokens_per_sec_per_gpu"])
+    else:
+        rate_flops = float(cluster.get("tflops_per_gpu") or DEFAULT_TFLOPS) * 1e12
+    out["cluster"]["tflops_per_gpu"] = rate_flops / 1e12
+    if budget.get("flops") or budget.get("tokens"):
+        flops = float(budget["flops"]) if budget.get("flops") else float(budget["tokens"]) * nums["flops_per_token"]
+        tokens = float(budget["tokens"]) if budget.get("tokens") else flops / nums["flops_per_token"]
+        seconds = flops / (gpus * rate_flops)
+        out["run"] = {"flops": flops, "tokens": tokens, "days": seconds / 86400, "gpu_hours": gpus * seconds / 3600}
+    out["memory_gb_per_gpu"] = {
+        s: {ac: {k: v / GB for k, v in memory(mcfg, nums["params"], seq, batch, s, gpus, node, ac).items()} for ac in AC}
+        for s in STRATEGIES
+    }
+    out["fits"] = {s: {ac: out["memory_gb_per_gpu"][s][ac]["total"] * GB <= MARGIN * mem_bytes for ac in AC} for s in STRATEGIES}
+    fewest = fewest_gpus(mcfg, nums["params"], seq, batch, node, mem_bytes, "full")
+    out["fewest_gpus_fsdp_full_ac"] = fewest
+    out["fewest_nodes_fsdp_full_ac"] = None if fewest is None else fewest // node
+    out["largest_preset_on_one_node"] = largest_on_one_node(seq, batch, node, mem_bytes)
+    return out
+
+
+def largest_on_one_node(seq: int, batch: int, node: int, mem_bytes: float) -> str | None:
+    """The preset with the most parameters that fits one node under fsdp with full activation checkpointing."""
+    from omegaconf import OmegaConf
+
+    from lmtrain.model import ModelConfig
+
+    best = None
+    for name in presets():
+        raw = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"))
+        mcfg = ModelConfig(**{k: v for k, v in raw.items() if not k.startswith("_")})
+        n = model_numbers(mcfg, seq)["params"]
+        if memory(mcfg, n, min(seq, mcfg.max_seq_len), batch, "fsdp", node, node, "full")["total"] <= MARGIN * mem_bytes:
+            if best is None or n > best[1]:
+                best = (name, n)
+    return best[0] if best else None
+
+
+def table(p: dict) -> str:
+    lines = [
+        f"model {p['model']}: {p['params']:,} parameters ({p['params'] / 1e9:.2f}B; {p['non_embedding_params']:,} non-embedding), "
+        f"fp16 weights {p['fp16_weights_gb']:.1f} GB",
+        f"FLOPs per token (6N + attention at seq {p['seq_len']}): {p['flops_per_token']:.4g}",
+    ]
+    c = p["cluster"]
+    lines.append(
+        f"cluster: {c['gpus']} GPUs, {c['gpus_per_node']} per node, {c['memory_gb']} GB each, {c['tflops_per_gpu']:.1f} TFLOP/s sustained per GPU"
+    )
+    if "run" in p:
+        r = p["run"]
+        lines.append(f"run: {r['flops']:.3g} FLOPs = {r['tokens']:.3g} tokens: {r['days']:.1f} days, {r['gpu_hours']:,.0f} GPU-hours")
+    lines.append(f"memory per GPU (GB), micro-batch {p['micro_batch']} x {p['seq_len']}, bf16 mixed, AdamW:")
+    lines.append("| strategy | activation ckpt | weights | gradients | optimizer | activations | logits | total | fits |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for s in STRATEGIES:
+        for ac in AC:
+            m = p["memory_gb_per_gpu"][s][ac]
+            lines.append(
+                f"| {s} | {ac} | {m['weights']:.2f} | {m['gradients']:.2f} | {m['optimizer']:.2f} | {m['activations']:.2f} | "
+                f"{m['logits']:.2f} | {m['total']:.2f} | {'yes' if p['fits'][s][ac] else 'no'} |"
+            )
+    few = p["fewest_gpus_fsdp_full_ac"]
+    lines.append(
+        f"fewest GPUs that fit it (fsdp, full activation checkpointing): {few if few else 'more than 65,536'}"
+        + (f" ({p['fewest_nodes_fsdp_full_ac']} node(s))" if few else "")
+    )
+    lines.append(f"largest preset that fits one node (fsdp, full activation checkpointing): {p['largest_preset_on_one_node']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hydra import compose, initialize_config_dir
+
+    args = sys.argv[1:] if argv is None else argv
+    cluster = {"gpus": 8, "gpus_per_node": 8, "memory_gb": 80.0, "tflops_per_gpu": None, "tokens_per_sec_per_gpu": None}
+    budget: dict = {"tokens": None, "flops": None}
+    output, overrides = "table", []
+    for a in args:
+        key, _, value = a.partition("=")
+        if key.startswith("cluster.") or key.startswith("budget."):
+            group, name = key.split(".", 1)
+            target = cluster if group == "cluster" else budget
+            if name not in target:
+                print(f"error: unknown planner key '{key}'; allowed: {sorted(f'{group}.{k}' for k in target)}", file=sys.stderr)
+                return 2
+            try:
+                target[name] = float(value)
+            except ValueError:
+                print(f"error: {key}={value!r} must be a number", file=sys.stderr)
+                return 2
+        elif key == "output":
+            if value not in ("table", "json"):
+                print(f"error: output={value!r}: use table or json", file=sys.stderr)
+                return 2
+            output = value
+        else:
+            overrides.append(a)
+    if cluster["gpus"] < 1 or cluster["gpus_per_node"] < 1 or cluster["memory_gb"] <= 0:
+        print("error: cluster.gpus, cluster.gpus_per_node and cluster.memory_gb must be positive", file=sys.stderr)
+        return 2
+    try:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=overrides)
+    except Exception as exc:  # noqa: BLE001 - Hydra's override errors are the user's
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    result = plan(cfg, cluster, budget)
+    print(json.dumps(result, indent=2) if output == "json" else table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
