@@ -31,12 +31,31 @@ def main(cfg: DictConfig) -> float | None:
         with open_dict(cfg):
             cfg.run_dir = hc.runtime.output_dir
             cfg.run_name = f"{cfg.run_name}-{hc.job.num}"
+    ok = False
     try:
         metrics = train(cfg)
+        ok = True
     except InputError as exc:  # config, data, tokenizer, checkpoint or disk: one message, no traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    return metrics.get("val/loss")  # the value a sweeper would optimise
+    finally:
+        _close_process_group(wait_for_others=ok)
+    return metrics.get("val/loss")
+
+
+def _close_process_group(wait_for_others: bool) -> None:
+    """Tear the process group down before the interpreter exits: left to exit-time destructors, gloo's worker
+    threads occasionally abort the process ("terminate called without an active exception") after a
+    successful run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if wait_for_others:  # after a failure the other ranks may be gone: never wait for them then
+            try:
+                dist.barrier()
+            except Exception:  # noqa: BLE001 - another rank already gone: still release ours
+                pass
+        dist.destroy_process_group()  # the value a sweeper would optimise
 
 
 if __name__ == "__main__":
