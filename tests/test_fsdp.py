@@ -55,6 +55,15 @@ def test_fsdp_and_hsdp_match_one_process_and_resume_sharded_checkpoints(tmp_path
     rest = _run(tmp_path, dataset_dir, "cut", *drop)
     assert "resuming from" in rest.stderr and "step-0000005" in rest.stderr
     assert _losses(tmp_path / "runs" / "cut") == _losses(tmp_path / "runs" / "ref")
+    # a sharded checkpoint is consolidated for sampling, without a distributed launch
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    gen = subprocess.run([sys.executable, "-m", "lmtrain.generate", str(tmp_path / "runs" / "cut"), "--prompt", "import os",
+                          "--temperature", "0", "--max-new-tokens", "5"], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert gen.returncode == 0 and gen.stdout.startswith("import os") and "step-0000008" in gen.stderr, gen.stderr[-2000:]
 
     # the same checkpoint on another number of ranks: refused, naming why
     other = run_train_cli(
