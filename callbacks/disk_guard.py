@@ -73,6 +73,8 @@ class DiskGuard(L.Callback):
 
     def before_save(self, trainer, ckptr, estimate: int) -> bool:
         """Called by the checkpointer on every rank before a save; False means: do not save, stop training."""
+        from callbacks.checkpoint import alert
+
         ok = True
         if trainer.is_global_zero:
             need = estimate + self.margin
@@ -80,8 +82,6 @@ class DiskGuard(L.Callback):
             if free < need:
                 deleted = ck.prune(ckptr.root, 1, ckptr.keep_every)
                 if deleted:
-                    from callbacks.checkpoint import alert
-
                     alert(
                         ckptr,
                         "disk_pruned",
@@ -89,8 +89,6 @@ class DiskGuard(L.Callback):
                     )
                 free = free_bytes(ckptr.root)
             if free < need:
-                from callbacks.checkpoint import alert
-
                 latest = ck.newest(ckptr.root, quiet=True)
                 alert(
                     ckptr,

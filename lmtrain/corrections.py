@@ -15,20 +15,13 @@ import os
 import time
 from pathlib import Path
 
+from lmtrain.logbook import read_jsonl
+
 FILE = "lr_corrections.jsonl"
 
 
 def load(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / FILE
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash
-    return out
+    return read_jsonl(Path(run_dir) / FILE)
 
 
 def add(run_dir: str | Path, entry: dict) -> dict:

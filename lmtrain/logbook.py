@@ -32,8 +32,8 @@ def append(run_dir: str | Path, kind: str, message: str, **fields) -> None:
             print(f"[lmtrain] could not mirror the logbook ({exc})", file=sys.stderr)
 
 
-def read(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / FILE
+def read_jsonl(path: Path) -> list[dict]:
+    """The objects of a JSON-lines file (none if it is missing); a line cut by a crash is skipped."""
     if not path.is_file():
         return []
     out = []
@@ -41,8 +41,12 @@ def read(run_dir: str | Path) -> list[dict]:
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
-            continue  # a line cut by a crash
+            continue
     return out
+
+
+def read(run_dir: str | Path) -> list[dict]:
+    return read_jsonl(Path(run_dir) / FILE)
 
 
 def main(argv: list[str] | None = None) -> int:
