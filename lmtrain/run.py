@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate as _hydra_instantiate
 from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -74,6 +75,21 @@ def model_identity(model: torch.nn.Module, cfg: DictConfig) -> dict:
     }
 
 
+def instantiate(config, *args, **kwargs):
+    """Hydra's ``instantiate``, but a user error raised by a constructor (an ``InputError``: a bad option value
+    checked in ``__init__``) stays that error instead of being wrapped in Hydra's InstantiationException, so it
+    ends in one message with exit 2 like every other input error."""
+    try:
+        return _hydra_instantiate(config, *args, **kwargs)
+    except InstantiationException as exc:
+        cause = exc.__cause__
+        while cause is not None and not isinstance(cause, InputError):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        raise cause from None
+
+
 def instantiate_group(node: DictConfig | None) -> list:
     """Instantiate each entry of a dict of named configs (callbacks, loggers); null entries are skipped."""
     if not node:
@@ -129,6 +145,9 @@ def _attempt(cfg: DictConfig, rollback: dict | None):
         raise InputError(f"cannot create the run directory {run_dir} (run_dir / paths.runs): {exc.strerror or exc}") from exc
     resume = resume_point(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    # cheap objects whose constructors check their options: built before any data is prepared
+    callbacks = instantiate_group(cfg.get("callbacks"))
+    strategy = instantiate(cfg.strategy) if cfg.get("strategy") else "auto"
 
     datamodule = instantiate(cfg.data)
     datamodule.prepare_data()
@@ -152,7 +171,6 @@ def _attempt(cfg: DictConfig, rollback: dict | None):
         optimizer=instantiate(cfg.optimizer),
         scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
     )
-    callbacks = instantiate_group(cfg.get("callbacks"))
     if not cfg.trainer.get("enable_progress_bar", True):  # `trainer.enable_progress_bar=false` wins over the bar callback
         from lightning.pytorch.callbacks import ProgressBar
 
@@ -164,7 +182,6 @@ def _attempt(cfg: DictConfig, rollback: dict | None):
                 lg.resume_at(resume.step, relog=rollback is not None)  # a rollback's new timeline is logged again
         skip = rollback["skip_batches"] if rollback is not None else corrections.data_skip(corrections.load(run_dir), resume.step)
         datamodule.skip_batches = skip
-    strategy = instantiate(cfg.strategy) if cfg.get("strategy") else "auto"
     checkpointer = next((c for c in callbacks if isinstance(c, Checkpointer)), None)
     extra = {"enable_checkpointing": True} if checkpointer is not None else {}  # ours replaces Lightning's ModelCheckpoint
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy, **extra)
@@ -236,7 +253,7 @@ def resume_point(cfg: DictConfig) -> ck.Checkpoint | None:
             f"(newest {max(existing).name}): pass resume=true to continue it, overwrite=true to delete them and start "
             "fresh, or choose another run_name"
         )
-    if existing and int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0:
+    if existing and _global_rank() == 0:
         import shutil
 
         print(f"[lmtrain] overwrite=true: deleting {len(existing)} checkpoint(s) in {root}", file=sys.stderr)

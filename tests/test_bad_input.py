@@ -125,3 +125,33 @@ def test_resuming_with_another_data_seed_is_refused(tiny_cfg, tmp_path, dataset_
     cfg = make_cfg([*TINY, "seed=99", "trainer.max_steps=3", f"ckpt_path={tmp_path / 'ckpt' / 'last.ckpt'}"], tmp_path / "b", dataset_dir)
     with pytest.raises(InputError, match=r"another data stream \(data.seed: 1234 -> 99\)"):
         train(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["callbacks=default", "callbacks.checkpoint.keep_last=1"], r"callbacks.checkpoint.keep_last=1: keep at least 2"),
+        (["callbacks=default", "callbacks.disk_guard.margin_gb=-1"], r"callbacks.disk_guard.margin_gb=-1 must be >= 0"),
+        (["callbacks=default", "callbacks.lr_control.scale=0"], r"callbacks.lr_control.scale=0: must be a positive factor"),
+        (["callbacks=default", "callbacks.divergence.loss_spike={action: explode}"], r"callbacks.divergence.loss_spike.action='explode'"),
+        (["strategy=fsdp", "strategy.activation_checkpointing=some"], r"strategy.activation_checkpointing='some': use one of"),
+        (["fault=crash", "callbacks.fault.kind=boom"], r"fault.kind='boom': use one of"),
+        (
+            ["data=mixture", "data.sources=[{path: /x, weight: -1}]", "data.path=null"],
+            r"data.sources\[0\].weight = -1: must be a positive number",
+        ),
+    ],
+)
+def test_bad_option_values_checked_by_constructors_are_one_message(overrides, message, dataset_dir, tmp_path):
+    """Options validated in a class's constructor end like every other input error (Hydra would wrap them), and
+    before any data is prepared or anything is written in the run directory."""
+    import re
+
+    args = [*TINY, f"paths.runs={tmp_path / 'runs'}", f"data.path={dataset_dir}", "data.prepare=null", "run_name=bad", *overrides]
+    res = run_train_cli(args, tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and "InstantiationException" not in res.stderr
+    assert re.search(message, res.stderr), res.stderr[-1000:]
+    assert "model tiny" not in res.stderr  # refused before the data and the model were looked at
+    run = tmp_path / "runs" / "bad"
+    assert not (run / "config.yaml").exists() and not (run / "checkpoints").exists()
