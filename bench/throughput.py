@@ -6,8 +6,9 @@
 The trainer side is ``lmtrain.run.train`` with the composed config (Lightning, callbacks, CSV logging on; the
 progress bar and validation off), its per-step ``perf/tokens_per_sec`` read back from the CSV log. The baseline
 is a bare loop over the same ``Decoder``: forward, cross-entropy, backward, global-norm clip, AdamW step, with
-its batches drawn from the same prepared dataset before timing starts (so it pays no data-loading cost).
-Both report the median tokens/s over the steps after ``--warmup``; the table row gives both and their ratio.
+its batches drawn from the same prepared dataset and moved to the device before timing starts (so it pays no
+data-loading cost), timed over all steps after ``--warmup`` with no host sync inside the window. The trainer side
+reports the median of its per-step tokens/s after ``--warmup``; the table row gives both and their ratio.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from hydra.utils import instantiate  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 
 import lmtrain.config  # noqa: E402,F401
+from callbacks.profiler import busy_fraction  # noqa: E402
 from data.datamodule import PackedBlocks  # noqa: E402
 from lmtrain.logs import metric  # noqa: E402
 from lmtrain.model import num_params  # noqa: E402
@@ -36,10 +38,13 @@ from lmtrain.module import lm_loss  # noqa: E402
 from lmtrain.run import train  # noqa: E402
 
 
-def trainer_tokens_per_sec(cfg, steps: int, warmup: int, out: Path) -> tuple[list[float], list[float], list[float]]:
+def trainer_tokens_per_sec(cfg, steps: int, warmup: int, out: Path, profile: int = 0) -> tuple[list[float], list[float], list[float]]:
     with open_dict(cfg):
+        if profile:  # after the timed window, so that profiling does not slow the steps that are timed
+            cfg.trainer.max_steps = steps + profile
+            cfg.callbacks["profiler"] = {"_target_": "callbacks.profiler.StepProfiler", "start_step": steps, "steps": profile}
         cfg.run_dir = str(out / "trainer")
-        cfg.trainer.max_steps = steps
+        cfg.trainer.max_steps = max(steps, cfg.trainer.max_steps if profile else 0)
         cfg.trainer.val_check_interval = 10**9
         cfg.trainer.limit_val_batches = 0
         cfg.trainer.enable_progress_bar = False
@@ -48,10 +53,17 @@ def trainer_tokens_per_sec(cfg, steps: int, warmup: int, out: Path) -> tuple[lis
             (cfg.get("callbacks") or {}).pop(name, None)
     train(cfg)
     run = Path(cfg.run_dir)
-    return metric(run, "perf/tokens_per_sec")[warmup:], metric(run, "perf/mfu")[warmup:], metric(run, "perf/max_memory_gib")
+    summary = run / "profile" / "summary_rank0.txt"
+    if summary.is_file():
+        print("== trainer profile\n" + summary.read_text(), flush=True)
+    return (
+        metric(run, "perf/tokens_per_sec")[warmup:steps],
+        metric(run, "perf/mfu")[warmup:steps],
+        metric(run, "perf/max_memory_gib")[:steps],
+    )
 
 
-def raw_tokens_per_sec(cfg, steps: int, warmup: int, device: torch.device) -> list[float]:
+def raw_tokens_per_sec(cfg, steps: int, warmup: int, device: torch.device, profile: int = 0) -> list[float]:
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model)().to(device)
     opt = torch.optim.AdamW(
@@ -67,20 +79,44 @@ def raw_tokens_per_sec(cfg, steps: int, warmup: int, device: torch.device) -> li
         batches.append((torch.stack(x).to(device), torch.stack(y).to(device)))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=str(cfg.trainer.precision).startswith("bf16"))
     loss_fn = torch.compile(lm_loss) if cfg.module.get("compile") else lm_loss  # as the trainer does
-    rates = []
-    for x, y in batches:
-        t0 = time.perf_counter()
+
+    def step(x, y):
         with autocast:
             loss = loss_fn(model, x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.module.grad_clip or float("inf"))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss.item()  # the trainer logs the loss every step too
+        return loss
+
+    def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
-        rates.append(x.numel() / (time.perf_counter() - t0))
-    return rates[warmup:]
+
+    for x, y in batches[:warmup]:
+        step(x, y)
+    sync()
+    t0 = time.perf_counter()
+    for x, y in batches[warmup:]:  # no host sync inside the timed window, as a hand-written loop would do
+        loss = step(x, y)
+    loss.item()
+    sync()
+    rate = sum(x.numel() for x, _ in batches[warmup:]) / (time.perf_counter() - t0)
+    if profile:
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch.profiler.profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            for x, y in batches[warmup : warmup + profile]:
+                step(x, y)
+            sync()
+            wall_us = (time.perf_counter() - t0) * 1e6
+        busy, frac = busy_fraction(prof.events(), wall_us)
+        sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+        print(
+            f"== raw loop profile: {wall_us / profile / 1e3:.2f} ms per step; device busy {busy / profile / 1e3:.2f} ms per step ({frac:.1%})"
+        )
+        print(prof.key_averages().table(sort_by=sort, row_limit=30), flush=True)
+    return [rate]
 
 
 def main() -> None:
@@ -88,6 +124,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--no-raw", action="store_true", help="trainer only (multi-GPU runs: compare with raw_fsdp_baseline.py)")
+    p.add_argument("--profile", type=int, default=0, help="after the timed steps, profile this many more (callbacks/profiler.py)")
     p.add_argument("--dir", default=None, help="run directory (shared by all ranks under torchrun); default: temporary")
     args, overrides = p.parse_known_args()
     os.environ.setdefault("LMTRAIN_RUN_ID", "bench")
@@ -96,11 +133,11 @@ def main() -> None:
     with open_dict(cfg):
         cfg.pop("hydra", None)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer_rates, mfus, mems = trainer_tokens_per_sec(cfg.copy(), args.steps, args.warmup, Path(args.dir or tmp))
+        trainer_rates, mfus, mems = trainer_tokens_per_sec(cfg.copy(), args.steps, args.warmup, Path(args.dir or tmp), args.profile)
         if int(os.environ.get("RANK", "0")) != 0:
             return
         device = torch.device("cuda" if torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda") else "cpu")
-        raw_rates = [float("nan")] if args.no_raw else raw_tokens_per_sec(cfg, args.steps, args.warmup, device)
+        raw_rates = [float("nan")] if args.no_raw else raw_tokens_per_sec(cfg, args.steps, args.warmup, device, args.profile)
     card = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
     with torch.device("meta"):
         n = num_params(instantiate(cfg.model)())
@@ -109,14 +146,16 @@ def main() -> None:
     mem = f"{max(mems):.1f}" if mems else "n/a"
     ws = lmtrain.config.world_size(cfg)
     strategy = str(cfg.strategy.get("_target_", "")).rsplit(".", 1)[-1] if cfg.get("strategy") else "auto"
+    if strategy == "named":
+        strategy = str(cfg.strategy.name)
     print(
-        "| device | processes | strategy | model | params | precision | compile | batch x seq (per device) | steps (timed) "
+        "| device | processes | strategy | model | params | precision | compile | attention | batch x seq (per device) | steps (timed) "
         "| trainer tokens/s | per device | raw PyTorch tokens/s | ratio | trainer MFU | peak GiB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print(
         f"| {card} | {ws} | {strategy} | {cfg.model.name} | {n / 1e6:.2f}M | {cfg.trainer.precision} | {bool(cfg.module.get('compile'))} | "
-        f"{cfg.data.batch_size} x {cfg.data.seq_len} | {args.steps} ({len(trainer_rates)}) | {t:,.0f} | {t / ws:,.0f} | {r:,.0f} | {t / r:.3f} | "
+        f"{cfg.module.get('sdpa_backend') or 'default'} | {cfg.data.batch_size} x {cfg.data.seq_len} | {args.steps} ({len(trainer_rates)}) | {t:,.0f} | {t / ws:,.0f} | {r:,.0f} | {t / r:.3f} | "
         f"{mfu} | {mem} |"
     )
 

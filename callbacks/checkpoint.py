@@ -190,7 +190,11 @@ class Checkpointer(Checkpoint):
         periodic = self.every_n_steps and step % self.every_n_steps == 0
         last = self.save_on_train_end and (trainer.should_stop or (trainer.max_steps > 0 and step >= trainer.max_steps))
         if periodic or last:
-            self.save(trainer)
+            flush = getattr(pl_module, "flush_step_stats", None)
+            if flush is not None:  # judge this step's statistics before its state is kept (and marked healthy)
+                flush()
+            if not self.suppress_final_save:
+                self.save(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if (

@@ -124,6 +124,7 @@ class DivergenceDetector(L.Callback):
         self.clean_streak = 0
         self.trouble_start: int | None = None
         self.rollback_request: dict | None = None
+        self.stopping = False
         self.run_dir = None
 
     # -- state -----------------------------------------------------------------------------
@@ -146,10 +147,21 @@ class DivergenceDetector(L.Callback):
         self.checkpointer = next((c for c in trainer.callbacks if hasattr(c, "health") and hasattr(c, "root")), None)
         self.run_dir = self.checkpointer.root.parent if self.checkpointer is not None else None
         self.rollback_request = None
+        self.stopping = False
 
     # -- the per-step check (called by LMModule.on_before_optimizer_step on every rank) --------
+    @property
+    def needs_same_step(self) -> bool:
+        """A ``skip`` must act on the very update the statistics describe, so they are read at once (a device sync
+        per step); every other action is taken one step later, when the device has long finished that step."""
+        return any(spec["action"] == "skip" for spec in self.signals.values())
+
     def check_step(self, trainer, pl_module, stats: dict) -> bool:
-        step = trainer.global_step
+        """Judge one optimizer step's statistics (``step``: the steps completed before it; defaults to now)."""
+        if self.stopping:  # a stop or rollback is under way: later steps are abandoned with it
+            return True
+        step = stats.get("step", trainer.global_step)
+        log_step = stats.get("log_step")
         loss, grad, act, scale = stats["loss"], stats["grad_norm"], stats.get("act_rms"), stats.get("loss_scale")
         fired: list[tuple[str, str]] = []
         metrics = {}
@@ -192,7 +204,7 @@ class DivergenceDetector(L.Callback):
         metrics["stability/healthy"] = float(healthy)
         for name in self.signals:
             metrics[f"stability/{name}"] = float(any(n == name for n, _ in fired))
-        log_direct(trainer, metrics)
+        log_direct(trainer, metrics, step=log_step)
         if self.checkpointer is not None:
             self.checkpointer.health = {
                 "healthy": healthy,
@@ -216,20 +228,21 @@ class DivergenceDetector(L.Callback):
         if action == "skip":
             return True
         if action == "stop":
-            self._stop(trainer, f"stopping at step {step} ({text}); the newest complete checkpoint is the last good state")
+            self._stop(trainer, f"stopping at step {step} ({text}); the newest complete checkpoint is the last good state", step)
             return True
         return self._rollback(trainer, step, text)
 
     # -- actions -------------------------------------------------------------------------------
-    def _stop(self, trainer, message: str) -> None:
-        self._event(trainer, "stop", message, step=trainer.global_step)
+    def _stop(self, trainer, message: str, step: int) -> None:
+        self._event(trainer, "stop", message, step=step)
+        self.stopping = True
         trainer.should_stop = True
         if self.checkpointer is not None:
             self.checkpointer.suppress_final_save = True  # never save the diverged state as the newest checkpoint
 
     def _rollback(self, trainer, step: int, why: str) -> bool:
         if self.checkpointer is None:
-            self._stop(trainer, f"step {step}: rollback needs callbacks.checkpoint; stopping instead")
+            self._stop(trainer, f"step {step}: rollback needs callbacks.checkpoint; stopping instead", step)
             return True
         history = [e for e in corrections.load(self.run_dir) if e.get("reason") == "rollback"]
         recent = [e for e in history if e.get("signal_step", -1) >= step - self.rollback_window]
@@ -238,6 +251,7 @@ class DivergenceDetector(L.Callback):
                 trainer,
                 f"step {step}: divergence again after {len(recent)} rollback(s) within {self.rollback_window} steps "
                 f"(callbacks.divergence.max_rollbacks={self.max_rollbacks}): stopping for a human to look ({why})",
+                step,
             )
             return True
         before = self.trouble_start if self.trouble_start is not None else step
@@ -245,10 +259,11 @@ class DivergenceDetector(L.Callback):
             c for c in ck.scan(self.checkpointer.root, quiet=True) if c.step < before and c.meta.get("health", {}).get("healthy", True)
         ]
         if not healthy:
-            self._stop(trainer, f"step {step}: no healthy checkpoint before step {before} to roll back to; stopping ({why})")
+            self._stop(trainer, f"step {step}: no healthy checkpoint before step {before} to roll back to; stopping ({why})", step)
             return True
         target = healthy[-1]
         batches = (step - target.step) * trainer.accumulate_grad_batches if self.skip_data else 0
+        self.stopping = True
         self.rollback_request = {
             "checkpoint": str(target.path),
             "from_step": target.step,

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from lmtrain.errors import InputError
 from lmtrain.logs import log_direct
 from lmtrain.optim import build_optimizer
 
@@ -20,11 +23,56 @@ def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> to
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def sdpa_backends(spec: str | list[str] | None) -> list[SDPBackend] | None:
+    """``module.sdpa_backend`` as SDPA backends in priority order (None: PyTorch's default order)."""
+    if spec is None:
+        return None
+    names = [spec] if isinstance(spec, str) else list(spec)
+    bad = [n for n in names if n not in SDPA_BACKENDS]
+    if bad or not names:
+        raise InputError(f"module.sdpa_backend={spec!r}: use one of {sorted(SDPA_BACKENDS)}, a list of them, or null")
+    return [SDPA_BACKENDS[n] for n in names]
+
+
 def batch_seed(seed: int, batch: int, rank: int) -> int:
     """A well-mixed 63-bit seed for one (seed, batch, rank)."""
     x = (seed * 0x9E3779B97F4A7C15 + batch * 0xBF58476D1CE4E5B9 + rank * 0x94D049BB133111EB) % (1 << 64)
     x ^= x >> 31
     return (x * 0xD6E8FEB86659FD93 % (1 << 64)) >> 1
+
+
+@dataclass
+class _StepStats:
+    """One optimizer step's global statistics (loss, gradient norm, final activation RMS, fp16 loss scale), on their
+    way to the host without blocking it: a non-blocking copy into pinned memory and an event marking its arrival."""
+
+    step: int  # optimizer steps completed before this one
+    log_step: int  # the step Lightning logs this batch at
+    lr: float
+    values: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    @classmethod
+    def record(cls, trainer, optimizer, values: torch.Tensor) -> _StepStats:
+        ready = None
+        if values.is_cuda:
+            values = values.detach().to("cpu", non_blocking=True)  # into pinned memory: needs the event below
+            ready = torch.cuda.Event()
+            ready.record()
+        return cls(trainer.global_step, trainer.fit_loop.epoch_loop._batches_that_stepped, optimizer.param_groups[0]["lr"], values, ready)
+
+    def read(self) -> list[float]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return [float(v) for v in self.values.tolist()]
 
 
 class LMModule(L.LightningModule):
@@ -39,6 +87,9 @@ class LMModule(L.LightningModule):
             with the Trainer's ``gradient_clip_val``, which Lightning refuses with fused AdamW under mixed precision.
         compile: ``torch.compile`` the forward pass and loss together (single device and DDP; sharded strategies
             compile per block through their own ``compile`` option). Parameter names do not change.
+        sdpa_backend: attention kernel(s) for ``scaled_dot_product_attention``, in priority order: ``flash``,
+            ``cudnn`` (cuDNN's fused attention, the fastest on Hopper GPUs in our measurements, see docs/BENCHMARKS.md),
+            ``efficient`` or ``math``; a name or a list. None: PyTorch's own choice.
         seed: if set, torch's RNG (dropout) is re-seeded before every training batch from (seed, batch number,
             rank): the masks of a batch then do not depend on what else drew random numbers before it
             (validation, loader start-up), so a resumed or rolled-back run draws exactly the same ones.
@@ -52,8 +103,10 @@ class LMModule(L.LightningModule):
         grad_clip: float | None = 1.0,
         seed: int | None = None,
         compile: bool = False,
+        sdpa_backend: str | list[str] | None = None,
     ) -> None:
         super().__init__()
+        self._sdpa = sdpa_backends(sdpa_backend)
         if isinstance(model, nn.Module):
             self.model: nn.Module | None = model
             self._model_factory = None
@@ -72,6 +125,8 @@ class LMModule(L.LightningModule):
         self._act_sq: list[torch.Tensor] = []
         self.loss_fault: float | None = None
         self._act_hook = None
+        self._pending_stats: list[_StepStats] = []
+        self.last_train_loss: float | None = None
 
     def configure_model(self) -> None:
         """Build the model; under a sharding strategy (lmtrain.strategies) also shard it, once."""
@@ -100,7 +155,10 @@ class LMModule(L.LightningModule):
         return self.model(idx)
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self._loss_fn(self.model, inputs, targets)
+        if self._sdpa is None:
+            return self._loss_fn(self.model, inputs, targets)
+        with sdpa_kernel(self._sdpa, set_priority=True):
+            return self._loss_fn(self.model, inputs, targets)
 
     # -- training ---------------------------------------------------------------------------------
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
@@ -137,27 +195,61 @@ class LMModule(L.LightningModule):
         self._train_losses.clear()
         self._act_sq.clear()
         loss, act_ms = self.trainer.strategy.reduce(local, reduce_op="mean")  # every rank sees the same values
-        act_rms = act_ms.sqrt()
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
-        # one host sync per step, as the loss logging has anyway; plain floats skip Lightning's per-call cost
-        extra = {"train/lr": optimizer.param_groups[0]["lr"], "train/grad_norm": float(norm)}
-        if self._act_hook is not None:
-            extra["train/act_rms"] = float(act_rms)
-        log_direct(self.trainer, extra)
-        checkers = [c for c in self.trainer.callbacks if hasattr(c, "check_step")]
-        if checkers:
-            scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        scale = getattr(scaler, "_scale", None) if scaler is not None else None
+        values = torch.stack(
+            [
+                loss,
+                norm.to(loss),
+                act_ms.sqrt() if self._act_hook is not None else nan,
+                scale.reshape(()).to(loss) if scale is not None else nan,
+            ]
+        )
+        self._pending_stats.append(_StepStats.record(self.trainer, optimizer, values))
+        # Only what the device has finished is read: the statistics of this step are judged at the next one (or at a
+        # save, or at the end), so the host never waits for the device mid-step. A checker that must act on this very
+        # update (a `skip` action) asks for it now: one device sync per step.
+        checkers = self._checkers()
+        now = any(getattr(c, "needs_same_step", False) for c in checkers)
+        if self._judge_stats(keep_newest=not now, show=True):
+            self.drop_update(optimizer)
+
+    def _checkers(self) -> list:
+        return [c for c in self.trainer.callbacks if hasattr(c, "check_step")]
+
+    def flush_step_stats(self) -> None:
+        """Log and judge every step's statistics not yet read (before a checkpoint is saved, at the end)."""
+        self._judge_stats(keep_newest=False, show=False)
+
+    def _judge_stats(self, keep_newest: bool, show: bool) -> bool:
+        """Log the pending steps' statistics and run the checkers on them; True: drop the current update."""
+        todo = self._pending_stats[:-1] if keep_newest else list(self._pending_stats)
+        del self._pending_stats[: len(todo)]
+        checkers = self._checkers() if todo else []
+        drop = False
+        for rec in todo:
+            loss, norm, act_rms, scale = rec.read()
+            extra = {"train/loss": loss, "train/lr": rec.lr, "train/grad_norm": norm}
+            if self._act_hook is not None:
+                extra["train/act_rms"] = act_rms
+            log_direct(self.trainer, extra, step=rec.log_step)
+            self.last_train_loss = loss
             stats = {
-                "loss": float(loss),
-                "grad_norm": extra["train/grad_norm"],
+                "step": rec.step,
+                "log_step": rec.log_step,
+                "loss": loss,
+                "grad_norm": norm,
                 "act_rms": extra.get("train/act_rms"),
-                "loss_scale": float(scaler.get_scale()) if scaler is not None else None,
+                "loss_scale": None if math.isnan(scale) else scale,
             }
-            skip = False
             for checker in checkers:  # all ranks decide alike: the statistics are global
-                skip |= bool(checker.check_step(self.trainer, self, stats))
-            if skip:
-                self.drop_update(optimizer)
+                drop |= bool(checker.check_step(self.trainer, self, stats))
+        if todo and show:  # the progress bar and callback_metrics; the loggers got it above, at its own step
+            self.log("train/loss", self.last_train_loss, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+        return drop
+
+    def on_train_end(self) -> None:
+        self.flush_step_stats()
 
     def tokens_per_step(self) -> int:
         """Tokens in one optimizer step across all ranks (from the data module's batch shape)."""

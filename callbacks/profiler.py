@@ -1,0 +1,93 @@
+"""Profile a window of training steps with ``torch.profiler``: a trace for a viewer and a kernel summary.
+
+Enable with ``callbacks=[default,profiler]`` (or add it to an experiment). Steps ``start_step`` to
+``start_step + steps - 1`` are recorded on rank zero (or every rank with ``all_ranks``); at the end of the window it
+writes ``RUN_DIR/profile/trace_rankN.json`` (chrome://tracing or Perfetto) and ``summary_rankN.txt``: the operators
+and kernels by device time, and how busy the device was: the union of its kernel intervals over the window's wall
+time. A device idle for a large share of the window means the host, not the GPU, sets the pace.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+
+
+def busy_fraction(events, wall_us: float) -> tuple[float, float]:
+    """(device-busy microseconds, fraction of ``wall_us``): the union of the device kernels' time intervals."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    busy, cur_start, cur_end = 0.0, None, None
+    for start, end in spans:
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        busy += cur_end - cur_start
+    return busy, (busy / wall_us if wall_us > 0 else 0.0)
+
+
+class StepProfiler(L.Callback):
+    """Args:
+    start_step: first optimizer step recorded (after compilation and warm-up).
+    steps: how many steps.
+    row_limit: rows of the summary table.
+    all_ranks: record on every rank, not only rank zero.
+    """
+
+    def __init__(self, start_step: int = 20, steps: int = 5, row_limit: int = 30, all_ranks: bool = False) -> None:
+        if start_step < 0 or steps < 1:
+            from lmtrain.errors import InputError
+
+            raise InputError(f"callbacks.profiler: start_step={start_step} must be >= 0 and steps={steps} >= 1")
+        self.start_step, self.steps, self.row_limit, self.all_ranks = start_step, steps, row_limit, all_ranks
+        self._prof = None
+        self._t0 = 0.0
+        self.summary_path: Path | None = None
+
+    def _sync(self, pl_module) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._prof is not None or trainer.global_step != self.start_step or not (self.all_ranks or trainer.is_global_zero):
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if pl_module.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._sync(pl_module)
+        self._prof = torch.profiler.profile(activities=activities, record_shapes=False)
+        self._prof.__enter__()
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._prof is None or trainer.global_step < self.start_step + self.steps:
+            return
+        self._sync(pl_module)
+        wall_us = (time.perf_counter() - self._t0) * 1e6
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        out = Path(trainer.default_root_dir) / "profile"  # the run directory
+        out.mkdir(parents=True, exist_ok=True)
+        rank = trainer.global_rank
+        prof.export_chrome_trace(str(out / f"trace_rank{rank}.json"))
+        events = prof.events()
+        busy, frac = busy_fraction(events, wall_us)
+        sort = "device_time_total" if pl_module.device.type == "cuda" else "cpu_time_total"
+        head = f"steps {self.start_step}..{self.start_step + self.steps - 1} on rank {rank}: {wall_us / self.steps / 1e3:.2f} ms per step"
+        if pl_module.device.type == "cuda":
+            head += f"; device busy {busy / self.steps / 1e3:.2f} ms per step ({frac:.1%} of the wall time)"
+        table = prof.key_averages().table(sort_by=sort, row_limit=self.row_limit)
+        self.summary_path = out / f"summary_rank{rank}.txt"
+        self.summary_path.write_text(head + "\n\n" + table + "\n")
+        print(f"[lmtrain] profile: {head}; written to {out}", file=sys.stderr, flush=True)
