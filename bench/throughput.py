@@ -42,7 +42,12 @@ def trainer_tokens_per_sec(cfg, steps: int, warmup: int, out: Path, profile: int
     with open_dict(cfg):
         if profile:  # after the timed window, so that profiling does not slow the steps that are timed
             cfg.trainer.max_steps = steps + profile
-            cfg.callbacks["profiler"] = {"_target_": "callbacks.profiler.StepProfiler", "start_step": steps, "steps": profile}
+            cfg.callbacks["profiler"] = {
+                "_target_": "callbacks.profiler.StepProfiler",
+                "start_step": steps,
+                "steps": profile,
+                "python": True,
+            }
         cfg.run_dir = str(out / "trainer")
         cfg.trainer.max_steps = max(steps, cfg.trainer.max_steps if profile else 0)
         cfg.trainer.val_check_interval = 10**9
@@ -53,9 +58,18 @@ def trainer_tokens_per_sec(cfg, steps: int, warmup: int, out: Path, profile: int
             (cfg.get("callbacks") or {}).pop(name, None)
     train(cfg)
     run = Path(cfg.run_dir)
-    summary = run / "profile" / "summary_rank0.txt"
-    if summary.is_file():
-        print("== trainer profile\n" + summary.read_text(), flush=True)
+    if int(os.environ.get("RANK", "0")) != 0:  # rank zero writes the log and the table
+        return [], [], []
+    for name in ("summary_rank0.txt", "python_rank0.txt"):
+        if (run / "profile" / name).is_file():
+            print(f"== trainer profile: {name}\n" + (run / "profile" / name).read_text(), flush=True)
+    rates = metric(run, "perf/tokens_per_sec")[warmup:steps]
+    if rates:  # the median is the figure; the harmonic mean (total tokens over total time) shows uneven steps
+        print(
+            f"trainer per-step tokens/s over the timed steps: median {statistics.median(rates):,.0f}, "
+            f"harmonic mean {len(rates) / sum(1 / r for r in rates):,.0f}, min {min(rates):,.0f}, max {max(rates):,.0f}",
+            flush=True,
+        )
     return (
         metric(run, "perf/tokens_per_sec")[warmup:steps],
         metric(run, "perf/mfu")[warmup:steps],
@@ -154,7 +168,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print(
-        f"| {card} | {ws} | {strategy} | {cfg.model.name} | {n / 1e6:.2f}M | {cfg.trainer.precision} | {bool(cfg.module.get('compile'))} | "
+        f"| {card} | {ws} | {strategy} | {cfg.model.name} | {n / 1e6:.2f}M | {cfg.trainer.precision} | {bool(cfg.module.get('compile') or cfg.strategy.get('compile'))} | "
         f"{cfg.module.get('sdpa_backend') or 'default'} | {cfg.data.batch_size} x {cfg.data.seq_len} | {args.steps} ({len(trainer_rates)}) | {t:,.0f} | {t / ws:,.0f} | {r:,.0f} | {t / r:.3f} | "
         f"{mfu} | {mem} |"
     )

@@ -43,15 +43,19 @@ class StepProfiler(L.Callback):
     steps: how many steps.
     row_limit: rows of the summary table.
     all_ranks: record on every rank, not only rank zero.
+    python: also profile the host's Python code over the window with cProfile (``python_rankN.txt``, by own time):
+        where a host-bound step spends its time.
     """
 
-    def __init__(self, start_step: int = 20, steps: int = 5, row_limit: int = 30, all_ranks: bool = False) -> None:
+    def __init__(self, start_step: int = 20, steps: int = 5, row_limit: int = 30, all_ranks: bool = False, python: bool = False) -> None:
         if start_step < 0 or steps < 1:
             from lmtrain.errors import InputError
 
             raise InputError(f"callbacks.profiler: start_step={start_step} must be >= 0 and steps={steps} >= 1")
         self.start_step, self.steps, self.row_limit, self.all_ranks = start_step, steps, row_limit, all_ranks
+        self.python = python
         self._prof = None
+        self._py = None
         self._t0 = 0.0
         self.summary_path: Path | None = None
 
@@ -68,6 +72,11 @@ class StepProfiler(L.Callback):
         self._sync(pl_module)
         self._prof = torch.profiler.profile(activities=activities, record_shapes=False)
         self._prof.__enter__()
+        if self.python:
+            import cProfile
+
+            self._py = cProfile.Profile()
+            self._py.enable()
         self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -75,6 +84,8 @@ class StepProfiler(L.Callback):
             return
         self._sync(pl_module)
         wall_us = (time.perf_counter() - self._t0) * 1e6
+        if self._py is not None:
+            self._py.disable()
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
         out = Path(trainer.default_root_dir) / "profile"  # the run directory
@@ -90,4 +101,14 @@ class StepProfiler(L.Callback):
         table = prof.key_averages().table(sort_by=sort, row_limit=self.row_limit)
         self.summary_path = out / f"summary_rank{rank}.txt"
         self.summary_path.write_text(head + "\n\n" + table + "\n")
+        if self._py is not None:
+            import io
+            import pstats
+
+            buf = io.StringIO()
+            stats = pstats.Stats(self._py, stream=buf)
+            stats.sort_stats("tottime").print_stats(self.row_limit)
+            stats.sort_stats("cumulative").print_stats(self.row_limit)
+            (out / f"python_rank{rank}.txt").write_text(buf.getvalue())
+            self._py = None
         print(f"[lmtrain] profile: {head}; written to {out}", file=sys.stderr, flush=True)

@@ -21,6 +21,9 @@ class ProgressBar(TQDMProgressBar):
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
         # logged straight to the loggers (lmtrain.logs.log_direct), so read them at the source
+        loss = getattr(pl_module, "last_train_loss", None)
+        if loss is not None:
+            metrics["train/loss"] = loss
         if trainer.optimizers:
             metrics["train/lr"] = trainer.optimizers[0].param_groups[0]["lr"]
         rate = next((c.last_tokens_per_sec for c in trainer.callbacks if getattr(c, "last_tokens_per_sec", None)), None)
@@ -29,7 +32,9 @@ class ProgressBar(TQDMProgressBar):
         out = {}
         for key, value in metrics.items():
             name = self.SHORT.get(key, key)
-            if name == "lr" and isinstance(value, float):
+            if name == "loss" and isinstance(value, float):
+                value = f"{value:.3f}"
+            elif name == "lr" and isinstance(value, float):
                 value = f"{value:.2e}"
             elif name == "tok/s" and isinstance(value, float):
                 value = f"{value:,.0f}"

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 FAMILIES = ("opt", "llama")
+# per family, its MLP activations (the first is the default): opt/GPT-2 MLP, or llama's gated SwiGLU
+ACTIVATIONS = {"opt": ("gelu", "gelu_tanh", "relu"), "llama": ("silu",)}
 PRESET_DIR = Path(__file__).resolve().parent.parent / "conf" / "model"
 
 
@@ -46,6 +48,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     dropout: float = 0.0
     init_std: float = 0.02
+    activation: str | None = None  # None: the family's (opt: gelu, llama: silu); opt also: gelu_tanh, relu
 
     def __post_init__(self) -> None:
         errors = self.problems()
@@ -64,6 +67,10 @@ class ModelConfig:
     @property
     def hidden_dim(self) -> int:
         return self.ffn_dim or 4 * self.d_model
+
+    @property
+    def act(self) -> str:
+        return self.activation or ACTIVATIONS[self.family][0]
 
     @property
     def emb_dim(self) -> int:
@@ -90,6 +97,8 @@ class ModelConfig:
             val = getattr(self, key)
             if val is not None and (not isinstance(val, int) or val <= 0):
                 out.append(f"model.{key}={val!r} must be a positive integer or null")
+        if self.activation is not None and self.activation not in ACTIVATIONS[self.family]:
+            out.append(f"model.activation={self.activation!r} is not one of {list(ACTIVATIONS[self.family])} for the {self.family} family")
         if not 0.0 <= self.dropout < 1.0:
             out.append(f"model.dropout={self.dropout} must be in [0, 1)")
         return out
@@ -185,12 +194,16 @@ class MLP(nn.Module):
             self.up = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=True)
             self.down = nn.Linear(cfg.hidden_dim, cfg.d_model, bias=True)
         self.down.residual_out = True
+        self.act = cfg.act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             gate, up = self.gate_up(x).chunk(2, dim=-1)
             return self.down(F.silu(gate) * up)
-        return self.down(F.gelu(self.up(x)))
+        h = self.up(x)
+        if self.act == "relu":
+            return self.down(F.relu(h))
+        return self.down(F.gelu(h, approximate="tanh" if self.act == "gelu_tanh" else "none"))
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:

@@ -185,7 +185,7 @@ class LMModule(L.LightningModule):
         norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
         if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
             norm = norm.full_tensor()
-        nan = torch.tensor(float("nan"), device=self.device)
+        nan = torch.full((), float("nan"), device=self.device)  # a fill kernel: torch.tensor(x, device=cuda) would block on a copy
         local = torch.stack(
             [
                 torch.stack(self._train_losses).mean().float() if self._train_losses else nan,
@@ -211,7 +211,7 @@ class LMModule(L.LightningModule):
         # update (a `skip` action) asks for it now: one device sync per step.
         checkers = self._checkers()
         now = any(getattr(c, "needs_same_step", False) for c in checkers)
-        if self._judge_stats(keep_newest=not now, show=True):
+        if self._judge_stats(keep_newest=not now):
             self.drop_update(optimizer)
 
     def _checkers(self) -> list:
@@ -219,10 +219,14 @@ class LMModule(L.LightningModule):
 
     def flush_step_stats(self) -> None:
         """Log and judge every step's statistics not yet read (before a checkpoint is saved, at the end)."""
-        self._judge_stats(keep_newest=False, show=False)
+        self._judge_stats(keep_newest=False)
 
-    def _judge_stats(self, keep_newest: bool, show: bool) -> bool:
-        """Log the pending steps' statistics and run the checkers on them; True: drop the current update."""
+    def _judge_stats(self, keep_newest: bool) -> bool:
+        """Log the pending steps' statistics and run the checkers on them; True: drop the current update.
+
+        Nothing here goes through ``self.log``: Lightning turns every logged value into a device tensor and reads it
+        back with ``.item()`` each step (for the progress bar), a device sync that left the GPU idle at every step
+        boundary (measured: docs/BENCHMARKS.md). The progress bar reads ``last_train_loss`` instead."""
         todo = self._pending_stats[:-1] if keep_newest else list(self._pending_stats)
         del self._pending_stats[: len(todo)]
         checkers = self._checkers() if todo else []
@@ -244,8 +248,6 @@ class LMModule(L.LightningModule):
             }
             for checker in checkers:  # all ranks decide alike: the statistics are global
                 drop |= bool(checker.check_step(self.trainer, self, stats))
-        if todo and show:  # the progress bar and callback_metrics; the loggers got it above, at its own step
-            self.log("train/loss", self.last_train_loss, prog_bar=True, logger=False, on_step=True, on_epoch=False)
         return drop
 
     def on_train_end(self) -> None:

@@ -223,7 +223,10 @@ def _attempt(cfg: DictConfig, rollback: dict | None):
             logbook.append(run_dir, "end", f"training ended at step {step} ({tokens:,} tokens)", step=step, tokens=tokens)
     finally:
         logbook.mirrors.clear()
-    return {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}, detector
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    if getattr(module, "last_train_loss", None) is not None:
+        metrics["train/loss"] = module.last_train_loss  # read from the step statistics, not self.log (lmtrain.module)
+    return metrics, detector
 
 
 def _checkpoint_root(cfg: DictConfig) -> Path | None:
