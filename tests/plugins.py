@@ -59,3 +59,19 @@ class OperatorAt(L.Callback):
             from lmtrain.control import main
 
             assert main([self.run_dir, "lr", "--scale", str(self.scale)]) == 0
+
+
+class PendingStats(L.Callback):
+    """Record, at the end of every batch, how many steps' statistics wait to be read by the host (``path``: JSON)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.seen = path, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seen.append(len(pl_module._pending_stats))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import json
+
+        with open(self.path, "w") as fh:
+            json.dump(self.seen, fh)

@@ -119,3 +119,37 @@ def test_fsdp_options_activation_checkpointing_and_meta_init(tmp_path, dataset_d
     meta = {s: float(v) for s, v in _losses(tmp_path / "runs" / "meta").items()}
     assert sorted(meta) == [0, 1, 2, 3] and all(7.0 < v < 9.0 for v in meta.values())
     assert meta != {s: float(v) for s, v in none.items()}  # its own per-shard initialisation
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_torchrun_nodes_rendezvous_and_train_hsdp(tmp_path, dataset_dir):
+    """A real multi-node launch on one machine: two torchrun agents (nodes) meet through c10d rendezvous, as on two
+    hosts, and train `hsdp` (replicate across the nodes); the loss matches one process with the same global batch."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    _run(tmp_path, dataset_dir, "one", "trainer.devices=1", "data.batch_size=8")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = BASE + [f"paths.runs={tmp_path / 'runs'}", "run_name=twonode", f"data.path={dataset_dir}", "data.prepare=null",
+                   "strategy=hsdp", "trainer.devices=1", "trainer.num_nodes=2", "strategy.shard_size=1", "data.batch_size=4"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LMTRAIN_RUN_ID": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonode", str(ROOT / "train.py"), *args]  # fmt: skip
+    nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [n.communicate(timeout=300)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert any("HSDPStrategy: fully_shard per block on mesh (2, 1) ('replicate', 'shard')" in o for o in outs)
+    one = {s: float(v) for s, v in _losses(tmp_path / "runs" / "one").items()}
+    two = {s: float(v) for s, v in _losses(tmp_path / "runs" / "twonode").items()}
+    assert sorted(two) == sorted(one) == list(range(8))
+    for s in one:
+        assert two[s] == pytest.approx(one[s], rel=1e-5, abs=1e-5), s
+    last = ck.newest(tmp_path / "runs" / "twonode" / "checkpoints")
+    assert last.step == 8 and last.meta["world_size"] == 2 and last.meta["format"] == "sharded"

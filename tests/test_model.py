@@ -117,6 +117,8 @@ def test_flops_per_token_formula():
         ({"family": "gpt5"}, "family"),
         ({"n_kv_heads": 3, "n_heads": 4, "d_model": 64, "family": "llama"}, "n_kv_heads"),
         ({"n_layers": 0}, "n_layers"),
+        ({"family": "llama", "activation": "relu", "d_model": 64, "n_heads": 4}, "model.activation='relu' is not one of \\['silu'\\]"),
+        ({"activation": "swish"}, "model.activation='swish'"),
     ],
 )
 def test_bad_shapes_name_the_key(fields, message):
@@ -133,3 +135,24 @@ def test_sequence_longer_than_positions_is_refused():
     model = Decoder(ModelConfig.from_name("tiny"))
     with pytest.raises(ValueError, match="max_seq_len"):
         model(torch.zeros(1, 129, dtype=torch.long))
+
+
+def test_mlp_activations_compute_what_they_name():
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 64)
+    outs = {}
+    for act in ("gelu", "gelu_tanh", "relu"):
+        model = Decoder(ModelConfig(d_model=64, n_layers=1, n_heads=4, vocab_size=64, max_seq_len=16, activation=act))
+        mlp = model.blocks[0].mlp
+        if act == "gelu":
+            ref_mlp = mlp  # the same weights for all three: copy them across
+        else:
+            mlp.load_state_dict(ref_mlp.state_dict())
+        h = mlp.up(x)
+        expected = {"gelu": torch.nn.functional.gelu(h), "gelu_tanh": torch.nn.functional.gelu(h, approximate="tanh"), "relu": h.relu()}[
+            act
+        ]
+        outs[act] = mlp(x)
+        torch.testing.assert_close(outs[act], mlp.down(expected))
+    assert not torch.allclose(outs["gelu"], outs["relu"]) and not torch.allclose(outs["gelu"], outs["gelu_tanh"])
+    assert ModelConfig().act == "gelu" and ModelConfig(family="llama").act == "silu"
