@@ -64,6 +64,19 @@ def test_fsdp_and_hsdp_match_one_process_and_resume_sharded_checkpoints(tmp_path
     gen = subprocess.run([sys.executable, "-m", "lmtrain.generate", str(tmp_path / "runs" / "cut"), "--prompt", "import os",
                           "--temperature", "0", "--max-new-tokens", "5"], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
     assert gen.returncode == 0 and gen.stdout.startswith("import os") and "step-0000008" in gen.stderr, gen.stderr[-2000:]
+    # ... and exported to one safetensors file that computes what the consolidated checkpoint computes
+    exp = subprocess.run([sys.executable, "-m", "lmtrain.export", str(tmp_path / "runs" / "cut"), "--out", str(tmp_path / "exp")],
+                         capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert exp.returncode == 0 and "(step 8, sharded)" in exp.stdout, exp.stderr[-2000:]
+    import torch
+
+    from lmtrain.export import load
+    from lmtrain.generate import load_run
+
+    exported, enc, _ = load(tmp_path / "exp")
+    ref, _, _, _ = load_run(tmp_path / "runs" / "cut")
+    ids = torch.tensor([enc.encode_ordinary("import os")])
+    assert torch.equal(exported(ids), ref(ids))
 
     # the same checkpoint on another number of ranks: refused, naming why
     other = run_train_cli(

@@ -1,0 +1,166 @@
+"""Export a run's checkpoint as one consolidated safetensors file with its model config and tokenizer.
+
+    python -m lmtrain.export RUN_DIR --out DIR [--checkpoint step-0000500] [--dtype float32|bfloat16|float16] [--force]
+
+Reads the newest complete checkpoint (or the named one), single-file or sharded (a sharded checkpoint is
+consolidated in memory: no distributed launch), and writes
+
+* ``DIR/model.safetensors``: the decoder's weights, names as in :class:`lmtrain.model.Decoder` (a tied output
+  head is stored once, as ``tok_emb.weight``);
+* ``DIR/config.json``: the model config, the tokenizer, the separator id, the dtype and where the weights came from;
+* ``DIR/tokenizer.tiktoken``: the run's ranks file, when the run used one (named tiktoken encodings are recorded by
+  name).
+
+:func:`load` rebuilds the model from these with PyTorch, safetensors and tiktoken alone (no Lightning, no Hydra).
+An existing non-empty ``DIR`` is refused unless ``--force``; the files appear together (written to a temporary
+folder beside ``DIR``, then renamed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from lmtrain.errors import InputError
+
+FORMAT = "lmtrain-export/1"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export(run_dir: Path, out: Path, checkpoint: str | None = None, dtype: str = "float32", force: bool = False) -> dict:
+    """Write the export (see the module docstring); returns its config.json content."""
+    from safetensors.torch import save_file
+
+    from lmtrain.generate import load_run
+
+    if dtype not in DTYPES:
+        raise InputError(f"--dtype {dtype!r}: use one of {list(DTYPES)}")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise InputError(f"{out} exists and is not empty: choose another --out or pass --force to replace it")
+    model, enc, eos, ckpt = load_run(Path(run_dir), checkpoint, "cpu")
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
+    state = {}
+    seen: dict[int, str] = {}
+    tied = {}
+    for name, tensor in model.state_dict(keep_vars=False).items():
+        if name.startswith("rope_"):
+            continue  # recomputed from the config
+        key = tensor.untyped_storage().data_ptr()
+        if key in seen:  # a tied weight: stored once
+            tied[name] = seen[key]
+            continue
+        seen[key] = name
+        state[name] = tensor.detach().to(DTYPES[dtype]).contiguous()
+    data_path = Path(cfg.data.path) if cfg.data.get("path") else Path(cfg.data.sources[0]["path"])
+    from data.prepare import read_manifest
+
+    spec = str(read_manifest(data_path)["tokenizer"])
+    ranks = Path(spec) if Path(spec).is_absolute() else data_path / spec
+    meta = {
+        "format": FORMAT,
+        "model": model.cfg.to_dict(),
+        "tokenizer": "tokenizer.tiktoken" if spec.endswith(".tiktoken") else spec,
+        "eos_id": eos,
+        "n_vocab": enc.n_vocab,
+        "dtype": dtype,
+        "tied": tied,
+        "source": {
+            "run_dir": str(Path(run_dir).resolve()),
+            "run_name": str(cfg.get("run_name", "")),
+            "checkpoint": ckpt.path.name,
+            "step": ckpt.step,
+            "tokens_seen": ckpt.meta.get("tokens_seen"),
+            "format": ckpt.meta.get("format"),
+        },
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tmp.chmod(0o755)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": FORMAT, "step": str(ckpt.step)})
+        if spec.endswith(".tiktoken"):
+            shutil.copyfile(ranks, tmp / "tokenizer.tiktoken")
+        (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+def load(export_dir: str | Path, device: str = "cpu", dtype: str | None = None):
+    """(model in eval mode, tiktoken encoding, config dict) from an export: PyTorch, safetensors and tiktoken only.
+
+    ``dtype``: the model's parameter dtype (``float32``, ``bfloat16``, ``float16``); None: the stored one."""
+    from safetensors.torch import load_file
+
+    from lmtrain.model import Decoder, ModelConfig
+    from lmtrain.tokenizer import load_tokenizer
+
+    export_dir = Path(export_dir)
+    if not (export_dir / "config.json").is_file():
+        raise InputError(f"{export_dir} is not an lmtrain export (no config.json)")
+    meta = json.loads((export_dir / "config.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise InputError(f"{export_dir}/config.json: format {meta.get('format')!r}, expected {FORMAT!r}")
+    with torch.device("meta"):
+        model = Decoder(ModelConfig(**meta["model"]))
+    model.to_empty(device=device)
+    if model.cfg.tie_embeddings:  # to_empty gives each module its own tensor: tie the output head again
+        model.lm_head.weight = model.tok_emb.weight
+    model.init_weights()  # buffers (rotary tables); every parameter is overwritten below
+    state = load_file(str(export_dir / "model.safetensors"), device=device)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith("rope_") and k not in meta.get("tied", {})]
+    if missing or unexpected:
+        raise InputError(f"{export_dir}/model.safetensors does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    enc = load_tokenizer(meta["tokenizer"], export_dir)
+    return model.to(DTYPES[dtype or meta["dtype"]]).eval(), enc, meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lmtrain.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir")
+    p.add_argument("--out", required=True, help="the folder to write")
+    p.add_argument("--checkpoint", default=None, help="a step-N directory name (default: the newest complete one)")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    args = p.parse_args(argv)
+    try:
+        meta = export(Path(args.run_dir), Path(args.out), args.checkpoint, args.dtype, args.force)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    n = stored_params(Path(args.out) / "model.safetensors")
+    src = meta["source"]
+    print(
+        f"exported {src['checkpoint']} (step {src['step']}, {src['format']}) of {args.run_dir}: {n:,} parameters, {args.dtype}, to {args.out}"
+    )
+    return 0
+
+
+def stored_params(path: Path) -> int:
+    """Numbers stored in a safetensors file (read from its header)."""
+    import math
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        return sum(math.prod(fh.get_slice(key).get_shape()) for key in fh.keys())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

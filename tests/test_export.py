@@ -1,0 +1,66 @@
+"""`python -m lmtrain.export`: one safetensors file, its config and tokenizer, loadable without the trainer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from lmtrain.run import train
+from tests.conftest import ROOT, TINY, make_cfg
+
+
+def _export(run, *args):
+    return subprocess.run([sys.executable, "-m", "lmtrain.export", str(run), *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_export_loads_without_the_trainer_and_computes_the_same_logits(tmp_path, dataset_dir):
+    train(make_cfg(TINY + ["callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0", "callbacks.checkpoint.every_n_steps=2",
+                           "trainer.max_steps=3"], tmp_path, dataset_dir))  # fmt: skip
+    run, out = tmp_path / "run", tmp_path / "export"
+    res = _export(run, "--out", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "exported step-0000003 (step 3, single)" in res.stdout and "370,432 parameters" in res.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.tiktoken"]
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["tied"] == {"lm_head.weight": "tok_emb.weight"} and meta["source"]["step"] == 3 and meta["dtype"] == "float32"
+
+    # a fresh interpreter that imports neither Lightning nor Hydra loads it and matches the checkpoint's model
+    probe = f"""
+import sys, torch
+from lmtrain.export import load
+model, enc, meta = load({str(out)!r})
+assert not any(m in sys.modules for m in ("lightning", "hydra", "omegaconf")), "trainer modules were imported"
+ids = torch.tensor([enc.encode_ordinary("def main(")])
+torch.save(model(ids), {str(tmp_path / "logits.pt")!r})
+print(model.lm_head.weight is model.tok_emb.weight)
+"""
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "True", loaded.stderr[-2000:]
+    from lmtrain.generate import load_run
+
+    model, enc, _, _ = load_run(run)
+    ref = model(torch.tensor([enc.encode_ordinary("def main(")]))
+    assert torch.equal(torch.load(tmp_path / "logits.pt"), ref)
+
+    # bf16 export: half the bytes, close logits; an existing export is kept unless --force
+    again = _export(run, "--out", str(out), "--dtype", "bfloat16")
+    assert again.returncode == 2 and "exists and is not empty" in again.stderr and "Traceback" not in again.stderr
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"  # untouched
+    forced = _export(run, "--out", str(out), "--dtype", "bfloat16", "--force", "--checkpoint", "step-0000002")
+    assert forced.returncode == 0 and "step-0000002" in forced.stdout
+    from lmtrain.export import load
+
+    half, _, meta = load(out, dtype="float32")
+    assert meta["dtype"] == "bfloat16" and meta["source"]["checkpoint"] == "step-0000002"
+
+
+def test_export_of_a_run_without_a_checkpoint_is_one_message(tmp_path, dataset_dir):
+    train(make_cfg(TINY, tmp_path, dataset_dir))
+    res = _export(tmp_path / "run", "--out", str(tmp_path / "x"))
+    assert res.returncode == 2 and "has no complete checkpoint" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "x").exists()
+    res = _export(tmp_path / "nowhere", "--out", str(tmp_path / "x"))
+    assert res.returncode == 2 and "is not a run directory" in res.stderr
