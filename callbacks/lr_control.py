@@ -4,7 +4,7 @@ Sources (see lmtrain.corrections): automatic rollbacks (the divergence detector)
 (``python -m lmtrain.control RUN_DIR lr --scale 0.5`` or ``--value 1e-4`` while the run runs), and the config
 at a (re)start (``callbacks.lr_control.scale``). The learning rate used at each step is the scheduler's value
 times the corrections in force at that step, so ``train/lr`` in MLflow shows the schedule the run really
-followed (OPT's "empirical LR schedule"); at the end of training it is also saved as a plot artifact.
+followed (OPT's "empirical LR schedule"); the ``report`` callback plots it, corrections marked.
 """
 
 from __future__ import annotations
@@ -35,14 +35,7 @@ class LRControl(L.Callback):
             raise InputError(f"callbacks.lr_control.poll_every={poll_every}: must be >= 1")
         self.run_dir, self.scale, self.poll_every = Path(run_dir), scale, poll_every
         self.entries: list[dict] = []
-        self.history: list[tuple[int, float]] = []  # (step, lr) where it changed, for the plot; kept in checkpoints
         self._last_polled = -1
-
-    def state_dict(self) -> dict:
-        return {"history": self.history}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.history = [tuple(p) for p in state.get("history", [])]
 
     def on_train_start(self, trainer, pl_module) -> None:
         # rank zero's reading, so that every rank applies the same corrections even while the file is being written
@@ -74,11 +67,6 @@ class LRControl(L.Callback):
                 for group in opt.param_groups:
                     group.setdefault("lmtrain_base_lr", group["lr"])
                     group["lr"] = group["lmtrain_base_lr"] * mult
-        lr = trainer.optimizers[0].param_groups[0]["lr"]
-        while self.history and self.history[-1][0] >= step:  # a rollback rewound the steps: a new timeline
-            self.history.pop()
-        if not self.history or abs(lr - self.history[-1][1]) > 1e-3 * abs(self.history[-1][1]) or step % 100 == 0:
-            self.history.append((step, lr))
 
     def _poll(self, trainer, pl_module) -> None:
         """Rank zero reads pending operator requests; every rank applies them from this same step."""
@@ -105,43 +93,3 @@ class LRControl(L.Callback):
                 what = f"x{req['scale']}" if req.get("scale") is not None else f"set to {req['value']:g} (x{scale:.4g})"
                 logbook.append(self.run_dir, "lr_correction", f"operator: learning rate {what} from step {step}", step=step)
                 print(f"[lmtrain] learning rate {what} from step {step} (operator request)", file=sys.stderr)
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        if trainer.is_global_zero:
-            save_lr_plot(trainer, self.run_dir, self.history)
-
-
-def save_lr_plot(trainer, run_dir: Path, history: list[tuple[int, float]]) -> None:
-    """``RUN_DIR/lr_schedule.svg`` from the learning rates used, and to MLflow as an artifact."""
-    if not history:
-        return
-    path = run_dir / "lr_schedule.svg"
-    path.write_text(svg_line_plot(history, "learning rate followed (schedule x corrections)"))
-    for lg in trainer.loggers:
-        if type(lg).__name__ == "MLFlowLogger":
-            lg.experiment.log_artifact(lg.run_id, str(path))
-
-
-def svg_line_plot(points: list[tuple[float, float]], title: str, w: int = 640, h: int = 320) -> str:
-    """A dependency-free SVG line plot."""
-    points = sorted(points)
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    x0, x1, y0, y1 = min(xs), max(xs) or 1, 0.0, max(ys) or 1.0
-    pad = 40
-
-    def px(x: float) -> float:
-        return pad + (x - x0) / max(x1 - x0, 1e-12) * (w - 2 * pad)
-
-    def py(y: float) -> float:
-        return h - pad - (y - y0) / max(y1 - y0, 1e-12) * (h - 2 * pad)
-
-    path = " ".join(f"{'M' if i == 0 else 'L'}{px(x):.1f},{py(y):.1f}" for i, (x, y) in enumerate(points))
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">'
-        f'<text x="{pad}" y="20">{title}</text>'
-        f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>'
-        f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>'
-        f'<text x="{pad}" y="{h - pad + 15}">{x0:g}</text><text x="{w - pad}" y="{h - pad + 15}" text-anchor="end">step {x1:g}</text>'
-        f'<text x="{pad - 4}" y="{pad}" text-anchor="end">{y1:.3g}</text><text x="{pad - 4}" y="{h - pad}" text-anchor="end">0</text>'
-        f'<path d="{path}" fill="none" stroke="#1f77b4" stroke-width="1.5"/></svg>\n'
-    )

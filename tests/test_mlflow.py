@@ -57,7 +57,8 @@ def test_metrics_params_and_config_reach_the_server(mlflow_server, tiny_cfg):
     from mlflow.tracking import MlflowClient
 
     cfg = tiny_cfg("logger=mlflow", f"logger.mlflow.tracking_uri={mlflow_server}", "logger.mlflow.experiment_name=it", "run_name=roundtrip",
-                   "trainer.max_steps=5", "callbacks=default", "callbacks.throughput.peak_tflops=1.0", "trainer.enable_progress_bar=false")  # fmt: skip
+                   "trainer.max_steps=5", "callbacks=[default,samples]", "callbacks.throughput.peak_tflops=1.0", "trainer.enable_progress_bar=false",
+                   "callbacks.samples.max_new_tokens=4")  # fmt: skip
     train(cfg)
     client = MlflowClient(tracking_uri=mlflow_server)
     (run,) = client.search_runs([client.get_experiment_by_name("it").experiment_id], "attributes.run_name = 'roundtrip'")
@@ -71,6 +72,15 @@ def test_metrics_params_and_config_reach_the_server(mlflow_server, tiny_cfg):
     artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
     assert "config.yaml" in artifacts
     assert Path(client.download_artifacts(run.info.run_id, "config.yaml")).read_text().count("d_model: 64") == 1
+    # the end-of-training plots and the validation-time samples are artifacts of the run
+    assert sorted(a.path for a in client.list_artifacts(run.info.run_id, "plots")) == ["plots/loss.png", "plots/lr.png"]
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "samples")] == ["samples/step-0000002.txt", "samples/step-0000004.txt"]
+    assert "--- prompt: 'def main('" in Path(client.download_artifacts(run.info.run_id, "samples/step-0000004.txt")).read_text()
+    # on demand, from the MLflow run (this run has no CSV log)
+    rep = subprocess.run(
+        [sys.executable, "-m", "lmtrain.report", cfg.run_dir, "--tracking-uri", mlflow_server], capture_output=True, text=True
+    )
+    assert rep.returncode == 0 and "points: train/loss 5, val/loss 2, train/lr 5" in rep.stdout, rep.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -1,0 +1,179 @@
+"""Plots of a run: training and validation loss, and the learning rate actually applied, as PNG files.
+
+    python -m lmtrain.report RUN_DIR [--tracking-uri URI]
+
+Writes ``RUN_DIR/plots/loss.png`` and ``RUN_DIR/plots/lr.png``. The values come from the run's own log: its CSV
+log (``logger=csv``) or its MLflow run (``logger=mlflow``: the tracking URI in ``RUN_DIR/config.yaml`` unless
+``--tracking-uri``, the run found by its ``run_dir`` tag). Where a rollback rewound steps, the last value logged for a
+step is the one plotted (the timeline the run kept). Rollbacks, learning-rate corrections (operator, config) and
+divergence signals from ``lr_corrections.jsonl`` and ``logbook.jsonl`` are marked on both plots. Each PNG carries
+its plotted point counts as PNG text (key ``lmtrain``, JSON). At the end of training the ``report`` callback
+(``callbacks/report.py``) writes the same files and logs them to MLflow as artifacts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from lmtrain import corrections, logbook
+from lmtrain.errors import InputError
+
+SERIES = ("train/loss", "val/loss", "train/lr")
+
+
+def from_csv(run_dir: Path) -> dict[str, dict[int, float]] | None:
+    """{metric: {step: value}} from ``RUN_DIR/csv/metrics.csv``, or None where the run has no CSV log."""
+    from lmtrain.logs import read_metrics
+
+    if not (run_dir / "csv" / "metrics.csv").is_file():
+        return None
+    out: dict[str, dict[int, float]] = {k: {} for k in SERIES}
+    for row in read_metrics(run_dir):
+        if not row.get("step"):
+            continue
+        step = int(float(row["step"]))
+        for key in SERIES:
+            if row.get(key) not in (None, ""):
+                out[key][step] = float(row[key])  # a later row for the same step wins
+    return out
+
+
+def from_mlflow(
+    run_dir: Path, tracking_uri: str | None = None, client=None, run_id: str | None = None
+) -> dict[str, dict[int, float]] | None:
+    """The same from the run's MLflow run (the last value logged for each step), or None where there is none."""
+    if client is None:
+        from mlflow.tracking import MlflowClient
+        from omegaconf import OmegaConf
+
+        if tracking_uri is None:
+            cfg = OmegaConf.load(run_dir / "config.yaml")
+            node = (cfg.get("logger") or {}).get("mlflow")
+            if node is None:
+                return None
+            tracking_uri = str(node.get("tracking_uri"))
+        client = MlflowClient(tracking_uri=tracking_uri)
+    if run_id is None:
+        where = str(run_dir.resolve()).replace("'", "\\'")
+        runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id], f"tags.run_dir = '{where}'")]
+        if not runs:
+            return None
+        run_id = runs[0].info.run_id
+    out: dict[str, dict[int, float]] = {}
+    for key in SERIES:
+        history = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.timestamp, m.step))
+        out[key] = {m.step: m.value for m in history}
+    return out
+
+
+def markers(run_dir: Path) -> list[dict]:
+    """Events to mark: rollbacks and learning-rate corrections (from their file), divergence signals (logbook)."""
+    out = []
+    for e in corrections.load(run_dir):
+        what = e.get("reason", "correction")
+        label = f"rollback x{e['scale']:g}" if what == "rollback" else f"{what} lr x{e['scale']:.3g}"
+        out.append({"step": int(e["from_step"]), "kind": what, "label": label})
+    for e in logbook.read(run_dir):
+        if e.get("kind") == "divergence_signal" and e.get("step") is not None:
+            out.append({"step": int(e["step"]), "kind": "signal", "label": "+".join(e.get("signals") or ["signal"])})
+    return out
+
+
+STYLE = {"rollback": ("tab:red", "--"), "operator": ("tab:orange", ":"), "config": ("tab:purple", ":"), "signal": ("tab:red", ":")}
+
+
+def _figure(title: str):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4.5), dpi=100)
+    FigureCanvasAgg(fig)  # no pyplot, no global backend: safe in a training process
+    ax = fig.add_subplot(1, 1, 1)
+    ax.set_title(title)
+    ax.set_xlabel("optimizer step")
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _mark(ax, events: list[dict]) -> None:
+    for ev in events:
+        color, style = STYLE.get(ev["kind"], ("gray", ":"))
+        ax.axvline(ev["step"], color=color, linestyle=style, linewidth=1, label=ev["label"])
+
+
+def _save(fig, ax, path: Path, counts: dict) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        seen = {}
+        for h, lab in zip(handles, labels):
+            seen.setdefault(lab, h)
+        ax.legend(list(seen.values()), list(seen.keys()), fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, format="png", metadata={"lmtrain": json.dumps(counts)})
+
+
+def write_plots(run_dir: Path, metrics: dict[str, dict[int, float]]) -> list[Path]:
+    """``RUN_DIR/plots/loss.png`` and ``lr.png`` from {metric: {step: value}}; returns the files written."""
+    out = Path(run_dir) / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    events = markers(Path(run_dir))
+    written = []
+    train, val, lr = (sorted(metrics.get(k, {}).items()) for k in SERIES)
+
+    fig, ax = _figure(f"loss: {Path(run_dir).name}")
+    if train:
+        ax.plot([s for s, _ in train], [v for _, v in train], color="tab:blue", linewidth=1, label="train/loss")
+    if val:
+        ax.plot([s for s, _ in val], [v for _, v in val], color="tab:green", marker="o", linewidth=1.5, label="val/loss")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    _mark(ax, events)
+    _save(fig, ax, out / "loss.png", {"train/loss": len(train), "val/loss": len(val), "markers": len(events)})
+    written.append(out / "loss.png")
+
+    fig, ax = _figure(f"learning rate applied: {Path(run_dir).name}")
+    if lr:
+        ax.plot([s for s, _ in lr], [v for _, v in lr], color="tab:blue", linewidth=1.5, label="train/lr")
+    ax.set_ylabel("learning rate (schedule x corrections)")
+    _mark(ax, events)
+    _save(fig, ax, out / "lr.png", {"train/lr": len(lr), "markers": len(events)})
+    written.append(out / "lr.png")
+    return written
+
+
+def report(run_dir: Path, tracking_uri: str | None = None) -> tuple[list[Path], dict[str, dict[int, float]]]:
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise InputError(f"{run_dir} is not a run directory (no config.yaml)")
+    metrics = from_csv(run_dir) if tracking_uri is None else None
+    if metrics is None:
+        metrics = from_mlflow(run_dir, tracking_uri)
+    if metrics is None or not any(metrics.values()):
+        raise InputError(
+            f"{run_dir} has no logged metrics: neither {run_dir / 'csv' / 'metrics.csv'} nor an MLflow run tagged with it "
+            "(pass --tracking-uri where the MLflow store is elsewhere)"
+        )
+    return write_plots(run_dir, metrics), metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lmtrain.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir")
+    p.add_argument("--tracking-uri", default=None, help="read the metrics from this MLflow store")
+    args = p.parse_args(argv)
+    try:
+        files, metrics = report(Path(args.run_dir), args.tracking_uri)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    counts = ", ".join(f"{k} {len(v)}" for k, v in metrics.items())
+    print(f"points: {counts}")
+    for f in files:
+        print(f"wrote {f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
