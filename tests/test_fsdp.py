@@ -166,3 +166,38 @@ def test_two_torchrun_nodes_rendezvous_and_train_hsdp(tmp_path, dataset_dir):
         assert two[s] == pytest.approx(one[s], rel=1e-5, abs=1e-5), s
     last = ck.newest(tmp_path / "runs" / "twonode" / "checkpoints")
     assert last.step == 8 and last.meta["world_size"] == 2 and last.meta["format"] == "sharded"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_slurm_style_launch_two_nodes(tmp_path, dataset_dir):
+    """SLURM's path: two processes started with the environment `srun --nodes=2 --ntasks-per-node=1` gives its
+    tasks (no srun here). Lightning's SLURM environment wires them up, the run is named after the job, and `hsdp`
+    replicates across the two "nodes" with the losses of one process."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    _run(tmp_path, dataset_dir, "one", "trainer.devices=1", "data.batch_size=8")
+    args = BASE + [f"paths.runs={tmp_path / 'runs'}", f"data.path={dataset_dir}", "data.prepare=null", "strategy=hsdp",
+                   "trainer.devices=1", "trainer.num_nodes=2", "strategy.shard_size=1", "data.batch_size=4"]  # fmt: skip
+    procs = []
+    for node in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "LMTRAIN_RUN_ID"))}
+        env.update(PYTHONPATH=str(ROOT), SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="1", SLURM_PROCID=str(node), SLURM_LOCALID="0",
+                   SLURM_NODEID=str(node), SLURM_JOB_ID="4242", SLURM_JOB_NAME="lmtrain", SLURM_NODELIST="localhost")  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert "SLURM auto-requeueing enabled" in outs[0]  # Lightning's SLURM environment, not a plain launch
+    assert any("on mesh (2, 1) ('replicate', 'shard')" in o for o in outs)
+    run = tmp_path / "runs" / "slurm-4242"  # named after the job: the same on every task
+    one = {s: float(v) for s, v in _losses(tmp_path / "runs" / "one").items()}
+    got = {s: float(v) for s, v in _losses(run).items()}
+    assert sorted(got) == sorted(one) == list(range(8))
+    for s in one:
+        assert got[s] == pytest.approx(one[s], rel=1e-5, abs=1e-5), s
+    assert ck.newest(run / "checkpoints").meta["world_size"] == 2
