@@ -59,3 +59,30 @@ def test_table_output_and_bad_keys():
     assert bad.returncode == 2 and "unknown planner key 'cluster.gpu'" in bad.stderr
     bad = subprocess.run([*run, "model=opt-9b"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "opt-9b" in bad.stderr
+
+
+def test_largest_model_search_measures_both_sides_of_the_boundary():
+    """bench/largest_model.py's search: from the planner's start, up while it fits, down while it does not."""
+    from bench.largest_model import candidates, search, start_index
+
+    cands = candidates("opt", 2048)
+    names = [c[0] for c in cands]
+    assert names == ["opt-125m", "opt-350m", "opt-1.3b", "opt-2.7b", "opt-6.7b", "opt-13b", "opt-30b", "opt-66b", "opt-175b"]
+    # the planner's start on 4 x 80 GB under fsdp: opt-13b (docs/BENCHMARKS.md's arithmetic)
+    assert names[start_index(cands, 2048, 1, "fsdp", 4, 4, 80e9)] == "opt-13b"
+    tried = []
+
+    def fits_up_to(limit):
+        def try_fn(i):
+            tried.append(names[i])
+            return i <= names.index(limit)
+
+        return try_fn
+
+    assert search(fits_up_to("opt-30b"), len(names), names.index("opt-13b")) == {5: True, 6: True, 7: False}
+    assert tried == ["opt-13b", "opt-30b", "opt-66b"]
+    tried.clear()
+    assert search(fits_up_to("opt-2.7b"), len(names), names.index("opt-13b")) == {5: False, 4: False, 3: True}
+    assert tried == ["opt-13b", "opt-6.7b", "opt-2.7b"]
+    tried.clear()
+    assert search(fits_up_to("opt-175b"), len(names), names.index("opt-66b")) == {7: True, 8: True}  # the list's end
