@@ -16,7 +16,9 @@ optimizer state 8 B/param, each divided by the shard group (ddp: 1, fsdp: all GP
 per micro-batch from Korthikanti et al. (2022) with flash attention: 34 x seq x batch x d_model bytes per layer
 without recomputation, 2 x seq x batch x d_model per layer (the saved block inputs) plus one layer's full set with
 full activation checkpointing, half of the layers each way with selective (every other block); plus the logits,
-batch x seq x vocab x 6 bytes (bf16 and the fp32 copy the loss takes). A 10% margin is kept free.
+batch x seq x vocab x 6 bytes (bf16 and the fp32 copy the loss takes); under ddp on more than one GPU, DDP's
+gradient buckets, 4 B/param (measured: docs/BENCHMARKS.md; the sum is then about 7% high, on the safe side).
+A 10% margin is kept free.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def memory(cfg, params: int, seq: int, batch: int, strategy: str, world: int, no
     }
     if strategy != "ddp":  # one block's bf16 parameters gathered for compute (forward and the prefetched next one)
         out["gathered"] = 2 * 2 * (params / max(L, 1))
+    elif world > 1:  # DDP's gradient buckets: a second fp32 copy of the gradients (gradient_as_bucket_view off)
+        out["buckets"] = 4 * params
     out["total"] = sum(out.values())
     return out
 
