@@ -6,14 +6,14 @@ import lightning as L
 
 
 class FailAtStep(L.Callback):
-    """Raise at the start of optimizer step ``step`` (a crash inside training)."""
+    """Raise at the start of optimizer step ``step`` (a crash inside training), on every rank or on ``rank`` only."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, rank: int | None = None) -> None:
+        self.step, self.rank = step, rank
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            raise RuntimeError(f"injected failure at step {self.step}")
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
+            raise RuntimeError(f"injected failure at step {self.step} on rank {trainer.global_rank}")
 
 
 class RecordBatches(L.Callback):

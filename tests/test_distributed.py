@@ -46,3 +46,29 @@ def test_ddp_two_processes_resume_identically(tmp_path, dataset_dir):
     assert rest.returncode == 0 and "step-0000005" in rest.stderr, rest.stderr[-3000:]
     assert _losses(tmp_path / "runs" / "cut") == _losses(tmp_path / "runs" / "ref")
     assert sorted(_losses(tmp_path / "runs" / "ref")) == list(range(8))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_failure_on_one_rank_ends_every_rank(tmp_path, dataset_dir):
+    """Rank 1 raises at step 5 while rank 0 goes on into the gradient all-reduce: the launch exits non-zero within
+    seconds, naming the failure, instead of rank 0 waiting out the collective timeout; the checkpoint saved before
+    the failure is intact and the run resumes from it."""
+    import time
+
+    from lmtrain import checkpoint as ck
+
+    args = [a for a in TINY if not a.startswith(("trainer.devices", "callbacks"))] + [
+        "strategy=ddp", "trainer.devices=2", "trainer.max_steps=8", "logger=csv", f"paths.runs={tmp_path / 'runs'}", "run_name=fail",
+        f"data.path={dataset_dir}", "data.prepare=null", "callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0",
+        "callbacks.checkpoint.every_n_steps=4",
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    res = run_train_cli(args + ["+callbacks.boom._target_=tests.plugins.FailAtStep", "+callbacks.boom.step=5", "+callbacks.boom.rank=1"],
+                        tmp_path, timeout=240)  # fmt: skip
+    assert res.returncode != 0 and "injected failure at step 5 on rank 1" in res.stderr, res.stderr[-3000:]
+    assert time.monotonic() - t0 < 120
+    assert ck.newest(tmp_path / "runs" / "fail" / "checkpoints").step == 4
+    again = run_train_cli(args, tmp_path)
+    assert again.returncode == 0 and "resuming from" in again.stderr, again.stderr[-3000:]
+    assert ck.newest(tmp_path / "runs" / "fail" / "checkpoints").step == 8
