@@ -22,7 +22,9 @@ def busy_fraction(events, wall_us: float) -> tuple[float, float]:
     spans = sorted(
         (e.time_range.start, e.time_range.end)
         for e in events
-        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+        and not getattr(e, "is_user_annotation", False)  # a record_function range drawn on the GPU timeline: not work
+        and e.time_range.end > e.time_range.start
     )
     busy, cur_start, cur_end = 0.0, None, None
     for start, end in spans:
@@ -35,6 +37,16 @@ def busy_fraction(events, wall_us: float) -> tuple[float, float]:
     if cur_end is not None:
         busy += cur_end - cur_start
     return busy, (busy / wall_us if wall_us > 0 else 0.0)
+
+
+def summarize(prof, wall_us: float, steps: int, cuda: bool, label: str, row_limit: int = 30) -> tuple[str, str]:
+    """(one line: time per step and, on a GPU, how busy the device was; the operators/kernels table) of a profile."""
+    head = f"{label}: {wall_us / steps / 1e3:.2f} ms per step"
+    if cuda:
+        busy, frac = busy_fraction(prof.events(), wall_us)
+        head += f"; device busy {busy / steps / 1e3:.2f} ms per step ({frac:.1%} of the wall time)"
+    table = prof.key_averages().table(sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=row_limit)
+    return head, table
 
 
 class StepProfiler(L.Callback):
@@ -92,13 +104,8 @@ class StepProfiler(L.Callback):
         out.mkdir(parents=True, exist_ok=True)
         rank = trainer.global_rank
         prof.export_chrome_trace(str(out / f"trace_rank{rank}.json"))
-        events = prof.events()
-        busy, frac = busy_fraction(events, wall_us)
-        sort = "device_time_total" if pl_module.device.type == "cuda" else "cpu_time_total"
-        head = f"steps {self.start_step}..{self.start_step + self.steps - 1} on rank {rank}: {wall_us / self.steps / 1e3:.2f} ms per step"
-        if pl_module.device.type == "cuda":
-            head += f"; device busy {busy / self.steps / 1e3:.2f} ms per step ({frac:.1%} of the wall time)"
-        table = prof.key_averages().table(sort_by=sort, row_limit=self.row_limit)
+        label = f"steps {self.start_step}..{self.start_step + self.steps - 1} on rank {rank}"
+        head, table = summarize(prof, wall_us, self.steps, pl_module.device.type == "cuda", label, self.row_limit)
         self.summary_path = out / f"summary_rank{rank}.txt"
         self.summary_path.write_text(head + "\n\n" + table + "\n")
         if self._py is not None:

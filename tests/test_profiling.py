@@ -75,3 +75,19 @@ def test_step_statistics_are_read_one_step_late_unless_a_skip_needs_them_now(tmp
         assert json.loads(probe.read_text()) == [pending] * 4, action
         rows = {s: r for s, r in by_step(Path(cfg.run_dir)).items() if "train/loss" in r}
         assert sorted(rows) == [0, 1, 2, 3] and all(r["train/grad_norm"] for r in rows.values())
+
+
+def test_device_busy_time_counts_kernels_not_annotation_ranges():
+    """A record_function range shown on the GPU timeline (Lightning's `Optimizer.step` wraps the whole step) is not
+    device work: counting it hid the idle gaps it spans."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from callbacks.profiler import busy_fraction
+
+    def ev(start, end, annotation=False, device=torch.autograd.DeviceType.CUDA):
+        return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), device_type=device, is_user_annotation=annotation)
+
+    events = [ev(0, 100, annotation=True), ev(0, 10), ev(5, 20), ev(50, 60), ev(0, 100, device=torch.autograd.DeviceType.CPU)]
+    assert busy_fraction(events, 100.0) == (30.0, 0.3)  # [0, 20] and [50, 60]
