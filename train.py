@@ -40,7 +40,7 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(2)
     finally:
         _close_process_group(wait_for_others=ok)
-    return metrics.get("val/loss")
+    return metrics.get("val/loss")  # the value a sweeper would optimise
 
 
 def _close_process_group(wait_for_others: bool) -> None:
@@ -55,7 +55,7 @@ def _close_process_group(wait_for_others: bool) -> None:
                 dist.barrier()
             except Exception:  # noqa: BLE001 - another rank already gone: still release ours
                 pass
-        dist.destroy_process_group()  # the value a sweeper would optimise
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -24,21 +24,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lmtrain.plan import memory, model_numbers, presets  # noqa: E402
+from lmtrain.model import ModelConfig, available_presets  # noqa: E402
+from lmtrain.plan import memory, model_numbers  # noqa: E402
 
 GIB = 2**30
 
 
 def candidates(family: str, seq: int) -> list[tuple[str, int, object]]:
     """(preset, parameters, ModelConfig) of one family, smallest first, those whose positions reach ``seq``."""
-    from omegaconf import OmegaConf
-
-    from lmtrain.model import ModelConfig
-
     out = []
-    for name in presets():
-        raw = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"))
-        mcfg = ModelConfig(**{k: v for k, v in raw.items() if not k.startswith("_")})
+    for name in available_presets():
+        mcfg = ModelConfig.from_name(name)
         if mcfg.family == family and mcfg.max_seq_len >= seq and mcfg.n_layers > 2:
             out.append((name, model_numbers(mcfg, seq)["params"], mcfg))
     return sorted(out, key=lambda c: c[1])

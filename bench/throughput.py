@@ -30,7 +30,7 @@ from hydra.utils import instantiate  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 
 import lmtrain.config  # noqa: E402,F401
-from callbacks.profiler import busy_fraction  # noqa: E402
+from callbacks.profiler import summarize  # noqa: E402
 from data.datamodule import PackedBlocks  # noqa: E402
 from lmtrain.logs import metric  # noqa: E402
 from lmtrain.model import num_params  # noqa: E402
@@ -40,8 +40,8 @@ from lmtrain.run import train  # noqa: E402
 
 def trainer_tokens_per_sec(cfg, steps: int, warmup: int, out: Path, profile: int = 0) -> tuple[list[float], list[float], list[float]]:
     with open_dict(cfg):
-        if profile:  # after the timed window, so that profiling does not slow the steps that are timed
-            cfg.trainer.max_steps = steps + profile
+        cfg.trainer.max_steps = steps + profile  # profiled steps come after the timed ones: they do not slow them
+        if profile:
             cfg.callbacks["profiler"] = {
                 "_target_": "callbacks.profiler.StepProfiler",
                 "start_step": steps,
@@ -49,7 +49,6 @@ def trainer_tokens_per_sec(cfg, steps: int, warmup: int, out: Path, profile: int
                 "python": True,
             }
         cfg.run_dir = str(out / "trainer")
-        cfg.trainer.max_steps = max(steps, cfg.trainer.max_steps if profile else 0)
         cfg.trainer.val_check_interval = 10**9
         cfg.trainer.limit_val_batches = 0
         cfg.trainer.enable_progress_bar = False
@@ -71,7 +70,7 @@ def trainer_tokens_per_sec(cfg, steps: int, warmup: int, out: Path, profile: int
             flush=True,
         )
     return (
-        metric(run, "perf/tokens_per_sec")[warmup:steps],
+        rates,
         metric(run, "perf/mfu")[warmup:steps],
         metric(run, "perf/max_memory_gib")[:steps],
     )
@@ -124,12 +123,8 @@ def raw_tokens_per_sec(cfg, steps: int, warmup: int, device: torch.device, profi
                 step(x, y)
             sync()
             wall_us = (time.perf_counter() - t0) * 1e6
-        busy, frac = busy_fraction(prof.events(), wall_us)
-        sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
-        print(
-            f"== raw loop profile: {wall_us / profile / 1e3:.2f} ms per step; device busy {busy / profile / 1e3:.2f} ms per step ({frac:.1%})"
-        )
-        print(prof.key_averages().table(sort_by=sort, row_limit=30), flush=True)
+        head, table = summarize(prof, wall_us, profile, device.type == "cuda", "== raw loop profile")
+        print(head + "\n" + table, flush=True)
     return [rate]
 
 

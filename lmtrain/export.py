@@ -37,7 +37,7 @@ def export(run_dir: Path, out: Path, checkpoint: str | None = None, dtype: str =
     """Write the export (see the module docstring); returns its config.json content."""
     from safetensors.torch import save_file
 
-    from lmtrain.generate import load_run
+    from lmtrain.generate import load_run, run_tokenizer
 
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r}: use one of {list(DTYPES)}")
@@ -60,10 +60,7 @@ def export(run_dir: Path, out: Path, checkpoint: str | None = None, dtype: str =
             continue
         seen[key] = name
         state[name] = tensor.detach().to(DTYPES[dtype]).contiguous()
-    data_path = Path(cfg.data.path) if cfg.data.get("path") else Path(cfg.data.sources[0]["path"])
-    from data.prepare import read_manifest
-
-    spec = str(read_manifest(data_path)["tokenizer"])
+    spec, data_path = run_tokenizer(cfg)
     ranks = Path(spec) if Path(spec).is_absolute() else data_path / spec
     meta = {
         "format": FORMAT,

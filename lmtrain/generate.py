@@ -61,12 +61,17 @@ def load_run(run_dir: Path, checkpoint: str | None = None, device: str = "cpu"):
     missing = [k for k in missing if not k.startswith("rope_")]  # buffers recomputed by the model
     if missing or unexpected:
         raise InputError(f"checkpoint {ckpt.path} does not match the run's model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    data_path = Path(cfg.data.path) if cfg.data.get("path") else Path(cfg.data.sources[0]["path"])
+    spec, data_path = run_tokenizer(cfg)
+    enc = load_tokenizer(spec, data_path)
+    return model.to(device).eval(), enc, eos_id(enc), ckpt
+
+
+def run_tokenizer(cfg) -> tuple[str, Path]:
+    """(tokenizer spec, the dataset folder it is relative to) of a run, from its config and dataset manifest."""
     from data.prepare import read_manifest
 
-    manifest = read_manifest(data_path)
-    enc = load_tokenizer(manifest["tokenizer"], data_path)
-    return model.to(device).eval(), enc, eos_id(enc), ckpt
+    data_path = Path(cfg.data.path) if cfg.data.get("path") else Path(cfg.data.sources[0]["path"])
+    return str(read_manifest(data_path)["tokenizer"]), data_path
 
 
 @torch.no_grad()

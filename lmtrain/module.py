@@ -211,7 +211,7 @@ class LMModule(L.LightningModule):
         # update (a `skip` action) asks for it now: one device sync per step.
         checkers = self._checkers()
         now = any(getattr(c, "needs_same_step", False) for c in checkers)
-        if self._judge_stats(keep_newest=not now):
+        if self._judge_stats(checkers, keep_newest=not now):
             self.drop_update(optimizer)
 
     def _checkers(self) -> list:
@@ -219,9 +219,10 @@ class LMModule(L.LightningModule):
 
     def flush_step_stats(self) -> None:
         """Log and judge every step's statistics not yet read (before a checkpoint is saved, at the end)."""
-        self._judge_stats(keep_newest=False)
+        if self._pending_stats:
+            self._judge_stats(self._checkers(), keep_newest=False)
 
-    def _judge_stats(self, keep_newest: bool) -> bool:
+    def _judge_stats(self, checkers: list, keep_newest: bool) -> bool:
         """Log the pending steps' statistics and run the checkers on them; True: drop the current update.
 
         Nothing here goes through ``self.log``: Lightning turns every logged value into a device tensor and reads it
@@ -229,7 +230,6 @@ class LMModule(L.LightningModule):
         boundary (measured: docs/BENCHMARKS.md). The progress bar reads ``last_train_loss`` instead."""
         todo = self._pending_stats[:-1] if keep_newest else list(self._pending_stats)
         del self._pending_stats[: len(todo)]
-        checkers = self._checkers() if todo else []
         drop = False
         for rec in todo:
             loss, norm, act_rms, scale = rec.read()

@@ -93,10 +93,6 @@ def fewest_gpus(cfg, params: int, seq: int, batch: int, node: int, mem_bytes: fl
     return None
 
 
-def presets() -> list[str]:
-    return sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
-
-
 def plan(cfg, cluster: dict, budget: dict) -> dict:
     from lmtrain.model import ModelConfig
 
@@ -133,14 +129,11 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
 
 def largest_on_one_node(seq: int, batch: int, node: int, mem_bytes: float) -> str | None:
     """The preset with the most parameters that fits one node under fsdp with full activation checkpointing."""
-    from omegaconf import OmegaConf
-
-    from lmtrain.model import ModelConfig
+    from lmtrain.model import ModelConfig, available_presets
 
     best = None
-    for name in presets():
-        raw = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"))
-        mcfg = ModelConfig(**{k: v for k, v in raw.items() if not k.startswith("_")})
+    for name in available_presets():
+        mcfg = ModelConfig.from_name(name)
         n = model_numbers(mcfg, seq)["params"]
         if memory(mcfg, n, min(seq, mcfg.max_seq_len), batch, "fsdp", node, node, "full")["total"] <= MARGIN * mem_bytes:
             if best is None or n > best[1]:

@@ -26,19 +26,12 @@ SERIES = ("train/loss", "val/loss", "train/lr")
 
 def from_csv(run_dir: Path) -> dict[str, dict[int, float]] | None:
     """{metric: {step: value}} from ``RUN_DIR/csv/metrics.csv``, or None where the run has no CSV log."""
-    from lmtrain.logs import read_metrics
+    from lmtrain.logs import by_step
 
     if not (run_dir / "csv" / "metrics.csv").is_file():
         return None
-    out: dict[str, dict[int, float]] = {k: {} for k in SERIES}
-    for row in read_metrics(run_dir):
-        if not row.get("step"):
-            continue
-        step = int(float(row["step"]))
-        for key in SERIES:
-            if row.get(key) not in (None, ""):
-                out[key][step] = float(row[key])  # a later row for the same step wins
-    return out
+    rows = by_step(run_dir)  # a later row for the same step wins
+    return {key: {step: float(row[key]) for step, row in rows.items() if key in row} for key in SERIES}
 
 
 def from_mlflow(
