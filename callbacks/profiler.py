@@ -100,22 +100,26 @@ class StepProfiler(L.Callback):
             self._py.disable()
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
-        out = Path(trainer.default_root_dir) / "profile"  # the run directory
-        out.mkdir(parents=True, exist_ok=True)
         rank = trainer.global_rank
-        prof.export_chrome_trace(str(out / f"trace_rank{rank}.json"))
         label = f"steps {self.start_step}..{self.start_step + self.steps - 1} on rank {rank}"
         head, table = summarize(prof, wall_us, self.steps, pl_module.device.type == "cuda", label, self.row_limit)
-        self.summary_path = out / f"summary_rank{rank}.txt"
-        self.summary_path.write_text(head + "\n\n" + table + "\n")
-        if self._py is not None:
-            import io
-            import pstats
+        py, self._py = self._py, None
+        out = Path(trainer.default_root_dir) / "profile"  # the run directory
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(out / f"trace_rank{rank}.json"))
+            self.summary_path = out / f"summary_rank{rank}.txt"
+            self.summary_path.write_text(head + "\n\n" + table + "\n")
+            if py is not None:
+                import io
+                import pstats
 
-            buf = io.StringIO()
-            stats = pstats.Stats(self._py, stream=buf)
-            stats.sort_stats("tottime").print_stats(self.row_limit)
-            stats.sort_stats("cumulative").print_stats(self.row_limit)
-            (out / f"python_rank{rank}.txt").write_text(buf.getvalue())
-            self._py = None
+                buf = io.StringIO()
+                stats = pstats.Stats(py, stream=buf)
+                stats.sort_stats("tottime").print_stats(self.row_limit)
+                stats.sort_stats("cumulative").print_stats(self.row_limit)
+                (out / f"python_rank{rank}.txt").write_text(buf.getvalue())
+        except OSError as exc:  # a profile is not worth the run (a full disk is the disk guard's business)
+            print(f"[lmtrain] profile: {head}; could not write it to {out}: {exc.strerror or exc}", file=sys.stderr, flush=True)
+            return
         print(f"[lmtrain] profile: {head}; written to {out}", file=sys.stderr, flush=True)

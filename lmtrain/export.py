@@ -44,7 +44,12 @@ def export(run_dir: Path, out: Path, checkpoint: str | None = None, dtype: str =
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise InputError(f"{out} exists and is not empty: choose another --out or pass --force to replace it")
-    model, enc, eos, ckpt = load_run(Path(run_dir), checkpoint, "cpu")
+    model, enc, eos, ckpt = load_run(Path(run_dir), checkpoint, "cpu")  # a bad run directory: refused before writing
+    try:  # where the files go: checked before the weights are converted
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as exc:
+        raise InputError(f"cannot write the export to {out}: {exc.strerror or exc}") from exc
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
@@ -79,8 +84,7 @@ def export(run_dir: Path, out: Path, checkpoint: str | None = None, dtype: str =
             "format": ckpt.meta.get("format"),
         },
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    old = None
     try:
         tmp.chmod(0o755)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": FORMAT, "step": str(ckpt.step)})
@@ -89,12 +93,21 @@ def export(run_dir: Path, out: Path, checkpoint: str | None = None, dtype: str =
         (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
         for f in tmp.iterdir():
             f.chmod(0o644)
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        if out.exists():  # --force: the previous export is set aside until the new one is in place
+            old = out.parent / f".{out.name}.replaced"
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
         tmp.rename(out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and old.exists() and not out.exists():
+            old.rename(out)
+        raise InputError(f"cannot write the export to {out}: {exc.strerror or exc} (disk full?); nothing there was changed") from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
     return meta
 
 

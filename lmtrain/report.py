@@ -14,6 +14,7 @@ its plotted point counts as PNG text (key ``lmtrain``, JSON). At the end of trai
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import sys
 from pathlib import Path
@@ -140,15 +141,26 @@ def report(run_dir: Path, tracking_uri: str | None = None) -> tuple[list[Path], 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise InputError(f"{run_dir} is not a run directory (no config.yaml)")
-    metrics = from_csv(run_dir) if tracking_uri is None else None
+    csv_log = run_dir / "csv" / "metrics.csv"
+    try:
+        metrics = from_csv(run_dir) if tracking_uri is None else None
+    except (ValueError, KeyError, csv.Error) as exc:
+        raise InputError(f"{csv_log} is not a readable metrics log ({exc}); nothing was plotted") from exc
     if metrics is None:
-        metrics = from_mlflow(run_dir, tracking_uri)
+        try:
+            metrics = from_mlflow(run_dir, tracking_uri)
+        except Exception as exc:  # noqa: BLE001 - any failure of the store (URI, server, database) is the user's to fix
+            where = tracking_uri or "the tracking URI in config.yaml"
+            raise InputError(f"cannot read the run's metrics from MLflow at {where}: {str(exc).splitlines()[0][:300]}") from exc
     if metrics is None or not any(metrics.values()):
         raise InputError(
             f"{run_dir} has no logged metrics: neither {run_dir / 'csv' / 'metrics.csv'} nor an MLflow run tagged with it "
             "(pass --tracking-uri where the MLflow store is elsewhere)"
         )
-    return write_plots(run_dir, metrics), metrics
+    try:
+        return write_plots(run_dir, metrics), metrics
+    except OSError as exc:
+        raise InputError(f"cannot write the plots in {run_dir / 'plots'}: {exc.strerror or exc}") from exc
 
 
 def main(argv: list[str] | None = None) -> int:

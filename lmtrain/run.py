@@ -145,16 +145,22 @@ def _attempt(cfg: DictConfig, rollback: dict | None):
         raise InputError(f"cannot create the run directory {run_dir} (run_dir / paths.runs): {exc.strerror or exc}") from exc
     resume = resume_point(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    # cheap objects whose constructors check their options: built before any data is prepared
+    # cheap objects whose constructors check their options (the module, not yet its model): built before any data is prepared
     callbacks = instantiate_group(cfg.get("callbacks"))
     strategy = instantiate(cfg.strategy) if cfg.get("strategy") else "auto"
+    model_factory = instantiate(cfg.model)  # a factory: the model itself is built in LMModule.configure_model
+    module = instantiate(
+        cfg.module,
+        model=model_factory,
+        optimizer=instantiate(cfg.optimizer),
+        scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
+    )
 
     datamodule = instantiate(cfg.data)
     datamodule.prepare_data()
     datamodule.setup("fit")
     validate_data(cfg, datamodule.manifest, len(datamodule.train_set))
 
-    model_factory = instantiate(cfg.model)
     shape = meta_model(model_factory)
     print(describe_model(shape), file=sys.stderr)
     identity = model_identity(shape, cfg)
@@ -165,12 +171,6 @@ def _attempt(cfg: DictConfig, rollback: dict | None):
         if resume.meta.get("mlflow_run_id") and (cfg.get("logger") or {}).get("mlflow"):
             with open_dict(cfg):
                 cfg.logger.mlflow.run_id = cfg.logger.mlflow.get("run_id") or resume.meta["mlflow_run_id"]
-    module = instantiate(
-        cfg.module,
-        model=model_factory,
-        optimizer=instantiate(cfg.optimizer),
-        scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
-    )
     if not cfg.trainer.get("enable_progress_bar", True):  # `trainer.enable_progress_bar=false` wins over the bar callback
         from lightning.pytorch.callbacks import ProgressBar
 

@@ -64,3 +64,34 @@ def test_export_of_a_run_without_a_checkpoint_is_one_message(tmp_path, dataset_d
     assert not (tmp_path / "x").exists()
     res = _export(tmp_path / "nowhere", "--out", str(tmp_path / "x"))
     assert res.returncode == 2 and "is not a run directory" in res.stderr
+
+
+def test_export_that_cannot_be_written_is_one_message_and_keeps_the_previous_export(tmp_path, dataset_dir, monkeypatch):
+    import errno
+
+    import safetensors.torch
+
+    from lmtrain.errors import InputError
+    from lmtrain.export import export
+
+    train(make_cfg(TINY + ["callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0", "trainer.max_steps=2"], tmp_path, dataset_dir))
+    run, out = tmp_path / "run", tmp_path / "export"
+    export(run, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    try:
+        export(run, out, force=True)
+    except InputError as exc:
+        assert f"cannot write the export to {out}: No space left on device" in str(exc)
+    else:
+        raise AssertionError("a full disk was not reported")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the previous export, untouched
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".export")) == []  # no partial folder left
+
+    (tmp_path / "afile").write_text("x")
+    res = _export(run, "--out", str(tmp_path / "afile" / "sub"))
+    assert res.returncode == 2 and "cannot write the export to" in res.stderr and "Traceback" not in res.stderr

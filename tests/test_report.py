@@ -55,6 +55,17 @@ def test_plots_at_the_end_of_training_and_on_demand(tmp_path, dataset_dir):
     bad = _report(tmp_path)
     assert bad.returncode == 2 and "is not a run directory" in bad.stderr and "Traceback" not in bad.stderr
 
+    # a damaged log and an MLflow store that cannot be read: one message each, the plots already there kept
+    before = (plots / "loss.png").read_bytes()
+    log = Path(cfg.run_dir) / "csv" / "metrics.csv"
+    log.write_text(log.read_text() + "\n" + "garbage," * 3 + "\n")
+    damaged = _report(cfg.run_dir)
+    assert damaged.returncode == 2 and f"{log} is not a readable metrics log" in damaged.stderr and "Traceback" not in damaged.stderr
+    (tmp_path / "not-a.db").write_text("this is not an MLflow database\n" * 100)
+    store = _report(cfg.run_dir, "--tracking-uri", f"sqlite:///{tmp_path / 'not-a.db'}")
+    assert store.returncode == 2 and "cannot read the run's metrics from MLflow at sqlite:///" in store.stderr, store.stderr[-2000:]
+    assert "Traceback" not in store.stderr and (plots / "loss.png").read_bytes() == before
+
 
 def test_text_samples_after_each_validation(tmp_path, dataset_dir):
     cfg = make_cfg(
