@@ -83,6 +83,8 @@ def main() -> None:
     shard = args.shard_size or max(args.nproc // 2, 1)
     cands = candidates(args.family, args.seq)
     names = [c[0] for c in cands]
+    if args.start is not None and args.start not in names:
+        p.error(f"--start {args.start}: not a {args.family} preset with positions up to {args.seq}; choose from {names}")
     start = names.index(args.start) if args.start else start_index(cands, args.seq, args.batch, args.strategy, args.nproc, shard, mem)
     strat = [f"strategy={args.strategy}", f"trainer.devices={args.nproc}"]
     if args.strategy != "ddp":
