@@ -38,9 +38,37 @@ def main(cfg: DictConfig) -> float | None:
     except InputError as exc:  # config, data, tokenizer, checkpoint or disk: one message, no traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except BaseException:
+        if _other_ranks():
+            _leave_at_once()
+        raise
     finally:
         _close_process_group(wait_for_others=ok)
     return metrics.get("val/loss")  # the value a sweeper would optimise
+
+
+def _other_ranks() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _leave_at_once() -> None:
+    """A failure on this rank while the others may be inside a collective that will never complete. Tearing the
+    NCCL communicator down (destroy_process_group, or its destructor at exit) waits for those ranks: the process
+    would never exit, and the launcher (torchrun, srun, Lightning's) never learn that it failed. Print the error
+    and exit now; the launcher then ends the other ranks. Logs, loggers and checkpoints are already closed by
+    then (lmtrain.run)."""
+    import logging
+    import os
+    import traceback
+
+    traceback.print_exc()
+    print("[lmtrain] this rank failed: exiting without waiting for the other ranks", file=sys.stderr)
+    logging.shutdown()  # flush the run's log file
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _close_process_group(wait_for_others: bool) -> None:

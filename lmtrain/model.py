@@ -291,8 +291,19 @@ class Decoder(nn.Module):
             x = self.proj_out(x)
         return x
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.hidden_states(idx))  # (B, T, V)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits (B, T, V); with ``targets`` (B, T), the mean cross-entropy loss instead."""
+        hidden = self.hidden_states(idx)
+        if targets is None:
+            return self.lm_head(hidden)  # (B, T, V)
+        return self.head_loss(hidden, targets)
+
+    def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Output head and mean cross-entropy, logits upcast to fp32. A method of its own so that a sharded
+        strategy can compile it (its blocks are compiled one by one): compiled, the upcast, log-softmax and their
+        backward are fused instead of materialising (B, T, V) fp32 tensors."""
+        logits = self.lm_head(hidden)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 # -- counting ----------------------------------------------------------------------------------

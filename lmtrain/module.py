@@ -18,7 +18,10 @@ from lmtrain.optim import build_optimizer
 
 
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; logits upcast to fp32 (fused away when compiled)."""
+    """Mean next-token cross-entropy; logits upcast to fp32 (fused away when compiled). A model with a
+    ``head_loss`` (lmtrain.model.Decoder) computes it in its own forward (which a sharded strategy compiles)."""
+    if hasattr(model, "head_loss"):
+        return model(inputs, targets)
     logits = model(inputs)  # (B, T, V)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 

@@ -8,9 +8,10 @@ sharded checkpoints (PyTorch distributed checkpoint, one file per rank). Options
 * ``mixed_precision``: under ``trainer.precision=bf16-mixed``, all-gather parameters in bf16 and reduce
   gradients in fp32 (``MixedPrecisionPolicy``); the sharded master weights and optimizer state stay fp32;
 * ``activation_checkpointing``: ``none``, ``selective`` (every other block) or ``full`` (every block);
-* ``compile``: ``torch.compile`` each block;
+* ``compile``: ``torch.compile`` each block, and the output head with the loss;
 * ``cpu_offload``: keep sharded parameters, gradients and optimizer state in host memory;
-* ``reshard_after_forward``: free gathered parameters after forward (less memory, one more all-gather);
+* ``reshard_after_forward``: free gathered parameters after forward (less memory, one more all-gather); the
+  last block keeps them either way, as its backward comes right after;
 * ``init_device``: ``cpu`` builds the full model on every rank with the seeded initialisation, then shards
   it (bit-identical to a single-process run); ``meta`` builds it without memory and initialises each shard
   in place (for models that do not fit one host's memory per rank).
@@ -99,8 +100,11 @@ class FSDP2Strategy(ModelParallelStrategy):
                 block = checkpoint_wrapper(block, preserve_rng_state=True)
             if self.compile_blocks:
                 block.compile()
-            fully_shard(block, **kwargs)
+            # the last block's parameters would be gathered again at once for the backward: keep them (as torchtitan)
+            fully_shard(block, **{**kwargs, "reshard_after_forward": kwargs["reshard_after_forward"] and i < len(blocks) - 1})
             blocks[i] = block
+        if self.compile_blocks and callable(getattr(model, "head_loss", None)):
+            model.head_loss = torch.compile(model.head_loss)  # the output head and loss, fused (lmtrain.model.Decoder)
         fully_shard(model, **kwargs)
         if self.global_rank == 0:
             mesh = kwargs["mesh"]

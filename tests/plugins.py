@@ -75,3 +75,35 @@ class PendingStats(L.Callback):
 
         with open(self.path, "w") as fh:
             json.dump(self.seen, fh)
+
+
+class GCState(L.Callback):
+    """Record, at every training batch, whether Python's automatic garbage collection is on, and which
+    generations the collector scanned at which step (``gc.callbacks``), into ``path`` as JSON at the end."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.enabled, self.events, self._trainer = path, [], [], None
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.events.append([self._trainer.global_step, info["generation"]])
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import gc
+
+        self._trainer = trainer
+        gc.callbacks.append(self._on_gc)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import gc
+
+        self.enabled.append(gc.isenabled())
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        import gc
+        import json
+
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+        with open(self.path, "w") as fh:
+            json.dump({"enabled": self.enabled, "events": self.events}, fh)

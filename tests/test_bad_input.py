@@ -140,6 +140,10 @@ def test_resuming_with_another_data_seed_is_refused(tiny_cfg, tmp_path, dataset_
         (["callbacks=[none,samples]", "callbacks.samples.prompts=[]"], r"callbacks.samples.prompts: give one or more non-empty prompts"),
         (["callbacks=[none,profiler]", "callbacks.profiler.steps=0"], r"callbacks.profiler: start_step=20 must be >= 0 and steps=0 >= 1"),
         (
+            ["callbacks=[none,gc]", "callbacks.gc.every_n_steps=0"],
+            r"callbacks.gc: every_n_steps=0 and full_every_n_steps=1000 must be >= 1",
+        ),
+        (
             ["data=mixture", "data.sources=[{path: /x, weight: -1}]", "data.path=null"],
             r"data.sources\[0\].weight = -1: must be a positive number",
         ),

@@ -6,6 +6,8 @@ refused before any process starts."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from lmtrain import checkpoint as ck
@@ -132,6 +134,23 @@ def test_fsdp_options_activation_checkpointing_and_meta_init(tmp_path, dataset_d
     meta = {s: float(v) for s, v in _losses(tmp_path / "runs" / "meta").items()}
     assert sorted(meta) == [0, 1, 2, 3] and all(7.0 < v < 9.0 for v in meta.values())
     assert meta != {s: float(v) for s, v in none.items()}  # its own per-shard initialisation
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="torch.compile on CPU needs a C compiler")
+def test_fsdp_compiled_blocks_and_head_train_like_eager(tmp_path, dataset_dir):
+    """2 ranks, strategy.compile=true: every block and the output head with the loss are compiled
+    (Decoder.head_loss under FSDP2), and the run computes the eager run's losses (to float rounding)."""
+    common = ["strategy=fsdp", "trainer.devices=2", "data.batch_size=4", "trainer.max_steps=4", "scheduler.total_steps=4"]
+    _run(tmp_path, dataset_dir, "eager", *common)
+    res = _run(tmp_path, dataset_dir, "compiled", *common, "strategy.compile=true")
+    assert "compile True" in res.stderr
+    eager = {s: float(v) for s, v in _losses(tmp_path / "runs" / "eager").items()}
+    compiled = {s: float(v) for s, v in _losses(tmp_path / "runs" / "compiled").items()}
+    assert sorted(compiled) == sorted(eager) == [0, 1, 2, 3]
+    for s in eager:
+        assert compiled[s] == pytest.approx(eager[s], rel=1e-4), s
 
 
 @pytest.mark.slow

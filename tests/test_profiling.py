@@ -96,3 +96,55 @@ def test_a_profile_that_cannot_be_written_does_not_stop_training(tmp_path, datas
     assert "could not write it to" in capsys.readouterr().err
     assert len([r for r in by_step(Path(cfg.run_dir)).values() if "train/loss" in r]) == 4  # the run went on to the end
     assert (Path(cfg.run_dir) / "profile").read_text().startswith("a file")  # and nothing of the user's was replaced
+
+
+def test_garbage_collection_runs_on_schedule_and_is_restored(tmp_path, dataset_dir):
+    """callbacks/gc_control.py: no automatic collection while training; one full collection and a freeze after
+    `freeze_after_steps`, the young generations every `every_n_steps`, a full one every `full_every_n_steps`, each
+    logged as perf/gc_ms; the collector is on again afterwards."""
+    import gc
+
+    probe = tmp_path / "gc.json"
+    cfg = make_cfg(
+        TINY + ["logger=csv", "trainer.max_steps=8", "callbacks=[none,gc]", "callbacks.gc.every_n_steps=2",
+                "callbacks.gc.freeze_after_steps=1", "callbacks.gc.full_every_n_steps=5",
+                "+callbacks.probe._target_=tests.plugins.GCState", f"+callbacks.probe.path={probe}"],
+        tmp_path, dataset_dir,
+    )  # fmt: skip
+    assert gc.isenabled()
+    train(cfg)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    got = json.loads(probe.read_text())
+    assert got["enabled"] == [False] * 8
+    scheduled = {1: 2, 2: 1, 4: 1, 5: 2, 6: 1, 8: 1}  # step -> generation
+    during = [(s, g) for s, g in got["events"] if 0 <= s <= 8]
+    assert sorted(set(during)) == sorted(scheduled.items()), during
+    logged = {s: r["perf/gc_ms"] for s, r in by_step(Path(cfg.run_dir)).items() if "perf/gc_ms" in r}
+    assert len(logged) == len(scheduled) and all(float(v) >= 0 for v in logged.values()), logged
+
+
+def test_garbage_collection_options_are_checked():
+    from callbacks.gc_control import GarbageCollection
+
+    for bad in ({"every_n_steps": 0}, {"generation": 3}, {"full_every_n_steps": 0}, {"freeze_after_steps": -1}):
+        with pytest.raises(InputError, match="callbacks.gc"):
+            GarbageCollection(**bad)
+
+
+def test_throughput_bench_prints_its_table_row(tmp_path):
+    """bench/throughput.py on the CPU: the trainer's window figure beside the bare loop's, one table row."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "throughput.py"), "--steps", "8", "--warmup", "3", "model=tiny", "trainer.accelerator=cpu",
+         "trainer.precision=32-true", "data.seq_len=64", "data.batch_size=4", "scheduler.warmup_steps=1", "callbacks.throughput.peak_tflops=1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    row = [c.strip() for c in res.stdout.strip().splitlines()[-1].strip("|").split("|")]
+    assert len(row) == 16 and row[1] == "1" and row[9] == "8 (5)", row
+    trainer, raw, ratio = (float(row[i].replace(",", "")) for i in (10, 12, 13))
+    assert trainer > 0 and raw > 0 and ratio == pytest.approx(trainer / raw, abs=2e-3)
