@@ -37,10 +37,12 @@ def main(cfg: DictConfig) -> float | None:
         ok = True
     except InputError as exc:  # config, data, tokenizer, checkpoint or disk: one message, no traceback
         print(f"error: {exc}", file=sys.stderr)
+        if _other_ranks():
+            _leave_at_once(2, with_traceback=False)
         sys.exit(2)
     except BaseException:
         if _other_ranks():
-            _leave_at_once()
+            _leave_at_once(1, with_traceback=True)
         raise
     finally:
         _close_process_group(wait_for_others=ok)
@@ -53,7 +55,7 @@ def _other_ranks() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _leave_at_once() -> None:
+def _leave_at_once(code: int, with_traceback: bool) -> None:
     """A failure on this rank while the others may be inside a collective that will never complete. Tearing the
     NCCL communicator down (destroy_process_group, or its destructor at exit) waits for those ranks: the process
     would never exit, and the launcher (torchrun, srun, Lightning's) never learn that it failed. Print the error
@@ -63,12 +65,13 @@ def _leave_at_once() -> None:
     import os
     import traceback
 
-    traceback.print_exc()
+    if with_traceback:
+        traceback.print_exc()
     print("[lmtrain] this rank failed: exiting without waiting for the other ranks", file=sys.stderr)
     logging.shutdown()  # flush the run's log file
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(code)
 
 
 def _close_process_group(wait_for_others: bool) -> None:
