@@ -244,6 +244,7 @@ class Decoder(nn.Module):
         self.norm = make_norm(cfg)
         self.proj_out = nn.Linear(cfg.d_model, cfg.emb_dim, bias=False) if cfg.emb_dim != cfg.d_model else None
         self.lm_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
+        self.loss_chunk_tokens: int | None = None  # how the loss is computed, not the architecture: see head_loss
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         if cfg.family == "llama":
@@ -301,7 +302,12 @@ class Decoder(nn.Module):
     def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Output head and mean cross-entropy, logits upcast to fp32. A method of its own so that a sharded
         strategy can compile it (its blocks are compiled one by one): compiled, the upcast, log-softmax and their
-        backward are fused instead of materialising (B, T, V) fp32 tensors."""
+        backward are fused instead of materialising (B, T, V) fp32 tensors. With ``loss_chunk_tokens`` set
+        (``module.loss_chunk_tokens``), computed that many tokens at a time (lmtrain.loss)."""
+        if self.loss_chunk_tokens:
+            from lmtrain.loss import chunked_linear_cross_entropy
+
+            return chunked_linear_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.loss_chunk_tokens)
         logits = self.lm_head(hidden)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 

@@ -16,7 +16,8 @@ optimizer state 8 B/param, each divided by the shard group (ddp: 1, fsdp: all GP
 per micro-batch from Korthikanti et al. (2022) with flash attention: 34 x seq x batch x d_model bytes per layer
 without recomputation, 2 x seq x batch x d_model per layer (the saved block inputs) plus one layer's full set with
 full activation checkpointing, half of the layers each way with selective (every other block); plus the logits,
-batch x seq x vocab x 6 bytes (bf16 and the fp32 copy the loss takes); under ddp on more than one GPU, DDP's
+batch x seq x vocab x 6 bytes (bf16 and the fp32 copy the loss takes; with ``module.loss_chunk_tokens=C``, C x vocab
+x 6 bytes plus the gradients the chunked head keeps: hidden states and head weight in fp32); under ddp on more than one GPU, DDP's
 gradient buckets, 4 B/param (measured: docs/BENCHMARKS.md; the sum is then about 7% high, on the safe side).
 A 10% margin is kept free.
 """
@@ -56,7 +57,7 @@ def model_numbers(model_cfg, seq_len: int) -> dict:
     }
 
 
-def memory(cfg, params: int, seq: int, batch: int, strategy: str, world: int, node: int, ac: str) -> dict:
+def memory(cfg, params: int, seq: int, batch: int, strategy: str, world: int, node: int, ac: str, loss_chunk: int | None = None) -> dict:
     """Bytes per GPU (see the module docstring)."""
     shard = {"ddp": 1, "fsdp": world, "hsdp": min(node, world)}[strategy]
     L, d, V = cfg.n_layers, cfg.d_model, cfg.vocab_size
@@ -73,7 +74,7 @@ def memory(cfg, params: int, seq: int, batch: int, strategy: str, world: int, no
         "gradients": 4 * params / shard,
         "optimizer": 8 * params / shard,
         "activations": act,
-        "logits": 6 * batch * seq * V,
+        "logits": 6 * batch * seq * V if not loss_chunk else 6 * min(loss_chunk, batch * seq) * V + 4 * (batch * seq + V) * cfg.emb_dim,
     }
     if strategy != "ddp":  # one block's bf16 parameters gathered for compute (forward and the prefetched next one)
         out["gathered"] = 2 * 2 * (params / max(L, 1))
@@ -99,6 +100,7 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
     fields = {k: v for k, v in cfg.model.items() if not str(k).startswith("_")}
     mcfg = ModelConfig(**fields)
     seq, batch = int(cfg.data.seq_len), int(cfg.data.batch_size)
+    chunk = (cfg.get("module") or {}).get("loss_chunk_tokens")
     gpus, node = int(cluster["gpus"]), int(cluster["gpus_per_node"])
     mem_bytes = float(cluster["memory_gb"]) * GB
     nums = model_numbers(mcfg, seq)
@@ -116,7 +118,7 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
         seconds = flops / (gpus * rate_flops)
         out["run"] = {"flops": flops, "tokens": tokens, "days": seconds / 86400, "gpu_hours": gpus * seconds / 3600}
     out["memory_gb_per_gpu"] = {
-        s: {ac: {k: v / GB for k, v in memory(mcfg, nums["params"], seq, batch, s, gpus, node, ac).items()} for ac in AC}
+        s: {ac: {k: v / GB for k, v in memory(mcfg, nums["params"], seq, batch, s, gpus, node, ac, chunk).items()} for ac in AC}
         for s in STRATEGIES
     }
     out["fits"] = {s: {ac: out["memory_gb_per_gpu"][s][ac]["total"] * GB <= MARGIN * mem_bytes for ac in AC} for s in STRATEGIES}

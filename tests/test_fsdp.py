@@ -123,14 +123,18 @@ def test_impossible_strategies_are_refused_before_launch(tmp_path, overrides, me
 @pytest.mark.distributed
 def test_fsdp_options_activation_checkpointing_and_meta_init(tmp_path, dataset_dir):
     """2 ranks: full and selective activation checkpointing recompute exactly what was freed (same losses, to
-    the digit); meta-device init allocates and initialises each shard in place and trains."""
+    the digit); meta-device init allocates and initialises each shard in place and trains; the chunked head
+    (module.loss_chunk_tokens) computes the same losses on the sharded model."""
     common = ["strategy=fsdp", "trainer.devices=2", "data.batch_size=4", "trainer.max_steps=4", "scheduler.total_steps=4"]
     _run(tmp_path, dataset_dir, "none", *common)
     _run(tmp_path, dataset_dir, "full", *common, "strategy.activation_checkpointing=full")
     _run(tmp_path, dataset_dir, "sel", *common, "strategy.activation_checkpointing=selective")
     _run(tmp_path, dataset_dir, "meta", *common, "strategy.init_device=meta")
+    _run(tmp_path, dataset_dir, "chunk", *common, "module.loss_chunk_tokens=100")
     none = _losses(tmp_path / "runs" / "none")
     assert _losses(tmp_path / "runs" / "full") == none == _losses(tmp_path / "runs" / "sel")
+    chunk = {s: float(v) for s, v in _losses(tmp_path / "runs" / "chunk").items()}
+    assert chunk == pytest.approx({s: float(v) for s, v in none.items()}, rel=1e-5)  # the head in chunks, sharded
     meta = {s: float(v) for s, v in _losses(tmp_path / "runs" / "meta").items()}
     assert sorted(meta) == [0, 1, 2, 3] and all(7.0 < v < 9.0 for v in meta.values())
     assert meta != {s: float(v) for s, v in none.items()}  # its own per-shard initialisation

@@ -156,3 +156,64 @@ def test_mlp_activations_compute_what_they_name():
         torch.testing.assert_close(outs[act], mlp.down(expected))
     assert not torch.allclose(outs["gelu"], outs["relu"]) and not torch.allclose(outs["gelu"], outs["gelu_tanh"])
     assert ModelConfig().act == "gelu" and ModelConfig(family="llama").act == "silu"
+
+
+@pytest.mark.parametrize("chunk", [7, 50, 64])
+def test_chunked_head_loss_equals_cross_entropy(chunk):
+    """lmtrain.loss: the loss and both gradients of the chunked head equal F.cross_entropy on the full logits
+    (fp32), ignored targets (-100) included, for chunks that split the tokens unevenly, exactly or not at all."""
+    import torch.nn.functional as F
+
+    from lmtrain.loss import chunked_linear_cross_entropy
+
+    torch.manual_seed(0)
+    h = torch.randn(50, 16, requires_grad=True)
+    w = torch.randn(37, 16, requires_grad=True)
+    t = torch.randint(0, 37, (50,))
+    t[[3, 10, 11]] = -100
+    ref = F.cross_entropy(h @ w.t(), t)
+    ref_gh, ref_gw = torch.autograd.grad(3.0 * ref, (h, w))
+    got = chunked_linear_cross_entropy(h, w, t, chunk)
+    gh, gw = torch.autograd.grad(3.0 * got, (h, w))
+    assert got.item() == pytest.approx(ref.item(), rel=1e-6)
+    torch.testing.assert_close(gh, ref_gh, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, ref_gw, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_head_loss_under_bf16_autocast_and_without_grad():
+    import torch.nn.functional as F
+
+    from lmtrain.loss import chunked_linear_cross_entropy
+
+    torch.manual_seed(1)
+    h = torch.randn(64, 32, requires_grad=True)
+    w = torch.randn(101, 32, requires_grad=True)
+    t = torch.randint(0, 101, (64,))
+    ref = F.cross_entropy(h @ w.t(), t)
+    ref_gh, ref_gw = torch.autograd.grad(ref, (h, w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = chunked_linear_cross_entropy(h, w, t, 16)
+    gh, gw = torch.autograd.grad(got, (h, w))
+    assert got.dtype == torch.float32 and gh.dtype == h.dtype and gw.dtype == w.dtype  # grads in the inputs' dtypes
+    assert got.item() == pytest.approx(ref.item(), rel=2e-3)
+    assert (gh - ref_gh).abs().max() < 0.02 * ref_gh.abs().max() and (gw - ref_gw).abs().max() < 0.02 * ref_gw.abs().max()
+    with torch.no_grad():  # validation: the loss alone
+        assert chunked_linear_cross_entropy(h, w, t, 16).item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+def test_decoder_with_chunked_loss_has_the_plain_gradients():
+    """A tiny decoder with tied embeddings: loss and every parameter's gradient equal with and without chunks."""
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig.from_name("tiny"))
+    idx = torch.randint(0, model.cfg.vocab_size, (3, 20))
+    tgt = torch.randint(0, model.cfg.vocab_size, (3, 20))
+    plain = model(idx, tgt)
+    plain.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.loss_chunk_tokens = 13
+    chunked = model(idx, tgt)
+    chunked.backward()
+    assert chunked.item() == pytest.approx(plain.item(), rel=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], rtol=1e-4, atol=1e-6, msg=n)

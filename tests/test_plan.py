@@ -34,6 +34,7 @@ BIG = ["model.vocab_size=50272", "model.max_seq_len=2048"]  # the presets as the
     "args, strategy, measured_gib, tolerance",
     [  # peaks measured on one / two NVIDIA H200 (docs/BENCHMARKS.md, torch.cuda.max_memory_allocated)
         (["model=opt-1.3b", "model.n_heads=16", "cluster.gpus=1"], "ddp", 50.8, 0.05),
+        (["model=opt-1.3b", "model.n_heads=16", "cluster.gpus=1", "data.batch_size=32"], "ddp", 79.6, 0.05),
         (["model=opt-1.3b", "model.n_heads=16", "cluster.gpus=2"], "fsdp", 41.7, 0.05),
         (["model=opt-125m", "cluster.gpus=1"], "ddp", 8.8, 0.30),  # compiled loss: no fp32 logits copy, over-predicted
         # the largest models on 4 x H200, micro-batch 1 x 2048 (fsdp/hsdp with full activation checkpointing)
@@ -64,6 +65,15 @@ def test_activation_checkpointing_and_sharding_shrink_memory(capsys):
     assert m["fsdp"]["none"]["optimizer"] == pytest.approx(m["ddp"]["none"]["optimizer"] / 16)
     assert m["hsdp"]["none"]["optimizer"] == pytest.approx(m["ddp"]["none"]["optimizer"] / 8)
     assert p["largest_preset_on_one_node"] in ("opt-30b", "opt-66b", "opt-13b")
+
+
+def test_chunked_loss_counts_one_chunk_of_logits(capsys):
+    args = ["model=opt-1.3b", "model.vocab_size=50304", "data.seq_len=1024", "data.batch_size=32", "cluster.gpus=1"]
+    whole = _plan(capsys, *args)["memory_gb_per_gpu"]["ddp"]["none"]
+    chunked = _plan(capsys, *args, "module.loss_chunk_tokens=4096")["memory_gb_per_gpu"]["ddp"]["none"]
+    assert whole["logits"] * 1e9 == 6 * 32 * 1024 * 50304
+    assert chunked["logits"] * 1e9 == pytest.approx(6 * 4096 * 50304 + 4 * (32 * 1024 + 50304) * 2048)
+    assert chunked["total"] == pytest.approx(whole["total"] - whole["logits"] + chunked["logits"])
 
 
 def test_table_output_and_bad_keys():

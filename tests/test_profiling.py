@@ -34,6 +34,20 @@ def test_math_attention_trains_like_the_default(tmp_path, dataset_dir):
     assert runs["math"] == pytest.approx(runs["default"], rel=1e-4)
 
 
+def test_chunked_loss_trains_like_the_default(tmp_path, dataset_dir):
+    """module.loss_chunk_tokens: the same per-step training losses and validation loss, in chunks that do not
+    divide the batch's 256 tokens."""
+    runs, vals = {}, {}
+    for name, extra in (("default", []), ("chunked", ["module.loss_chunk_tokens=37"])):
+        cfg = make_cfg(TINY + ["logger=csv", "trainer.max_steps=4", *extra], tmp_path / name, dataset_dir)
+        metrics = train(cfg)
+        runs[name] = [float(r["train/loss"]) for r in by_step(Path(cfg.run_dir)).values() if "train/loss" in r]
+        vals[name] = metrics["val/loss"]
+    assert len(runs["chunked"]) == 4
+    assert runs["chunked"] == pytest.approx(runs["default"], rel=1e-5)
+    assert vals["chunked"] == pytest.approx(vals["default"], rel=1e-5)
+
+
 def test_step_profiler_writes_a_trace_a_kernel_table_and_a_python_profile(tmp_path, dataset_dir):
     cfg = make_cfg(
         TINY + ["logger=csv", "trainer.max_steps=5", "callbacks=[none,profiler]", "callbacks.profiler.start_step=2",

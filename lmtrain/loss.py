@@ -1,0 +1,66 @@
+"""The output head and its cross-entropy in chunks of tokens, never holding a whole batch's logits.
+
+The plain head computes every logit of the batch (tokens x vocabulary: 3.3 GB in bf16 for 32 x 1024 tokens and a
+50k vocabulary), keeps them for the backward and writes a gradient of the same size. Here the forward walks the
+tokens ``chunk`` at a time: the chunk's logits in fp32, its loss terms, and at once the gradients with respect to
+the chunk's hidden states and its share of the weight's gradient (softmax minus one-hot, over the number of
+counted tokens); the backward only scales them by the incoming gradient. The same FLOPs (the backward's two
+matmuls move into the forward); the logits take one chunk's memory instead of the batch's. Enabled with
+``module.loss_chunk_tokens=N`` (lmtrain.module).
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100  # as F.cross_entropy: targets with this value are not counted
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(t.device.type):
+        return torch.get_autocast_dtype(t.device.type)
+    return t.dtype
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, need_grad: bool) -> torch.Tensor:
+        dtype = _compute_dtype(hidden)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            count = (targets != IGNORE_INDEX).sum().clamp(min=1).float()
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            grad_hidden = torch.empty_like(hidden) if need_grad else None
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+            for start in range(0, hidden.shape[0], chunk):
+                h = hidden[start : start + chunk].to(dtype)
+                t = targets[start : start + chunk]
+                valid = t != IGNORE_INDEX
+                t_safe = torch.where(valid, t, 0)[:, None]
+                logits = (h @ w.t()).float()  # (chunk, vocab): the only vocabulary-sized tensors live here
+                lse = torch.logsumexp(logits, dim=-1)
+                target_logit = logits.gather(1, t_safe).squeeze(1)
+                total += torch.where(valid, lse - target_logit, 0.0).sum()
+                if not need_grad:
+                    continue
+                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                probs.scatter_add_(1, t_safe, torch.full_like(t_safe, -1, dtype=probs.dtype))
+                grad_logits = (probs * (valid[:, None] / count)).to(dtype)
+                grad_hidden[start : start + chunk] = grad_logits @ w
+                grad_weight += grad_logits.t() @ h
+        if need_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_out.to(grad_hidden.dtype), (grad_weight * grad_out).to(ctx.weight_dtype), None, None, None
+
+
+def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` (targets of -100 not counted), ``chunk``
+    tokens at a time. ``hidden`` (N, E), ``weight`` (V, E), ``targets`` (N,)."""
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)  # validation: loss only
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, int(chunk), need_grad)
