@@ -6,7 +6,8 @@
 # RAW_DIR holds raw_gpt_baseline.py and raw_fsdp_baseline.py (../shared/bench in the workspace; copy them into a
 # git-ignored folder of the checkout to take them to a GPU machine). Rows, in order: raw single GPU, trainer single
 # GPU, then for 2 and 4 GPUs raw FSDP2 and the trainer's `fsdp` (and `fsdp` without resharding after forward), and on
-# 4 GPUs raw HSDP 2 x 2 and the trainer's `hsdp` launched as two torchrun agents ("nodes") of 2 GPUs. Everything
+# 4 GPUs raw HSDP 2 x 2 and the trainer's `hsdp` launched as two torchrun agents ("nodes") of 2 GPUs (with and
+# without resharding after forward). Everything
 # goes to $OUT (default /tmp/gpu_scaling) as logs; the last lines printed are the figures. Record them in
 # docs/BENCHMARKS.md with the card and these commands.
 set -o pipefail
@@ -42,10 +43,12 @@ for n in 2 4; do
 done
 if (( NGPU >= 4 )); then
   row "== 4 GPUs as 2 nodes x 2"; row "raw hsdp: $(raw_fsdp 4 2)"
-  A="bench/throughput.py --no-raw --dir /tmp/gs_h22 --steps $STEPS --warmup 10 $MODEL strategy=hsdp strategy.compile=true trainer.devices=2 trainer.num_nodes=2"
-  R="--nnodes=2 --nproc_per_node=2 --rdzv-backend=c10d --rdzv-endpoint=localhost:29517 --rdzv-id=gs_h22"
-  CUDA_VISIBLE_DEVICES=2,3 LMTRAIN_RUN_ID=gs_h22 torchrun $R $A > "$OUT/h22_node1.txt" 2>&1 &
-  CUDA_VISIBLE_DEVICES=0,1 LMTRAIN_RUN_ID=gs_h22 torchrun $R $A > "$OUT/h22_node0.txt" 2>&1
-  wait
-  row "trainer hsdp (2 torchrun nodes): $(grep -hE '^\| NVIDIA' "$OUT"/h22_node*.txt | tail -1)"
+  for NR in true false; do  # strategy.reshard_after_forward
+    A="bench/throughput.py --no-raw --dir /tmp/gs_h22$NR --steps $STEPS --warmup 10 $MODEL strategy=hsdp strategy.compile=true trainer.devices=2 trainer.num_nodes=2 strategy.reshard_after_forward=$NR"
+    R="--nnodes=2 --nproc_per_node=2 --rdzv-backend=c10d --rdzv-endpoint=localhost:29517 --rdzv-id=gs_h22$NR"
+    CUDA_VISIBLE_DEVICES=2,3 LMTRAIN_RUN_ID=gs_h22$NR torchrun $R $A > "$OUT/h22${NR}_node1.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0,1 LMTRAIN_RUN_ID=gs_h22$NR torchrun $R $A > "$OUT/h22${NR}_node0.txt" 2>&1
+    wait
+    row "trainer hsdp (2 torchrun nodes), reshard_after_forward=$NR: $(grep -hE '^\| NVIDIA' "$OUT"/h22${NR}_node*.txt | tail -1)"
+  done
 fi
