@@ -114,7 +114,9 @@ class LMModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self._sdpa = sdpa_backends(sdpa_backend)
-        if loss_chunk_tokens is not None and (isinstance(loss_chunk_tokens, bool) or int(loss_chunk_tokens) < 1):
+        if loss_chunk_tokens is not None and (
+            not isinstance(loss_chunk_tokens, int) or isinstance(loss_chunk_tokens, bool) or loss_chunk_tokens < 1
+        ):
             raise InputError(f"module.loss_chunk_tokens={loss_chunk_tokens!r}: give a positive number of tokens, or null")
         self.loss_chunk_tokens = loss_chunk_tokens
         if isinstance(model, nn.Module):
