@@ -31,10 +31,8 @@ def main(cfg: DictConfig) -> float | None:
         with open_dict(cfg):
             cfg.run_dir = hc.runtime.output_dir
             cfg.run_name = f"{cfg.run_name}-{hc.job.num}"
-    ok = False
     try:
         metrics = train(cfg)
-        ok = True
     except InputError as exc:  # config, data, tokenizer, checkpoint or disk: one message, no traceback
         print(f"error: {exc}", file=sys.stderr)
         if _other_ranks():
@@ -45,7 +43,7 @@ def main(cfg: DictConfig) -> float | None:
             _leave_at_once(1, with_traceback=True)
         raise
     finally:
-        _close_process_group(wait_for_others=ok)
+        _close_process_group()
     return metrics.get("val/loss")  # the value a sweeper would optimise
 
 
@@ -74,18 +72,17 @@ def _leave_at_once(code: int, with_traceback: bool) -> None:
     os._exit(code)
 
 
-def _close_process_group(wait_for_others: bool) -> None:
+def _close_process_group() -> None:
     """Tear the process group down before the interpreter exits: left to exit-time destructors, gloo's worker
     threads occasionally abort the process ("terminate called without an active exception") after a
-    successful run."""
+    successful run. A failed rank with others never gets here (``_leave_at_once``)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        if wait_for_others:  # after a failure the other ranks may be gone: never wait for them then
-            try:
-                dist.barrier()
-            except Exception:  # noqa: BLE001 - another rank already gone: still release ours
-                pass
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - another rank already gone: still release ours
+            pass
         dist.destroy_process_group()
 
 

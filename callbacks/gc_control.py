@@ -42,7 +42,6 @@ class GarbageCollection(L.Callback):
         self._was_enabled: bool | None = None
         self._frozen = False
         self._last_step = -1
-        self.collections: list[tuple[int, int, float]] = []  # (step, generation, seconds)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._was_enabled = gc.isenabled()
@@ -55,20 +54,18 @@ class GarbageCollection(L.Callback):
             return
         self._last_step = step
         if not self._frozen and step >= self.freeze_after_steps:
-            self._collect(trainer, step, 2)
+            self._collect(trainer, 2)
             gc.freeze()
             self._frozen = True
         elif self.full_every_n_steps and step % self.full_every_n_steps == 0:
-            self._collect(trainer, step, 2)
+            self._collect(trainer, 2)
         elif step % self.every_n_steps == 0:
-            self._collect(trainer, step, self.generation)
+            self._collect(trainer, self.generation)
 
-    def _collect(self, trainer, step: int, generation: int) -> None:
+    def _collect(self, trainer, generation: int) -> None:
         t0 = time.perf_counter()
         gc.collect(generation)
-        seconds = time.perf_counter() - t0
-        self.collections.append((step, generation, seconds))
-        log_direct(trainer, {"perf/gc_ms": seconds * 1e3})
+        log_direct(trainer, {"perf/gc_ms": (time.perf_counter() - t0) * 1e3})
 
     def _restore(self) -> None:
         if self._frozen:

@@ -12,8 +12,15 @@ matmuls move into the forward); the logits take one chunk's memory instead of th
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 IGNORE_INDEX = -100  # as F.cross_entropy: targets with this value are not counted
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of (..., V) logits against (...) targets, logits upcast to fp32 (the upcast is
+    fused away when compiled)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:

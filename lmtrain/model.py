@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmtrain.loss import chunked_linear_cross_entropy, cross_entropy
+
 FAMILIES = ("opt", "llama")
 # per family, its MLP activations (the first is the default): opt/GPT-2 MLP, or llama's gated SwiGLU
 ACTIVATIONS = {"opt": ("gelu", "gelu_tanh", "relu"), "llama": ("silu",)}
@@ -305,11 +307,8 @@ class Decoder(nn.Module):
         backward are fused instead of materialising (B, T, V) fp32 tensors. With ``loss_chunk_tokens`` set
         (``module.loss_chunk_tokens``), computed that many tokens at a time (lmtrain.loss)."""
         if self.loss_chunk_tokens:
-            from lmtrain.loss import chunked_linear_cross_entropy
-
             return chunked_linear_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.loss_chunk_tokens)
-        logits = self.lm_head(hidden)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return cross_entropy(self.lm_head(hidden), targets)
 
 
 # -- counting ----------------------------------------------------------------------------------

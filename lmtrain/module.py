@@ -8,22 +8,21 @@ from dataclasses import dataclass
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lmtrain.errors import InputError
 from lmtrain.logs import log_direct
+from lmtrain.loss import cross_entropy
 from lmtrain.optim import build_optimizer
 
 
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; logits upcast to fp32 (fused away when compiled). A model with a
-    ``head_loss`` (lmtrain.model.Decoder) computes it in its own forward (which a sharded strategy compiles)."""
+    """Mean next-token cross-entropy (lmtrain.loss.cross_entropy). A model with a ``head_loss``
+    (lmtrain.model.Decoder) computes it in its own forward (which a sharded strategy compiles)."""
     if hasattr(model, "head_loss"):
         return model(inputs, targets)
-    logits = model(inputs)  # (B, T, V)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    return cross_entropy(model(inputs), targets)  # any other (B, T) -> (B, T, V) network
 
 
 SDPA_BACKENDS = {
@@ -159,7 +158,7 @@ class LMModule(L.LightningModule):
                 raise InputError(
                     f"module.loss_chunk_tokens: the model {type(self.model).__name__} has no chunked loss (lmtrain.model.Decoder has)"
                 )
-            self.model.loss_chunk_tokens = int(self.loss_chunk_tokens)  # before a strategy compiles head_loss
+            self.model.loss_chunk_tokens = self.loss_chunk_tokens  # before a strategy compiles head_loss
         if parallelize is not None and not getattr(self, "_parallelized", False):
             self.model = parallelize(self.model)
             self._parallelized = True
