@@ -30,8 +30,11 @@ class GarbageCollection(L.Callback):
     def __init__(
         self, every_n_steps: int = 50, generation: int = 1, freeze_after_steps: int = 2, full_every_n_steps: int | None = 1000
     ) -> None:
-        full_ok = full_every_n_steps is None or full_every_n_steps >= 1
-        if every_n_steps < 1 or generation not in (0, 1, 2) or freeze_after_steps < 0 or not full_ok:
+        def whole(v, least: int) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+        full_ok = full_every_n_steps is None or whole(full_every_n_steps, 1)
+        if not whole(every_n_steps, 1) or generation not in (0, 1, 2) or not whole(freeze_after_steps, 0) or not full_ok:
             raise InputError(
                 f"callbacks.gc: every_n_steps={every_n_steps} and full_every_n_steps={full_every_n_steps} must be >= 1 "
                 f"(null: no scheduled full collection), generation={generation} one of 0, 1, 2, "

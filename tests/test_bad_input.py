@@ -146,6 +146,10 @@ def test_resuming_with_another_data_seed_is_refused(tiny_cfg, tmp_path, dataset_
             r"callbacks.gc: every_n_steps=0 and full_every_n_steps=1000 must be >= 1",
         ),
         (
+            ["callbacks=[none,gc]", "callbacks.gc.every_n_steps=often"],
+            r"callbacks.gc: every_n_steps=often and full_every_n_steps=1000 must be >= 1",
+        ),
+        (
             ["data=mixture", "data.sources=[{path: /x, weight: -1}]", "data.path=null"],
             r"data.sources\[0\].weight = -1: must be a positive number",
         ),

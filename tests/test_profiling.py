@@ -140,7 +140,8 @@ def test_garbage_collection_runs_on_schedule_and_is_restored(tmp_path, dataset_d
 def test_garbage_collection_options_are_checked():
     from callbacks.gc_control import GarbageCollection
 
-    for bad in ({"every_n_steps": 0}, {"generation": 3}, {"full_every_n_steps": 0}, {"freeze_after_steps": -1}):
+    for bad in ({"every_n_steps": 0}, {"generation": 3}, {"full_every_n_steps": 0}, {"freeze_after_steps": -1},
+                {"every_n_steps": "often"}, {"full_every_n_steps": 2.5}, {"freeze_after_steps": "x"}):  # fmt: skip
         with pytest.raises(InputError, match="callbacks.gc"):
             GarbageCollection(**bad)
 
