@@ -2,7 +2,7 @@
 
 The plain head computes every logit of the batch (tokens x vocabulary: 3.3 GB in bf16 for 32 x 1024 tokens and a
 50k vocabulary), keeps them for the backward and writes a gradient of the same size. Here the forward walks the
-tokens ``chunk`` at a time: the chunk's logits in fp32, its loss terms, and at once the gradients with respect to
+tokens ``chunk`` at a time: the chunk's logits, its loss terms (fp32), and at once the gradients with respect to
 the chunk's hidden states and its share of the weight's gradient (softmax minus one-hot, over the number of
 counted tokens); the backward only scales them by the incoming gradient. The same FLOPs (the backward's two
 matmuls move into the forward); the logits take one chunk's memory instead of the batch's. Enabled with
@@ -29,30 +29,58 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
+def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk: the sum of its loss terms (fp32) and their gradient with respect to the logits times ``scale``
+    (softmax minus one-hot; zero for ignored targets), in the logits' dtype. On a GPU this runs compiled (see
+    ``_chunk_fn``): one pass over the logits for the log-sum-exp, one that writes the gradient, no fp32 copy."""
+    x = logits.float()
+    valid = targets != IGNORE_INDEX
+    t = torch.where(valid, targets, 0)
+    lse = torch.logsumexp(x, dim=-1)
+    loss = torch.where(valid, lse - x.gather(1, t[:, None]).squeeze(1), 0.0).sum()
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == t[:, None]
+    grad = torch.where(valid[:, None], (torch.exp(x - lse[:, None]) - onehot.float()) * scale, 0.0)
+    return loss, grad.to(logits.dtype)
+
+
+_compiled_chunk_fn = None
+
+
+def _chunk_fn(device: torch.device):
+    """The per-chunk function for this device: compiled on CUDA (fused, the chunk's logits read twice and the
+    gradient written once), eager elsewhere (CPU runs are tests and small models)."""
+    global _compiled_chunk_fn
+    if device.type != "cuda" or torch.compiler.is_compiling():  # inside a compiled model: traced and fused with it
+        return _chunk_loss_and_grad
+    if _compiled_chunk_fn is None:
+        _compiled_chunk_fn = torch.compile(_chunk_loss_and_grad, dynamic=False, fullgraph=True)
+    return _compiled_chunk_fn
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, need_grad: bool) -> torch.Tensor:
         dtype = _compute_dtype(hidden)
+        fn = _chunk_fn(hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             count = (targets != IGNORE_INDEX).sum().clamp(min=1).float()
+            scale = 1.0 / count
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             grad_hidden = torch.empty_like(hidden) if need_grad else None
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
             for start in range(0, hidden.shape[0], chunk):
                 h = hidden[start : start + chunk].to(dtype)
                 t = targets[start : start + chunk]
-                valid = t != IGNORE_INDEX
-                t_safe = torch.where(valid, t, 0)[:, None]
-                logits = (h @ w.t()).float()  # (chunk, vocab): the only vocabulary-sized tensors live here
-                lse = torch.logsumexp(logits, dim=-1)
-                target_logit = logits.gather(1, t_safe).squeeze(1)
-                total += torch.where(valid, lse - target_logit, 0.0).sum()
+                logits = h @ w.t()  # (chunk, vocab): the only vocabulary-sized tensors live here
                 if not need_grad:
+                    valid = t != IGNORE_INDEX
+                    x = logits.float()
+                    lse = torch.logsumexp(x, dim=-1)
+                    total += torch.where(valid, lse - x.gather(1, torch.where(valid, t, 0)[:, None]).squeeze(1), 0.0).sum()
                     continue
-                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-                probs.scatter_add_(1, t_safe, torch.full_like(t_safe, -1, dtype=probs.dtype))
-                grad_logits = (probs * (valid[:, None] / count)).to(dtype)
+                loss, grad_logits = fn(logits, t, scale)
+                total += loss
                 grad_hidden[start : start + chunk] = grad_logits @ w
                 grad_weight += grad_logits.t() @ h
         if need_grad:

@@ -6,7 +6,9 @@ through a 2-D ``("replicate", "shard")`` device mesh. Both run on CPU with gloo,
 sharded checkpoints (PyTorch distributed checkpoint, one file per rank). Options:
 
 * ``mixed_precision``: under ``trainer.precision=bf16-mixed``, all-gather parameters in bf16 and reduce
-  gradients in fp32 (``MixedPrecisionPolicy``); the sharded master weights and optimizer state stay fp32;
+  gradients in ``reduce_dtype`` (``MixedPrecisionPolicy``); the sharded master weights and optimizer state stay fp32;
+* ``reduce_dtype``: ``float32`` (the default: gradients summed over ranks in fp32) or ``bfloat16`` (half the
+  reduce-scatter traffic; each rank's bf16 gradient is rounded before the sum);
 * ``activation_checkpointing``: ``none``, ``selective`` (every other block) or ``full`` (every block);
 * ``compile``: ``torch.compile`` each block, and the output head with the loss;
 * ``cpu_offload``: keep sharded parameters, gradients and optimizer state in host memory;
@@ -29,6 +31,7 @@ from torch import nn
 from lmtrain.errors import InputError
 
 AC_MODES = ("none", "selective", "full")
+REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class StrategyError(InputError):
@@ -53,7 +56,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         init_device: str = "cpu",
         process_group_backend: str | None = None,
         timeout_s: int = 1800,
+        reduce_dtype: str = "float32",
     ) -> None:
+        if reduce_dtype not in REDUCE_DTYPES:
+            raise StrategyError(f"strategy.reduce_dtype={reduce_dtype!r}: use one of {list(REDUCE_DTYPES)}")
         if activation_checkpointing not in AC_MODES:
             raise StrategyError(f"strategy.activation_checkpointing={activation_checkpointing!r}: use one of {list(AC_MODES)}")
         if init_device not in ("cpu", "meta"):
@@ -68,6 +74,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.mixed_precision, self.activation_checkpointing = mixed_precision, activation_checkpointing
         self.compile_blocks, self.cpu_offload = compile, cpu_offload
         self.reshard_after_forward, self.init_device = reshard_after_forward, init_device
+        self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
 
     def setup_environment(self) -> None:
         self._data_parallel_size = self.world_size_for_mesh()
@@ -87,7 +94,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         kwargs = {"mesh": self.shard_mesh(), "reshard_after_forward": self.reshard_after_forward}
         precision = str(getattr(self.precision_plugin, "precision", ""))
         if self.mixed_precision and precision == "bf16-mixed":
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=self.reduce_dtype)
         if self.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
         blocks = getattr(model, "blocks", None)
@@ -110,7 +117,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             mesh = kwargs["mesh"]
             print(
                 f"[lmtrain] {type(self).__name__}: fully_shard per block on mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, "
-                f"mixed precision {'mp_policy' in kwargs}, activation checkpointing {self.activation_checkpointing}, "
+                f"mixed precision {'mp_policy' in kwargs} (reduce {self.reduce_dtype}), activation checkpointing {self.activation_checkpointing}, "
                 f"compile {self.compile_blocks}, cpu offload {self.cpu_offload}",
                 file=sys.stderr,
             )
@@ -143,6 +150,7 @@ class HSDPStrategy(FSDP2Strategy):
         init_device: str = "cpu",
         process_group_backend: str | None = None,
         timeout_s: int = 1800,
+        reduce_dtype: str = "float32",
     ) -> None:
         super().__init__(
             mixed_precision,
@@ -153,6 +161,7 @@ class HSDPStrategy(FSDP2Strategy):
             init_device,
             process_group_backend,
             timeout_s,
+            reduce_dtype,
         )
         if shard_size is not None and shard_size < 1:
             raise StrategyError(f"strategy.shard_size={shard_size} must be a positive number of ranks")

@@ -135,6 +135,7 @@ def test_resuming_with_another_data_seed_is_refused(tiny_cfg, tmp_path, dataset_
         (["callbacks=default", "callbacks.lr_control.scale=0"], r"callbacks.lr_control.scale=0: must be a positive factor"),
         (["callbacks=default", "callbacks.divergence.loss_spike={action: explode}"], r"callbacks.divergence.loss_spike.action='explode'"),
         (["strategy=fsdp", "strategy.activation_checkpointing=some"], r"strategy.activation_checkpointing='some': use one of"),
+        (["strategy=fsdp", "strategy.reduce_dtype=fp8"], r"strategy.reduce_dtype='fp8': use one of \['float32', 'bfloat16'\]"),
         (["fault=crash", "callbacks.fault.kind=boom"], r"fault.kind='boom': use one of"),
         (["module.sdpa_backend=fast"], r"module.sdpa_backend='fast': use one of"),
         (["module.loss_chunk_tokens=0"], r"module.loss_chunk_tokens=0: give a positive number of tokens, or null"),

@@ -124,8 +124,15 @@ def test_impossible_strategies_are_refused_before_launch(tmp_path, overrides, me
 def test_fsdp_options_activation_checkpointing_and_meta_init(tmp_path, dataset_dir):
     """2 ranks: full and selective activation checkpointing recompute exactly what was freed (same losses, to
     the digit); meta-device init allocates and initialises each shard in place and trains; the chunked head
-    (module.loss_chunk_tokens) computes the same losses on the sharded model."""
+    (module.loss_chunk_tokens) computes the same losses on the sharded model; under bf16-mixed, gradients reduced
+    in bf16 (strategy.reduce_dtype=bfloat16) train like the fp32 reduction to bf16 rounding, and not identically."""
     common = ["strategy=fsdp", "trainer.devices=2", "data.batch_size=4", "trainer.max_steps=4", "scheduler.total_steps=4"]
+    bf16 = [*common, "trainer.precision=bf16-mixed"]
+    r32 = _run(tmp_path, dataset_dir, "r32", *bf16)
+    r16 = _run(tmp_path, dataset_dir, "r16", *bf16, "strategy.reduce_dtype=bfloat16")
+    assert "(reduce torch.float32)" in r32.stderr and "(reduce torch.bfloat16)" in r16.stderr
+    r32, r16 = ({s: float(v) for s, v in _losses(tmp_path / "runs" / n).items()} for n in ("r32", "r16"))
+    assert sorted(r16) == [0, 1, 2, 3] and r16 == pytest.approx(r32, rel=1e-2) and r16 != r32
     _run(tmp_path, dataset_dir, "none", *common)
     _run(tmp_path, dataset_dir, "full", *common, "strategy.activation_checkpointing=full")
     _run(tmp_path, dataset_dir, "sel", *common, "strategy.activation_checkpointing=selective")
