@@ -50,7 +50,7 @@ def _chunk_fn(device: torch.device):
     """The per-chunk function for this device: compiled on CUDA (fused, the chunk's logits read twice and the
     gradient written once), eager elsewhere (CPU runs are tests and small models)."""
     global _compiled_chunk_fn
-    if device.type != "cuda" or torch.compiler.is_compiling():  # inside a compiled model: traced and fused with it
+    if device.type != "cuda":
         return _chunk_loss_and_grad
     if _compiled_chunk_fn is None:
         _compiled_chunk_fn = torch.compile(_chunk_loss_and_grad, dynamic=False, fullgraph=True)
@@ -94,8 +94,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden * grad_out.to(grad_hidden.dtype), (grad_weight * grad_out).to(ctx.weight_dtype), None, None, None
 
 
+@torch.compiler.disable
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` (targets of -100 not counted), ``chunk``
-    tokens at a time. ``hidden`` (N, E), ``weight`` (V, E), ``targets`` (N,)."""
+    tokens at a time. ``hidden`` (N, E), ``weight`` (V, E), ``targets`` (N,).
+
+    Never traced into a compiled model (the model's graph ends before it): traced, Inductor turns the running sum of
+    the weight's gradient into one addition after the loop, which holds every chunk's (V, E) product until then
+    (seen in its generated code); run as this loop, with the per-chunk step compiled on its own on a GPU, each
+    product is added and freed in turn."""
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)  # validation: loss only
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, int(chunk), need_grad)
