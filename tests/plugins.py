@@ -107,3 +107,21 @@ class GCState(L.Callback):
             gc.callbacks.remove(self._on_gc)
         with open(self.path, "w") as fh:
             json.dump({"enabled": self.enabled, "events": self.events}, fh)
+
+
+class GradientsAtBatchStart(L.Callback):
+    """Record, at the start of every training batch, whether any parameter holds a gradient; written to ``path``
+    (a JSON list) when training ends."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.seen: list[bool] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.seen.append(any(p.grad is not None for p in pl_module.parameters()))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import json
+
+        with open(self.path, "w") as f:
+            json.dump(self.seen, f)

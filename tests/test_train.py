@@ -65,6 +65,26 @@ def test_gradient_accumulation_and_bf16(tiny_cfg):
     assert len(metric(Path(cfg.run_dir), "train/loss")) == 2
 
 
+def test_gradients_freed_after_each_step_and_accumulation_unchanged(tiny_cfg, tmp_path):
+    """Gradients are freed right after each optimizer step (not after the next batch's forward, as Lightning would:
+    they would hold 4 bytes per parameter through it) and kept between the micro-batches of an accumulation window;
+    4 steps of 2 x 4 accumulated sequences give the losses of 4 steps of 8."""
+    import json
+
+    seen, losses = {}, {}
+    for name, extra in (("acc", ["trainer.accumulate_grad_batches=2", "data.batch_size=4"]), ("whole", ["data.batch_size=8"])):
+        probe = tmp_path / f"{name}.json"
+        cfg = tiny_cfg(
+            *extra, "logger=csv", "trainer.limit_val_batches=0", f"run_name={name}",
+            "+callbacks.probe._target_=tests.plugins.GradientsAtBatchStart", f"+callbacks.probe.path={probe}",
+        )  # fmt: skip
+        train(cfg)
+        seen[name], losses[name] = json.loads(probe.read_text()), metric(Path(cfg.run_dir), "train/loss")
+    assert seen["acc"] == [False, True] * 4  # a window's second micro-batch finds the first one's gradients
+    assert seen["whole"] == [False] * 4  # each step's gradients are gone before the next batch
+    assert len(losses["acc"]) == 4 and losses["acc"] == pytest.approx(losses["whole"], rel=1e-5)
+
+
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiment(experiment, tmp_path, dataset_dir):
     """Every experiment composes and validates at full size (meta device), then runs shrunk on CPU."""
