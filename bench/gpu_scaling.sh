@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Per-GPU throughput of the trainer beside hand-written PyTorch, on 1, 2 and 4 GPUs of one host, in one go.
 #
-#   RAW_DIR=path/to/shared/bench bash bench/gpu_scaling.sh [MODEL_SIZE=1.3b] [BATCH=16] [STEPS=30]
+#   RAW_DIR=path/to/shared/bench bash bench/gpu_scaling.sh [MODEL_SIZE=1.3b] [BATCH=32] [STEPS=30]
 #
 # RAW_DIR holds raw_gpt_baseline.py and raw_fsdp_baseline.py (../shared/bench in the workspace; copy them into a
 # git-ignored folder of the checkout to take them to a GPU machine). Rows, in order: raw single GPU, trainer single
@@ -9,10 +9,11 @@
 # 4 GPUs raw HSDP 2 x 2 and the trainer's `hsdp` launched as two torchrun agents ("nodes") of 2 GPUs (with and
 # without resharding after forward). Everything
 # goes to $OUT (default /tmp/gpu_scaling) as logs; the last lines printed are the figures. Record them in
-# docs/BENCHMARKS.md with the card and these commands.
+# docs/BENCHMARKS.md with the card and these commands. BATCH is per GPU: sharding costs a fixed share of each step,
+# so per-GPU scaling depends on it (1.3B on 4 H200s: 0.93-0.94 of one GPU at 16, 0.96 at 32; docs/BENCHMARKS.md).
 set -o pipefail
 SIZE=${1:-1.3b}
-BATCH=${2:-16}
+BATCH=${2:-32}
 STEPS=${3:-30}
 OUT=${OUT:-/tmp/gpu_scaling}
 RAW_DIR=${RAW_DIR:?set RAW_DIR to the folder holding raw_gpt_baseline.py and raw_fsdp_baseline.py}
