@@ -126,6 +126,12 @@ def _strategy_problems(cfg: DictConfig) -> list[str]:
             out.append("strategy.cpu_offload=true needs GPUs: on CPU the parameters already live in host memory")
         if str(cfg.trainer.get("precision")) in ("16-mixed", "16"):
             out.append(f"strategy {target.rsplit('.', 1)[1]} with trainer.precision=16-mixed is not supported: use bf16-mixed")
+        mixed = str(cfg.trainer.get("precision")) == "bf16-mixed" and st.get("mixed_precision", True)
+        if st.get("reduce_dtype") == "bfloat16" and not mixed:
+            out.append(
+                f"strategy.reduce_dtype={st.get('reduce_dtype')} takes effect only with trainer.precision=bf16-mixed and "
+                "strategy.mixed_precision=true (otherwise gradients are reduced in the parameters' fp32)"
+            )
         if target.endswith("HSDPStrategy"):
             ws = world_size(cfg)
             devices = cfg.trainer.get("devices")

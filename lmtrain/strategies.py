@@ -117,7 +117,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             mesh = kwargs["mesh"]
             print(
                 f"[lmtrain] {type(self).__name__}: fully_shard per block on mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, "
-                f"mixed precision {'mp_policy' in kwargs} (reduce {self.reduce_dtype}), activation checkpointing {self.activation_checkpointing}, "
+                f"mixed precision {'mp_policy' in kwargs}{f' (reduce {self.reduce_dtype})' if 'mp_policy' in kwargs else ''}, "
+                f"activation checkpointing {self.activation_checkpointing}, "
                 f"compile {self.compile_blocks}, cpu offload {self.cpu_offload}",
                 file=sys.stderr,
             )
