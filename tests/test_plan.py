@@ -30,32 +30,56 @@ def test_opt_175b_parameters_weights_and_training_days(capsys):
 BIG = ["model.vocab_size=50272", "model.max_seq_len=2048"]  # the presets as they are
 
 
+B13 = ["model=opt-1.3b", "model.n_heads=16"]
+
+
 @pytest.mark.parametrize(
-    "args, strategy, measured_gib, tolerance",
-    [  # peaks measured on one / two NVIDIA H200 (docs/BENCHMARKS.md, torch.cuda.max_memory_allocated)
-        (["model=opt-1.3b", "model.n_heads=16", "cluster.gpus=1"], "ddp", 50.8, 0.05),
-        (["model=opt-1.3b", "model.n_heads=16", "cluster.gpus=1", "data.batch_size=32"], "ddp", 79.6, 0.05),
-        (["model=opt-1.3b", "model.n_heads=16", "cluster.gpus=2"], "fsdp", 41.7, 0.05),
-        (["model=opt-125m", "cluster.gpus=1"], "ddp", 8.8, 0.30),  # compiled loss: no fp32 logits copy, over-predicted
-        # the largest models on 4 x H200, micro-batch 1 x 2048 (fsdp/hsdp with full activation checkpointing)
-        (["model=opt-30b", "cluster.gpus=4", "data.seq_len=2048", "data.batch_size=1", *BIG], "fsdp/full", 118.0, 0.03),
+    "args, strategy, measured_gib, band",
+    [  # torch.cuda.max_memory_allocated on rank 0 (docs/BENCHMARKS.md); band: predicted / measured
+        # one H100 / H200, compiled, after the trainer frees gradients at the step (peak at the end of the forward pass)
+        ([*B13, "cluster.gpus=1", "data.batch_size=32"], "ddp", 74.9, (0.98, 1.02)),
+        ([*B13, "cluster.gpus=1", "data.batch_size=28"], "ddp", 67.7, (0.98, 1.02)),
+        # measured before the trainer freed gradients at the step: the previous step's gradients lived through the
+        # forward pass, as accumulated ones do between micro-batches
+        ([*B13, "cluster.gpus=1", "trainer.accumulate_grad_batches=2"], "ddp", 50.8, (0.95, 1.02)),
+        # over-predicted, on the safe side: the compiled loss keeps no fp32 copy of the logits (124M), per-block
+        # compile under fsdp keeps less than the eager activation count (1.3B)
+        ([*B13, "cluster.gpus=2", "data.batch_size=32"], "fsdp", 59.5, (1.0, 1.2)),
+        (["model=opt-125m", "cluster.gpus=1", "data.batch_size=64"], "ddp", 28.9, (1.0, 1.4)),
+        # the largest models (micro-batch 1 x 2048; fsdp/hsdp with full activation checkpointing): peak at the end of
+        # the backward pass, weights, gradients and optimizer state
+        (["model=opt-30b", "cluster.gpus=4", "data.seq_len=2048", "data.batch_size=1", *BIG], "fsdp/full", 118.0, (0.97, 1.03)),
+        (["model=opt-13b", "cluster.gpus=2", "data.seq_len=2048", "data.batch_size=1", *BIG], "fsdp/full", 98.5, (0.97, 1.03)),
         (
             ["model=opt-13b", "cluster.gpus=4", "cluster.gpus_per_node=2", "data.seq_len=2048", "data.batch_size=1", *BIG],
             "hsdp/full",
             98.9,
-            0.03,
+            (0.97, 1.03),
         ),
-        (["model=opt-6.7b", "cluster.gpus=4", "data.seq_len=2048", "data.batch_size=1", *BIG], "ddp", 124.1, 0.10),  # DDP buckets: high
-        (["model=opt-2.7b", "cluster.gpus=4", "data.seq_len=2048", "data.batch_size=1", *BIG], "ddp", 51.5, 0.10),
+        (["model=opt-6.7b", "cluster.gpus=4", "data.seq_len=2048", "data.batch_size=1", *BIG], "ddp", 124.1, (0.97, 1.03)),
+        (["model=opt-6.7b", "cluster.gpus=2", "data.seq_len=2048", "data.batch_size=1", *BIG], "ddp", 121.9, (0.97, 1.03)),
+        (["model=opt-2.7b", "cluster.gpus=4", "data.seq_len=2048", "data.batch_size=1", *BIG], "ddp", 51.5, (0.95, 1.03)),
     ],
 )
-def test_memory_prediction_against_measured_peaks(capsys, args, strategy, measured_gib, tolerance):
+def test_memory_prediction_against_measured_peaks(capsys, args, strategy, measured_gib, band):
     shape = ["model.vocab_size=50304", "model.max_seq_len=1024", "data.seq_len=1024", "data.batch_size=16"]
     shape = [a for a in shape if a.split("=")[0] not in {x.split("=")[0] for x in args}]
     strategy, _, ac = strategy.partition("/")
     p = _plan(capsys, *args, *shape)
     predicted_gib = p["memory_gb_per_gpu"][strategy][ac or "none"]["total"] * 1e9 / 2**30
-    assert predicted_gib == pytest.approx(measured_gib, rel=tolerance)
+    assert band[0] <= predicted_gib / measured_gib <= band[1], f"predicted {predicted_gib:.1f} GiB, measured {measured_gib}"
+
+
+def test_gradients_count_at_the_forward_peak_only_when_accumulating(capsys):
+    args = [*B13, "model.vocab_size=50304", "data.seq_len=1024", "data.batch_size=16", "cluster.gpus=1"]
+    one = _plan(capsys, *args)["memory_gb_per_gpu"]["ddp"]["none"]
+    acc = _plan(capsys, *args, "trainer.accumulate_grad_batches=4")["memory_gb_per_gpu"]["ddp"]["none"]
+    gbs = _plan(capsys, *args, "global_batch_size=64")["memory_gb_per_gpu"]["ddp"]["none"]
+    assert one["total"] == pytest.approx(one["weights"] + one["optimizer"] + one["activations"] + one["logits"])
+    assert acc["total"] == pytest.approx(one["total"] + one["gradients"]) == gbs["total"]
+    # no activations in the backward peak: a large model at a tiny batch peaks there
+    big = _plan(capsys, "model=opt-13b", "data.seq_len=128", "data.batch_size=1", "cluster.gpus=1")["memory_gb_per_gpu"]["ddp"]["none"]
+    assert big["total"] == pytest.approx(big["weights"] + big["gradients"] + big["optimizer"]) == big["backward_peak"]
 
 
 def test_activation_checkpointing_and_sharding_shrink_memory(capsys):
@@ -73,7 +97,7 @@ def test_chunked_loss_counts_one_chunk_of_logits(capsys):
     chunked = _plan(capsys, *args, "module.loss_chunk_tokens=4096")["memory_gb_per_gpu"]["ddp"]["none"]
     assert whole["logits"] * 1e9 == 6 * 32 * 1024 * 50304
     assert chunked["logits"] * 1e9 == pytest.approx(6 * 4096 * 50304 + 4 * (32 * 1024 + 50304) * 2048)
-    assert chunked["total"] == pytest.approx(whole["total"] - whole["logits"] + chunked["logits"])
+    assert chunked["total"] == pytest.approx(whole["total"] - whole["logits"] + chunked["logits"])  # both at the forward peak
 
 
 def test_table_output_and_bad_keys():
@@ -111,3 +135,17 @@ def test_largest_model_search_measures_both_sides_of_the_boundary():
     assert tried == ["opt-13b", "opt-6.7b", "opt-2.7b"]
     tried.clear()
     assert search(fits_up_to("opt-175b"), len(names), names.index("opt-66b")) == {7: True, 8: True}  # the list's end
+
+
+def test_chunked_loss_saves_nothing_counted_under_compile(capsys):
+    """Measured on an H100: under compile the chunked loss saved 0.8 of the 8.1 GiB of logits counted at 1.3B batch 28."""
+    args = [*B13, "model.vocab_size=50304", "data.seq_len=1024", "data.batch_size=28", "cluster.gpus=1", "module.loss_chunk_tokens=4096"]
+    eager = _plan(capsys, *args)
+    compiled = _plan(capsys, *args, "module.compile=true")
+    whole = _plan(capsys, *args[:-1], "module.compile=true")
+    assert eager["loss_chunk_counted"] and not compiled["loss_chunk_counted"]
+    assert compiled["memory_gb_per_gpu"]["ddp"]["none"]["total"] == whole["memory_gb_per_gpu"]["ddp"]["none"]["total"]
+    assert eager["memory_gb_per_gpu"]["ddp"]["none"]["total"] < whole["memory_gb_per_gpu"]["ddp"]["none"]["total"]
+    # measured 71.6 GiB chunked and compiled, before the trainer freed gradients at the step (as accumulation keeps them)
+    accumulating = _plan(capsys, *args, "module.compile=true", "trainer.accumulate_grad_batches=2")
+    assert 1.0 <= accumulating["memory_gb_per_gpu"]["ddp"]["none"]["total"] * 1e9 / 2**30 / 71.6 <= 1.03
