@@ -18,7 +18,7 @@ without recomputation, 2 x seq x batch x d_model per layer (the saved block inpu
 full activation checkpointing, half of the layers each way with selective (every other block); plus the logits,
 batch x seq x vocab x 6 bytes (bf16 and the fp32 copy the loss takes; with ``module.loss_chunk_tokens=C``, C x vocab
 x 6 bytes plus the gradients the chunked head keeps: hidden states and head weight in fp32; with ``module.compile``
-or ``strategy.compile`` counted as whole-batch logits, since under compile it saved a tenth of that); under ddp on more than one GPU, DDP's
+or ``strategy.compile`` counted as whole-batch logits, since under compile it saved a tenth to a seventh of that); under ddp on more than one GPU, DDP's
 gradient buckets, 4 B/param. The total is the larger of two peaks: at the end of the forward pass (weights,
 optimizer state, activations, logits; gradients only when ``trainer.accumulate_grad_batches`` or
 ``global_batch_size`` makes several micro-batches per step, since the trainer frees them after each optimizer step)
@@ -127,8 +127,9 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
     seq, batch = int(cfg.data.seq_len), int(cfg.data.batch_size)
     module_cfg, strategy_cfg = cfg.get("module") or {}, cfg.get("strategy") or {}
     chunk = module_cfg.get("loss_chunk_tokens")
-    # Under torch.compile the chunked loss saved 0.8 GiB of the 8.1 GiB of logits counted (1.3B, batch 28, one H100;
-    # docs/BENCHMARKS.md): the compiled whole-batch loss keeps less than counted. Counted as no saving there.
+    # Under torch.compile the chunked loss saved 0.8 of the 8.1 GiB of logits counted at 1.3B batch 28 and 1.3 of 9.2
+    # at batch 32 (one H100, docs/BENCHMARKS.md): the compiled whole-batch loss keeps less than counted. Counted as
+    # no saving there.
     chunk_uncounted = bool(chunk) and bool(module_cfg.get("compile") or strategy_cfg.get("compile"))
     chunk = None if chunk_uncounted else chunk
     gpus, node = int(cluster["gpus"]), int(cluster["gpus_per_node"])
