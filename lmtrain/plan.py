@@ -109,11 +109,11 @@ def memory(
     return out
 
 
-def fewest_gpus(cfg, params: int, seq: int, batch: int, node: int, mem_bytes: float, ac: str) -> int | None:
+def fewest_gpus(cfg, params: int, seq: int, batch: int, node: int, mem_bytes: float, ac: str, accumulate: int = 1) -> int | None:
     """Fewest GPUs (whole nodes) on which fsdp fits the model, or None up to 65,536 GPUs."""
     world = node
     while world <= 65536:
-        if memory(cfg, params, seq, batch, "fsdp", world, node, ac)["total"] <= MARGIN * mem_bytes:
+        if memory(cfg, params, seq, batch, "fsdp", world, node, ac, accumulate=accumulate)["total"] <= MARGIN * mem_bytes:
             return world
         world += node
     return None
@@ -157,14 +157,14 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
         for s in STRATEGIES
     }
     out["fits"] = {s: {ac: out["memory_gb_per_gpu"][s][ac]["total"] * GB <= MARGIN * mem_bytes for ac in AC} for s in STRATEGIES}
-    fewest = fewest_gpus(mcfg, nums["params"], seq, batch, node, mem_bytes, "full")
+    fewest = fewest_gpus(mcfg, nums["params"], seq, batch, node, mem_bytes, "full", accum)
     out["fewest_gpus_fsdp_full_ac"] = fewest
     out["fewest_nodes_fsdp_full_ac"] = None if fewest is None else fewest // node
-    out["largest_preset_on_one_node"] = largest_on_one_node(seq, batch, node, mem_bytes)
+    out["largest_preset_on_one_node"] = largest_on_one_node(seq, batch, node, mem_bytes, accum)
     return out
 
 
-def largest_on_one_node(seq: int, batch: int, node: int, mem_bytes: float) -> str | None:
+def largest_on_one_node(seq: int, batch: int, node: int, mem_bytes: float, accumulate: int = 1) -> str | None:
     """The preset with the most parameters that fits one node under fsdp with full activation checkpointing."""
     from lmtrain.model import ModelConfig, available_presets
 
@@ -172,7 +172,10 @@ def largest_on_one_node(seq: int, batch: int, node: int, mem_bytes: float) -> st
     for name in available_presets():
         mcfg = ModelConfig.from_name(name)
         n = model_numbers(mcfg, seq)["params"]
-        if memory(mcfg, n, min(seq, mcfg.max_seq_len), batch, "fsdp", node, node, "full")["total"] <= MARGIN * mem_bytes:
+        if (
+            memory(mcfg, n, min(seq, mcfg.max_seq_len), batch, "fsdp", node, node, "full", accumulate=accumulate)["total"]
+            <= MARGIN * mem_bytes
+        ):
             if best is None or n > best[1]:
                 best = (name, n)
     return best[0] if best else None

@@ -81,6 +81,10 @@ def test_gradients_count_at_the_forward_peak_only_when_accumulating(capsys):
     # no activations in the backward peak: a large model at a tiny batch peaks there
     big = _plan(capsys, "model=opt-13b", "data.seq_len=128", "data.batch_size=1", "cluster.gpus=1")["memory_gb_per_gpu"]["ddp"]["none"]
     assert big["total"] == pytest.approx(big["weights"] + big["gradients"] + big["optimizer"]) == big["backward_peak"]
+    # the node-level answers use the same accumulation as the table
+    args = ["model=opt-13b", "data.seq_len=2048", "data.batch_size=8", "cluster.gpus=8"]
+    assert _plan(capsys, *args)["largest_preset_on_one_node"] == "opt-30b"
+    assert _plan(capsys, *args, "trainer.accumulate_grad_batches=8")["largest_preset_on_one_node"] == "opt-13b"
 
 
 def test_activation_checkpointing_and_sharding_shrink_memory(capsys):
