@@ -34,6 +34,8 @@ import math
 import sys
 from pathlib import Path
 
+from lmtrain.config import ConfigError, validate_config
+
 ROOT = Path(__file__).resolve().parent.parent
 STRATEGIES = ("ddp", "fsdp", "hsdp")
 AC = ("none", "selective", "full")
@@ -134,7 +136,11 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
     chunk = None if chunk_uncounted else chunk
     gpus, node = int(cluster["gpus"]), int(cluster["gpus_per_node"])
     gbs = cfg.get("global_batch_size")
-    accum = max(int(gbs) // (batch * gpus), 1) if gbs else int((cfg.get("trainer") or {}).get("accumulate_grad_batches", 1))
+    if gbs and gbs % (batch * gpus):
+        raise ConfigError(
+            f"global_batch_size={gbs} is not a multiple of data.batch_size ({batch}) x cluster.gpus ({gpus}) = {batch * gpus}"
+        )
+    accum = gbs // (batch * gpus) if gbs else int(cfg.trainer.accumulate_grad_batches)
     mem_bytes = float(cluster["memory_gb"]) * GB
     nums = model_numbers(mcfg, seq)
     out: dict = {"model": mcfg.name, **nums, "fp16_weights_gb": 2 * nums["params"] / GB, "seq_len": seq, "micro_batch": batch}
@@ -256,7 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - Hydra's override errors are the user's
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    result = plan(cfg, cluster, budget)
+    try:  # the training config's own checks (keys, sizes, batch and accumulation), then the cluster's
+        validate_config(cfg)
+        result = plan(cfg, cluster, budget)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(result, indent=2) if output == "json" else table(result))
     return 0
 

@@ -113,6 +113,17 @@ def test_table_output_and_bad_keys():
     assert bad.returncode == 2 and "unknown planner key 'cluster.gpu'" in bad.stderr
     bad = subprocess.run([*run, "model=opt-9b"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "opt-9b" in bad.stderr
+    # the training config's own checks, then the batch against the cluster: one error line each, no traceback
+    for args, message in (
+        (["trainer.accumulate_grad_batches=x"], "trainer.accumulate_grad_batches='x' must be a positive integer"),
+        (["data.batch_size=0"], "data.batch_size=0 must be a positive integer"),
+        (
+            ["data.batch_size=16", "global_batch_size=64"],
+            "global_batch_size=64 is not a multiple of data.batch_size (16) x cluster.gpus (8)",
+        ),
+    ):
+        bad = subprocess.run([*run, "model=opt-125m", *args], capture_output=True, text=True, cwd=ROOT)
+        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
 
 
 def test_largest_model_search_measures_both_sides_of_the_boundary():
