@@ -16,7 +16,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 import lmtrain.config  # noqa: F401  (registers the run-name resolver)
-from lmtrain.errors import InputError
+from lmtrain.errors import STOPPED_EXIT, InputError, RunStopped
 from lmtrain.run import train
 
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # lightning 2.6.6 on torch 2.13, harmless
@@ -38,6 +38,9 @@ def main(cfg: DictConfig) -> float | None:
         if _other_ranks():
             _leave_at_once(2, with_traceback=False)
         sys.exit(2)
+    except RunStopped as exc:  # every rank took the same decision: leave together, not finished
+        print(f"stopped: {exc.reason}", file=sys.stderr)
+        sys.exit(STOPPED_EXIT)
     except BaseException:
         if _other_ranks():
             _leave_at_once(1, with_traceback=True)

@@ -48,6 +48,7 @@ class DiskGuard(L.Callback):
             raise DiskSpaceError(f"callbacks.disk_guard.margin_gb={margin_gb} must be >= 0")
         self.margin = int(margin_gb * GB)
         self._pending: list[tuple[int, dict[str, float]]] = []  # (step, figures), logged from the main thread
+        self.stop_reason: str | None = None  # set when it stopped training: the run did not finish (exit status 3)
 
     @staticmethod
     def _checkpointer(trainer):
@@ -101,6 +102,7 @@ class DiskGuard(L.Callback):
         ok = trainer.strategy.broadcast(ok, src=0)
         if not ok:
             trainer.should_stop = True
+            self.stop_reason = f"not enough disk space at {ckptr.root} to save step {trainer.global_step}"
         return ok
 
     def after_save(self, trainer, ckptr, final: Path, size: int) -> None:

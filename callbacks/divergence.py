@@ -5,21 +5,30 @@ loss scale falling toward zero; each time the team restarted from an earlier hea
 learning rate. This callback watches, every optimizer step, statistics that are the same on every rank (the
 module all-reduces them), so every rank takes the same decision:
 
-* ``nonfinite``: the loss or the gradient norm is NaN or infinite;
+* ``nonfinite``: the loss is NaN or infinite, or (bf16/fp32) the gradient norm is;
 * ``loss_spike``: the loss is ``z`` standard deviations above its exponential moving average (and at least
   ``min_ratio`` times it);
 * ``grad_spike``: the same test on the gradient norm (before clipping);
 * ``act_growth``: the RMS of the last block's output (``train/act_rms``) above ``ratio`` times its average;
-* ``loss_scale``: fp16 only, the gradient scaler's scale below ``floor``.
+* ``loss_level``: the loss above ``ratio`` times the run's first loss (at initialisation about ln(vocabulary)):
+  judged from the first step, so a run that diverges during the warm-up, before the spike statistics are
+  trusted, is still caught;
+* ``loss_scale``: fp16 only, the gradient scaler's scale below ``floor``;
+* ``skipped_steps``: fp16 only, more than ``max_consecutive`` optimizer steps in a row skipped by the scaler.
 
-Running averages are updated only by healthy steps and start judging after ``warmup_steps``. Each signal's
+Under fp16 an overflow (non-finite gradients) is the gradient scaler's business, not divergence: the scaler skips
+that update and halves the scale; the step is counted (``train/skipped_steps``, with ``train/loss_scale``, logged
+every step) and left out of the running statistics. Only a run of overflows, a collapsing scale or a non-finite
+loss is a signal. Running averages are updated only by healthy steps and start judging after ``warmup_steps``. Each signal's
 action is one of ``warn`` (metric, logbook, MLflow tag), ``skip`` (this step's update is dropped), ``stop``
 (stop cleanly, no checkpoint of the bad state) or ``rollback``: stop this attempt, and ``lmtrain.run`` resumes from
 the newest checkpoint marked healthy that predates the trouble, with the learning rate multiplied by
 ``rollback_lr_scale`` from there on (recorded in ``RUN_DIR/lr_corrections.jsonl``, so it holds across later
 resumes) and, with ``skip_data``, past the data that was being read. At most ``max_rollbacks`` rollbacks within
 ``rollback_window`` steps; one more stops the run, saying so. The detector's state is saved in checkpoints, and
-every checkpoint's ``meta.json`` carries its health fields.
+every checkpoint's ``meta.json`` carries its health fields. A rollback also revokes the operator and config
+learning-rate corrections issued after its checkpoint (lmtrain.corrections): they belong to the abandoned timeline.
+A ``stop``, or a rollback that cannot happen, ends the run with :class:`lmtrain.errors.RunStopped` (exit status 3).
 """
 
 from __future__ import annotations
@@ -41,7 +50,9 @@ DEFAULTS = {
     "loss_spike": {"z": 6.0, "min_ratio": 1.1, "action": "rollback"},
     "grad_spike": {"z": 8.0, "min_ratio": 2.0, "action": "warn"},
     "act_growth": {"ratio": 3.0, "action": "warn"},
-    "loss_scale": {"floor": 1.0, "action": "warn"},
+    "loss_level": {"ratio": 1.5, "action": "rollback"},
+    "loss_scale": {"floor": 1.0, "action": "rollback"},
+    "skipped_steps": {"max_consecutive": 10, "action": "rollback"},
 }
 
 
@@ -89,7 +100,9 @@ class DivergenceDetector(L.Callback):
         loss_spike: dict | None = None,
         grad_spike: dict | None = None,
         act_growth: dict | None = None,
+        loss_level: dict | None = None,
         loss_scale: dict | None = None,
+        skipped_steps: dict | None = None,
         rollback_lr_scale: float = 0.5,
         skip_data: bool = True,
         max_rollbacks: int = 3,
@@ -100,7 +113,9 @@ class DivergenceDetector(L.Callback):
             "loss_spike": loss_spike,
             "grad_spike": grad_spike,
             "act_growth": act_growth,
+            "loss_level": loss_level,
             "loss_scale": loss_scale,
+            "skipped_steps": skipped_steps,
         }
         self.signals: dict[str, dict] = {}
         for name, spec in given.items():
@@ -123,7 +138,10 @@ class DivergenceDetector(L.Callback):
         self.loss, self.grad, self.act = _EMA(ema_beta), _EMA(ema_beta), _EMA(ema_beta)
         self.clean_streak = 0
         self.trouble_start: int | None = None
+        self.first_loss: float | None = None  # the reference of ``loss_level``
+        self.skip_streak = self.skipped_total = 0  # fp16: updates skipped by the gradient scaler
         self.rollback_request: dict | None = None
+        self.stop_reason: str | None = None
         self.stopping = False
         self.run_dir = None
 
@@ -135,6 +153,9 @@ class DivergenceDetector(L.Callback):
             "act": self.act.state(),
             "clean_streak": self.clean_streak,
             "trouble_start": self.trouble_start,
+            "first_loss": self.first_loss,
+            "skip_streak": self.skip_streak,
+            "skipped_total": self.skipped_total,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -142,11 +163,14 @@ class DivergenceDetector(L.Callback):
         self.grad.load(state["grad"])
         self.act.load(state["act"])
         self.clean_streak, self.trouble_start = state["clean_streak"], state["trouble_start"]
+        self.first_loss = state.get("first_loss")  # absent in checkpoints written before these fields existed
+        self.skip_streak, self.skipped_total = state.get("skip_streak", 0), state.get("skipped_total", 0)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.checkpointer = next((c for c in trainer.callbacks if hasattr(c, "health") and hasattr(c, "root")), None)
         self.run_dir = self.checkpointer.root.parent if self.checkpointer is not None else None
         self.rollback_request = None
+        self.stop_reason = None
         self.stopping = False
 
     # -- the per-step check (called by LMModule.on_before_optimizer_step on every rank) --------
@@ -157,65 +181,97 @@ class DivergenceDetector(L.Callback):
         return any(spec["action"] == "skip" for spec in self.signals.values())
 
     def check_step(self, trainer, pl_module, stats: dict) -> bool:
-        """Judge one optimizer step's statistics (``step``: the steps completed before it; defaults to now)."""
+        """Judge one optimizer step's statistics (``step``: the steps completed before it; defaults to now); True:
+        drop this update (or the run is stopping)."""
         if self.stopping:  # a stop or rollback is under way: later steps are abandoned with it
             return True
         step = stats.get("step", trainer.global_step)
-        log_step = stats.get("log_step")
-        loss, grad, act, scale = stats["loss"], stats["grad_norm"], stats.get("act_rms"), stats.get("loss_scale")
-        fired: list[tuple[str, str]] = []
-        metrics = {}
-        if not (math.isfinite(loss) and math.isfinite(grad)):
-            fired.append(("nonfinite", f"loss {loss}, gradient norm {grad}"))
-        else:
-            judging = self.loss.n >= max(self.warmup_steps, 2)  # never on statistics of nothing
-            lz, gz = self.loss.z(loss), self.grad.z(grad)
-            metrics.update({"stability/loss_z": lz if self.loss.n else 0.0, "stability/grad_z": gz if self.grad.n else 0.0})
-            sp = self.signals["loss_spike"]
-            if judging and lz > sp["z"] and loss > sp["min_ratio"] * self.loss.mean:
-                fired.append(("loss_spike", f"loss {loss:.4f} vs average {self.loss.mean:.4f} (z={lz:.1f})"))
-            sp = self.signals["grad_spike"]
-            if judging and gz > sp["z"] and grad > sp["min_ratio"] * self.grad.mean:
-                fired.append(("grad_spike", f"gradient norm {grad:.4g} vs average {self.grad.mean:.4g} (z={gz:.1f})"))
-            if act is not None and math.isfinite(act):
-                ratio = act / self.act.mean if self.act.n and self.act.mean > 0 else 1.0
-                metrics["stability/act_ratio"] = ratio
-                if judging and ratio > self.signals["act_growth"]["ratio"]:
-                    fired.append(("act_growth", f"final-layer activation RMS {act:.4g}, {ratio:.2f}x its average {self.act.mean:.4g}"))
-        if scale is not None:
-            metrics["train/loss_scale"] = scale
-            if scale < self.signals["loss_scale"]["floor"]:
-                fired.append(("loss_scale", f"fp16 loss scale {scale:g} below the floor {self.signals['loss_scale']['floor']:g}"))
-
+        metrics: dict[str, float] = {}
+        fired = self._signals(stats, metrics)
         severe = [n for n, _ in fired if self.signals[n]["action"] != "warn"]  # warnings are reported, not acted on
-        if not severe:
-            self.loss.update(loss)
-            self.grad.update(grad)
-            if act is not None and math.isfinite(act):
-                self.act.update(act)
-            self.clean_streak += 1
-            if self.clean_streak >= self.healthy_after:
-                self.trouble_start = None
-        else:
+        if severe:
             self.clean_streak = 0
             if self.trouble_start is None:
                 self.trouble_start = step
+        elif not stats.get("overflow"):  # a step the scaler skipped neither feeds the statistics nor clears trouble
+            self._observe(stats)
         healthy = self.trouble_start is None
         metrics["stability/healthy"] = float(healthy)
         for name in self.signals:
             metrics[f"stability/{name}"] = float(any(n == name for n, _ in fired))
-        log_direct(trainer, metrics, step=log_step)
+        log_direct(trainer, metrics, step=stats.get("log_step"))
         if self.checkpointer is not None:
             self.checkpointer.health = {
                 "healthy": healthy,
                 "loss_ema": self.loss.mean,
                 "grad_norm_ema": self.grad.mean,
                 "act_rms_ema": self.act.mean,
-                "loss_scale": scale,
+                "loss_scale": stats.get("loss_scale"),
+                "skipped_steps": self.skipped_total,
                 "trouble_start": self.trouble_start,
             }
-        if not fired:
-            return False
+        return self._act(trainer, pl_module, step, fired) if fired else False
+
+    def _signals(self, stats: dict, metrics: dict) -> list[tuple[str, str]]:
+        """The signals this step fires, as (name, why); fills ``metrics`` with what is logged every step."""
+        loss, grad, act = stats["loss"], stats["grad_norm"], stats.get("act_rms")
+        overflow = stats.get("overflow")  # None: no gradient scaler (bf16, fp32)
+        fired = self._scaler_signals(stats, metrics) if overflow is not None else []
+        if not math.isfinite(loss) or (overflow is None and not math.isfinite(grad)):
+            fired.append(("nonfinite", f"loss {loss}, gradient norm {grad}"))
+            return fired
+        if self.first_loss is None:
+            self.first_loss = loss
+        ratio = self.signals["loss_level"]["ratio"]
+        metrics["stability/loss_level"] = loss / self.first_loss if self.first_loss > 0 else 0.0
+        if self.first_loss > 0 and loss > ratio * self.first_loss:
+            fired.append(("loss_level", f"loss {loss:.4f} above {ratio:g}x the run's first loss {self.first_loss:.4f}"))
+        if overflow:  # the gradients are not finite: nothing more to judge on them
+            return fired
+        judging = self.loss.n >= max(self.warmup_steps, 2)  # never on statistics of nothing
+        lz, gz = self.loss.z(loss), self.grad.z(grad)
+        metrics.update({"stability/loss_z": lz if self.loss.n else 0.0, "stability/grad_z": gz if self.grad.n else 0.0})
+        sp = self.signals["loss_spike"]
+        if judging and lz > sp["z"] and loss > sp["min_ratio"] * self.loss.mean:
+            fired.append(("loss_spike", f"loss {loss:.4f} vs average {self.loss.mean:.4f} (z={lz:.1f})"))
+        sp = self.signals["grad_spike"]
+        if judging and gz > sp["z"] and grad > sp["min_ratio"] * self.grad.mean:
+            fired.append(("grad_spike", f"gradient norm {grad:.4g} vs average {self.grad.mean:.4g} (z={gz:.1f})"))
+        if act is not None and math.isfinite(act):
+            ratio = act / self.act.mean if self.act.n and self.act.mean > 0 else 1.0
+            metrics["stability/act_ratio"] = ratio
+            if judging and ratio > self.signals["act_growth"]["ratio"]:
+                fired.append(("act_growth", f"final-layer activation RMS {act:.4g}, {ratio:.2f}x its average {self.act.mean:.4g}"))
+        return fired
+
+    def _scaler_signals(self, stats: dict, metrics: dict) -> list[tuple[str, str]]:
+        """fp16: count the updates the gradient scaler skipped; judge the scale and the run of skips."""
+        scale, fired = stats["loss_scale"], []
+        self.skip_streak = self.skip_streak + 1 if stats["overflow"] else 0
+        self.skipped_total += int(stats["overflow"])
+        metrics.update({"train/loss_scale": scale, "train/skipped_steps": float(self.skipped_total)})
+        floor = self.signals["loss_scale"]["floor"]
+        if scale < floor:
+            fired.append(("loss_scale", f"fp16 loss scale {scale:g} below the floor {floor:g}"))
+        limit = self.signals["skipped_steps"]["max_consecutive"]
+        if self.skip_streak > limit:
+            fired.append(
+                ("skipped_steps", f"{self.skip_streak} updates in a row skipped by the fp16 gradient scaler (more than {limit}; scale {scale:g})")
+            )
+        return fired
+
+    def _observe(self, stats: dict) -> None:
+        """A healthy step: into the running statistics."""
+        self.loss.update(stats["loss"])
+        self.grad.update(stats["grad_norm"])
+        act = stats.get("act_rms")
+        if act is not None and math.isfinite(act):
+            self.act.update(act)
+        self.clean_streak += 1
+        if self.clean_streak >= self.healthy_after:
+            self.trouble_start = None
+
+    def _act(self, trainer, pl_module, step: int, fired: list[tuple[str, str]]) -> bool:
         action = max((self.signals[n]["action"] for n, _ in fired), key=SEVERITY.get)
         text = "; ".join(f"{n}: {why}" for n, why in fired)
         tokens = step * pl_module.tokens_per_step() if hasattr(pl_module, "tokens_per_step") else None
@@ -235,6 +291,7 @@ class DivergenceDetector(L.Callback):
     # -- actions -------------------------------------------------------------------------------
     def _stop(self, trainer, message: str, step: int) -> None:
         self._event(trainer, "stop", message, step=step)
+        self.stop_reason = message
         self.stopping = True
         trainer.should_stop = True
         if self.checkpointer is not None:

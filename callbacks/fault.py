@@ -11,7 +11,10 @@ resumed run goes on):
   written (the post-save verification must catch it);
 * ``loss_spike``: the loss of step ``step`` is multiplied by ``factor`` (a real spike: the gradients follow);
 * ``nan_loss``: the loss of step ``step`` becomes NaN on rank ``rank`` only;
-* ``act_growth``: from step ``step`` on, the last block's output is multiplied by ``factor`` ** (steps since).
+* ``act_growth``: from step ``step`` on, the last block's output is multiplied by ``factor`` ** (steps since);
+* ``grad_overflow``: for ``count`` steps from ``step`` on, the gradient flowing back into the final norm is
+  multiplied by ``factor`` (the forward pass and the loss are untouched): under fp16 the backward pass really
+  overflows, as it does when the loss scale is too high for the gradients, and the gradient scaler answers.
 """
 
 from __future__ import annotations
@@ -23,17 +26,31 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import torch
 
 from lmtrain.errors import InputError
 
-KINDS = ("crash", "crash_mid_save", "enospc", "truncate", "loss_spike", "nan_loss", "act_growth")
+KINDS = ("crash", "crash_mid_save", "enospc", "truncate", "loss_spike", "nan_loss", "act_growth", "grad_overflow")
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient multiplied by ``factor`` on the way back."""
+
+    @staticmethod
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
 
 
 class FaultInjector(L.Callback):
-    def __init__(self, kind: str, step: int, run_dir: str, rank: int | None = 0, factor: float = 20.0) -> None:
+    def __init__(self, kind: str, step: int, run_dir: str, rank: int | None = 0, factor: float = 20.0, count: int = 1) -> None:
         if kind not in KINDS:
             raise InputError(f"fault.kind={kind!r}: use one of {list(KINDS)}")
-        self.kind, self.step, self.rank, self.factor = kind, int(step), rank, float(factor)
+        self.kind, self.step, self.rank, self.factor, self.count = kind, int(step), rank, float(factor), int(count)
         self._growth_from: int | None = None
         self.marker = Path(run_dir) / ".faults" / f"{kind}-{self.step}"
 
@@ -73,6 +90,13 @@ class FaultInjector(L.Callback):
                 lambda module, args: (args[0] * self.factor ** (trainer.global_step - self._growth_from + 1),), prepend=True
             )
             print(f"[lmtrain] FAULT: activations growing x{self.factor} per step from step {step}", file=sys.stderr, flush=True)
+
+        if self.kind == "grad_overflow" and step == self.step and self._arm():
+            end = step + self.count
+            pl_module.model.norm.register_forward_pre_hook(
+                lambda module, args: (_ScaleGrad.apply(args[0], self.factor),) if trainer.global_step < end and module.training else None
+            )
+            print(f"[lmtrain] FAULT: gradients x{self.factor:g} in steps {step}..{end - 1}", file=sys.stderr, flush=True)
 
     def at_checkpoint(self, point: str, step: int, path: Path) -> None:
         if step < self.step:

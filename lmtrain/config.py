@@ -124,8 +124,6 @@ def _strategy_problems(cfg: DictConfig) -> list[str]:
     if target.startswith("lmtrain.strategies.") and target.endswith(("FSDP2Strategy", "HSDPStrategy")):
         if on_cpu and st.get("cpu_offload"):
             out.append("strategy.cpu_offload=true needs GPUs: on CPU the parameters already live in host memory")
-        if str(cfg.trainer.get("precision")) in ("16-mixed", "16"):
-            out.append(f"strategy {target.rsplit('.', 1)[1]} with trainer.precision=16-mixed is not supported: use bf16-mixed")
         mixed = str(cfg.trainer.get("precision")) == "bf16-mixed" and st.get("mixed_precision", True)
         if st.get("reduce_dtype") == "bfloat16" and not mixed:
             out.append(

@@ -6,6 +6,11 @@ A correction multiplies the learning rate from ``from_step`` on (``scale``); it 
 (``reason: config``: ``callbacks.lr_control.scale``, the latest one in force, not compounded). The file is the
 source of truth: every resume, automatic or not, re-reads it, so the schedule the run follows is the same timeline
 whichever checkpoint it restarts from.
+
+A rollback abandons a timeline: the operator and config corrections issued at or after the checkpoint it returns to
+belong to the steps that diverged, so the rollback's entry lists them (``revokes``: their line numbers in the file,
+counted from 0) and they are no longer in force when the replay passes their steps. The rollbacks' own factors
+stay: each further rollback lowers the rate again.
 """
 
 from __future__ import annotations
@@ -33,10 +38,35 @@ def add(run_dir: str | Path, entry: dict) -> dict:
     return entry
 
 
+def revoked(entries: list[dict]) -> set[int]:
+    """Line numbers of the entries that a later rollback revoked."""
+    return {int(i) for e in entries for i in e.get("revokes", ())}
+
+
+def in_force(entries: list[dict]) -> list[dict]:
+    """The entries not revoked by a rollback, in file order."""
+    gone = revoked(entries)
+    return [e for i, e in enumerate(entries) if i not in gone]
+
+
+def abandoned(entries: list[dict], from_step: int) -> list[int]:
+    """Line numbers of the operator and config corrections in force from ``from_step`` on: the timeline a rollback to
+    the checkpoint of ``from_step`` abandons (a checkpoint of step S is saved before step S's corrections apply)."""
+    gone = revoked(entries)
+    return [
+        i for i, e in enumerate(entries) if i not in gone and e.get("reason") in ("operator", "config") and e["from_step"] >= from_step
+    ]
+
+
+def describe(entry: dict) -> str:
+    """One correction in words, for the logbook."""
+    return f"{entry.get('reason')} x{float(entry['scale']):.4g} from step {entry['from_step']}"
+
+
 def multiplier(entries: list[dict], step: int) -> float:
-    """The factor on the scheduled learning rate at ``step``."""
+    """The factor on the scheduled learning rate at ``step`` (revoked corrections left out)."""
     mult, config = 1.0, None
-    for e in sorted(entries, key=lambda e: e["from_step"]):
+    for e in sorted(in_force(entries), key=lambda e: e["from_step"]):
         if e["from_step"] > step:
             break
         if e.get("reason") == "config":
@@ -47,7 +77,7 @@ def multiplier(entries: list[dict], step: int) -> float:
 
 
 def config_scale(entries: list[dict]) -> float | None:
-    cfg = [e for e in entries if e.get("reason") == "config"]
+    cfg = [e for e in in_force(entries) if e.get("reason") == "config"]
     return float(cfg[-1]["scale"]) if cfg else None
 
 

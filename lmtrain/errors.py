@@ -3,3 +3,15 @@
 
 class InputError(ValueError):
     """Bad input, with a message naming it and the way out. Entry points print it and exit with status 2."""
+
+
+class RunStopped(Exception):
+    """Training was stopped before its end by a guard (divergence, disk space): the run did not finish. Entry points
+    print the reason and exit with :data:`STOPPED_EXIT`, so a scheduler that requeues failed jobs sees it."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+STOPPED_EXIT = 3  # a run stopped by a guard; 2 is an input error, 1 a crash

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from lmtrain import precision
 from lmtrain.errors import InputError
 from lmtrain.logs import log_direct
 from lmtrain.loss import cross_entropy
@@ -53,7 +54,7 @@ def batch_seed(seed: int, batch: int, rank: int) -> int:
 
 @dataclass
 class _StepStats:
-    """One optimizer step's global statistics (loss, gradient norm, final activation RMS, fp16 loss scale), on their
+    """One optimizer step's global statistics (loss, gradient norm, final activation RMS, fp16 loss scale and overflow), on their
     way to the host without blocking it: a non-blocking copy into pinned memory and an event marking its arrival."""
 
     step: int  # optimizer steps completed before this one
@@ -213,14 +214,14 @@ class LMModule(L.LightningModule):
         self._train_losses.clear()
         self._act_sq.clear()
         loss, act_ms = self.trainer.strategy.reduce(local, reduce_op="mean")  # every rank sees the same values
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        scale = getattr(scaler, "_scale", None) if scaler is not None else None
+        scaler = precision.scaler_of(self.trainer)
         values = torch.stack(
             [
                 loss,
                 norm.to(loss),
                 act_ms.sqrt() if self._act_hook is not None else nan,
-                scale.reshape(()).to(loss) if scale is not None else nan,
+                precision.loss_scale(scaler).to(loss) if scaler is not None else nan,
+                precision.overflowed(scaler, optimizer).to(loss) if scaler is not None else nan,  # the same on every rank
             ]
         )
         self._pending_stats.append(_StepStats.record(self.trainer, optimizer, values))
@@ -250,7 +251,7 @@ class LMModule(L.LightningModule):
         del self._pending_stats[: len(todo)]
         drop = False
         for rec in todo:
-            loss, norm, act_rms, scale = rec.read()
+            loss, norm, act_rms, scale, overflow = rec.read()
             extra = {"train/loss": loss, "train/lr": rec.lr, "train/grad_norm": norm}
             if self._act_hook is not None:
                 extra["train/act_rms"] = act_rms
@@ -263,6 +264,7 @@ class LMModule(L.LightningModule):
                 "grad_norm": norm,
                 "act_rms": extra.get("train/act_rms"),
                 "loss_scale": None if math.isnan(scale) else scale,
+                "overflow": None if math.isnan(overflow) else bool(overflow),  # fp16: the scaler skips this update
             }
             for checker in checkers:  # all ranks decide alike: the statistics are global
                 drop |= bool(checker.check_step(self.trainer, self, stats))
@@ -279,17 +281,12 @@ class LMModule(L.LightningModule):
         return dm.batch_size * dm.seq_len * self.trainer.world_size * self.trainer.accumulate_grad_batches
 
     def drop_update(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make this optimizer step a no-op: no parameter, moment or weight-decay update."""
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        if scaler is not None:  # fp16: gradients were unscaled already; mark them non-finite so scaler.step skips
-            found = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {})
-            for flag in found.values():
-                flag.fill_(1.0)
-            if found:
-                return
+        """Make this optimizer step a no-op: no parameter, moment or weight-decay update. Torch optimizers leave a
+        parameter without a gradient untouched; under fp16 the gradients were unscaled already (lmtrain.precision),
+        so the scaler's step and update go on normally and the loss scale is not lowered for a skip it did not cause."""
         for group in optimizer.param_groups:
             for p in group["params"]:
-                p.grad = None  # torch optimizers leave parameters without a gradient untouched
+                p.grad = None
 
     # -- validation -------------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:

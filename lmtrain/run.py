@@ -19,7 +19,8 @@ from lmtrain import checkpoint as ck
 from lmtrain import corrections, logbook
 from lmtrain.checkpoint import CheckpointError, check_compatible, config_hash
 from lmtrain.config import ConfigError, apply_global_batch_size, validate_config, validate_data
-from lmtrain.errors import InputError
+from lmtrain.errors import InputError, RunStopped
+from lmtrain.precision import build as build_precision
 
 log = logging.getLogger("lmtrain")
 
@@ -101,31 +102,41 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Run training for ``cfg``; return the final logged metrics as floats.
 
     A rollback requested by the divergence detector ends the attempt; the next attempt resumes from the
-    checkpoint it chose, with the learning-rate correction recorded (lmtrain.corrections).
+    checkpoint it chose, with the learning-rate correction recorded (lmtrain.corrections). A guard that stopped
+    training (the detector's ``stop``, the disk guard) raises :class:`RunStopped`: the run did not finish.
     """
     rollback = None
     while True:
-        metrics, detector = _attempt(cfg, rollback)
+        metrics, detector, stopped = _attempt(cfg, rollback)
+        if stopped:
+            raise RunStopped(stopped)
         rollback = getattr(detector, "rollback_request", None)
         if rollback is None:
             return metrics
         run_dir = Path(cfg.run_dir)
         if _global_rank() == 0:
-            corrections.add(
-                run_dir,
-                {**{k: rollback[k] for k in ("from_step", "scale", "signal_step", "skip_batches", "checkpoint")}, "reason": "rollback"},
-            )
-            logbook.append(
-                run_dir,
-                "rollback",
-                f"step {rollback['signal_step']}: rolling back to {Path(rollback['checkpoint']).name}, learning rate "
-                f"x{rollback['scale']} from step {rollback['from_step']} on, skipping {rollback['skip_batches']} batch(es) of data "
-                f"({rollback['why']})",
-                step=rollback["signal_step"],
-            )
+            _record_rollback(run_dir, rollback)
         print(f"[lmtrain] rollback to {rollback['checkpoint']} (learning rate x{rollback['scale']})", file=sys.stderr, flush=True)
         with open_dict(cfg):
             cfg.ckpt_path = rollback["checkpoint"]
+
+
+def _record_rollback(run_dir: Path, rollback: dict) -> None:
+    """The rollback's correction, revoking the abandoned timeline's operator/config corrections, and its logbook entry."""
+    entries = corrections.load(run_dir)
+    revokes = corrections.abandoned(entries, rollback["from_step"])
+    keys = ("from_step", "scale", "signal_step", "skip_batches", "checkpoint")
+    corrections.add(run_dir, {**{k: rollback[k] for k in keys}, "reason": "rollback", "revokes": revokes})
+    gone = f"; revoked {', '.join(corrections.describe(entries[i]) for i in revokes)}" if revokes else ""
+    logbook.append(
+        run_dir,
+        "rollback",
+        f"step {rollback['signal_step']}: rolling back to {Path(rollback['checkpoint']).name}, learning rate "
+        f"x{rollback['scale']} from step {rollback['from_step']} on, skipping {rollback['skip_batches']} batch(es) of data{gone} "
+        f"({rollback['why']})",
+        step=rollback["signal_step"],
+        revoked=[entries[i] for i in revokes],
+    )
 
 
 def _global_rank() -> int:
@@ -133,7 +144,7 @@ def _global_rank() -> int:
 
 
 def _attempt(cfg: DictConfig, rollback: dict | None):
-    """One ``trainer.fit``; returns (final metrics, the divergence detector or None)."""
+    """One ``trainer.fit``; returns (final metrics, the divergence detector or None, why a guard stopped it or None)."""
     import lightning as L
 
     validate_config(cfg)
@@ -184,7 +195,10 @@ def _attempt(cfg: DictConfig, rollback: dict | None):
         datamodule.skip_batches = skip
     checkpointer = next((c for c in callbacks if isinstance(c, Checkpointer)), None)
     extra = {"enable_checkpointing": True} if checkpointer is not None else {}  # ours replaces Lightning's ModelCheckpoint
-    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy, **extra)
+    precision, plugins = build_precision(cfg.trainer.precision, str(cfg.trainer.accelerator), instantiate(cfg.grad_scaler) if cfg.get("grad_scaler") else None)
+    trainer: L.Trainer = instantiate(
+        cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy, precision=precision, plugins=plugins, **extra
+    )
 
     if trainer.is_global_zero:
         try:
@@ -217,7 +231,10 @@ def _attempt(cfg: DictConfig, rollback: dict | None):
         raise
     else:
         detector = next((c for c in callbacks if hasattr(c, "rollback_request")), None)
-        if trainer.is_global_zero and getattr(detector, "rollback_request", None) is None:
+        stopped = next((c.stop_reason for c in trainer.callbacks if getattr(c, "stop_reason", None)), None)
+        if trainer.is_global_zero and stopped:
+            logbook.append(run_dir, "stopped", f"training stopped at step {trainer.global_step}: {stopped}", step=trainer.global_step)
+        elif trainer.is_global_zero and getattr(detector, "rollback_request", None) is None:
             step = trainer.global_step
             tokens = step * module.tokens_per_step() if hasattr(module, "tokens_per_step") else 0
             logbook.append(run_dir, "end", f"training ended at step {step} ({tokens:,} tokens)", step=step, tokens=tokens)
@@ -226,7 +243,7 @@ def _attempt(cfg: DictConfig, rollback: dict | None):
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     if getattr(module, "last_train_loss", None) is not None:
         metrics["train/loss"] = module.last_train_loss  # read from the step statistics, not self.log (lmtrain.module)
-    return metrics, detector
+    return metrics, detector, stopped
 
 
 def _checkpoint_root(cfg: DictConfig) -> Path | None:

@@ -6,7 +6,10 @@ through a 2-D ``("replicate", "shard")`` device mesh. Both run on CPU with gloo,
 sharded checkpoints (PyTorch distributed checkpoint, one file per rank). Options:
 
 * ``mixed_precision``: under ``trainer.precision=bf16-mixed``, all-gather parameters in bf16 and reduce
-  gradients in ``reduce_dtype`` (``MixedPrecisionPolicy``); the sharded master weights and optimizer state stay fp32;
+  gradients in ``reduce_dtype`` (``MixedPrecisionPolicy``); the sharded master weights and optimizer state stay fp32.
+  Under ``16-mixed``, parameters are gathered in fp16 and gradients reduced in fp32; the loss is scaled by
+  ``torch.amp.GradScaler``, whose overflow check PyTorch reduces over the mesh for sharded (DTensor) gradients,
+  so every rank skips the same steps (lmtrain.precision);
 * ``reduce_dtype``: ``float32`` (the default: gradients summed over ranks in fp32) or ``bfloat16`` (half the
   reduce-scatter traffic; each rank's bf16 gradient is rounded before the sum);
 * ``activation_checkpointing``: ``none``, ``selective`` (every other block) or ``full`` (every block);
@@ -95,6 +98,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         precision = str(getattr(self.precision_plugin, "precision", ""))
         if self.mixed_precision and precision == "bf16-mixed":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=self.reduce_dtype)
+        elif self.mixed_precision and precision == "16-mixed":  # fp16 compute, fp32 reduction; lmtrain.precision scales the loss
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
         if self.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
         blocks = getattr(model, "blocks", None)

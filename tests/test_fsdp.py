@@ -97,7 +97,6 @@ def test_fsdp_and_hsdp_match_one_process_and_resume_sharded_checkpoints(tmp_path
             ["strategy=hsdp", "trainer.devices=2", "trainer.num_nodes=3", "strategy.shard_size=4"],
             "shard_size=4 does not divide the world size 6",
         ),
-        (["strategy=fsdp", "trainer.precision=16-mixed"], "16-mixed is not supported: use bf16-mixed"),
         (["strategy=fsdp", "strategy.reduce_dtype=bfloat16"], "reduce_dtype=bfloat16 takes effect only with trainer.precision=bf16-mixed"),
         (["strategy=fsdp", "strategy.cpu_offload=true"], "cpu_offload=true needs GPUs"),
         (["strategy.name=fsdp"], "Lightning's FSDPStrategy does not run on CPU: use strategy=fsdp"),

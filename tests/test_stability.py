@@ -13,7 +13,7 @@ import pytest
 from callbacks.divergence import _EMA, DivergenceDetector
 from lmtrain import checkpoint as ck
 from lmtrain import corrections, logbook
-from lmtrain.errors import InputError
+from lmtrain.errors import InputError, RunStopped
 from lmtrain.logs import by_step
 from lmtrain.run import train
 from tests.conftest import ROOT, TINY, make_cfg, run_train_cli
@@ -89,10 +89,11 @@ def test_growing_activations_stop_the_run_without_saving_the_bad_state(tmp_path,
         tmp_path,
         dataset_dir,
     )
-    train(cfg)
+    with pytest.raises(RunStopped, match="act_growth"):
+        train(cfg)
     run = tmp_path / "run"
     kinds = _kinds(run)
-    assert kinds[:1] == ["start"] and kinds[-1] == "stop" and "divergence_signal" in kinds
+    assert kinds[:1] == ["start"] and kinds[-2:] == ["stop", "stopped"] and "divergence_signal" in kinds
     stopped_at = max(_rows(run))
     assert 9 < stopped_at < 15
     assert [c.step for c in ck.scan(run / "checkpoints")] == [4, 8]  # nothing saved after the signal
@@ -102,7 +103,7 @@ def test_warn_and_skip_actions(tmp_path, dataset_dir):
     """A spike with action skip: the step's update is dropped (parameters and optimizer state untouched)."""
     cfg = make_cfg(
         TINY + STABLE + ["fault=loss_spike", "callbacks.fault.step=10", "callbacks.divergence.loss_spike={action: skip}",
-                         "callbacks.divergence.grad_spike={action: warn}", "+callbacks.rec._target_=tests.plugins.RecordLR",
+                         "callbacks.divergence.grad_spike={action: warn}", "callbacks.divergence.loss_level={action: warn}", "+callbacks.rec._target_=tests.plugins.RecordLR",
                          f"+callbacks.rec.path={tmp_path / 'lr'}"],
         tmp_path, dataset_dir,
     )  # fmt: skip
@@ -126,10 +127,11 @@ def test_real_divergence_is_caught_rolled_back_and_capped(tmp_path, dataset_dir)
                          "scheduler.total_steps=40"],
         tmp_path, dataset_dir,
     )  # fmt: skip
-    train(cfg)
+    with pytest.raises(RunStopped, match=r"after 1 rollback\(s\)"):
+        train(cfg)
     run = tmp_path / "run"
     kinds = _kinds(run)
-    assert kinds.count("rollback") == 1 and kinds[-1] == "stop", kinds
+    assert kinds.count("rollback") == 1 and kinds[-2:] == ["stop", "stopped"], kinds
     assert "after 1 rollback(s)" in [e for e in logbook.read(run) if e["kind"] == "stop"][-1]["message"]
     assert max(_rows(run)) < 39
 
@@ -195,21 +197,50 @@ def test_detector_state_survives_a_resume(tmp_path, dataset_dir):
             assert got[s][key] == ref[s][key], (s, key)
 
 
-def test_fp16_loss_scale_below_its_floor_is_a_signal():
-    """The decision alone (fp16 autocast does not run on CPU: Lightning turns 16-mixed into bf16 there, so no
-    gradient scaler exists in CI). The detector gets the scale the module reads from the precision plugin."""
+def test_fp16_overflow_is_the_scalers_business_not_divergence():
+    """The decisions alone, on the statistics the module hands over (tests/test_fp16.py runs the real scaler): an
+    overflow step is counted, not judged and not fed to the averages; a run of them, a scale under the floor and a
+    non-finite loss are signals; under bf16/fp32 (no scaler) a non-finite gradient norm still is."""
     from types import SimpleNamespace
 
     logged = {}
-    det = DivergenceDetector(warmup_steps=0, loss_scale={"floor": 1.0, "action": "skip"})
-    det.checkpointer, det.run_dir = None, None
     trainer = SimpleNamespace(
         global_step=3, is_global_zero=True, accumulate_grad_batches=1, log_every_n_steps=1,
         loggers=[SimpleNamespace(log_metrics=lambda m, step: logged.update(m))],
         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=3)),
     )  # fmt: skip
-    module = SimpleNamespace()
-    assert det.check_step(trainer, module, {"loss": 2.0, "grad_norm": 1.0, "act_rms": 1.0, "loss_scale": 65536.0}) is False
-    assert logged["stability/loss_scale"] == 0.0 and logged["train/loss_scale"] == 65536.0
-    assert det.check_step(trainer, module, {"loss": 2.0, "grad_norm": 1.0, "act_rms": 1.0, "loss_scale": 0.5}) is True  # skipped
-    assert logged["stability/loss_scale"] == 1.0 and logged["stability/healthy"] == 0.0
+    det = DivergenceDetector(warmup_steps=0, skipped_steps={"max_consecutive": 2, "action": "skip"}, loss_scale={"action": "skip"})
+    det.checkpointer, det.run_dir = None, None
+
+    def step(loss=2.0, grad=1.0, scale=65536.0, overflow=False):
+        return det.check_step(trainer, SimpleNamespace(), {"loss": loss, "grad_norm": grad, "act_rms": 1.0, "loss_scale": scale, "overflow": overflow})
+
+    assert step() is False and logged["train/loss_scale"] == 65536.0 and logged["train/skipped_steps"] == 0.0
+    assert step(grad=math.inf, overflow=True) is False and step(grad=math.nan, scale=32768.0, overflow=True) is False
+    assert logged["train/skipped_steps"] == 2.0 and logged["stability/nonfinite"] == 0.0 and det.loss.n == 1
+    assert step(grad=math.inf, scale=16384.0, overflow=True) is True and logged["stability/skipped_steps"] == 1.0  # 3 > 2
+    assert step(scale=8192.0) is False and det.skip_streak == 0 and logged["train/skipped_steps"] == 3.0
+    assert step(scale=0.5) is True and logged["stability/loss_scale"] == 1.0 and logged["stability/healthy"] == 0.0
+    assert step(loss=math.nan, grad=math.nan, overflow=True) is True and logged["stability/nonfinite"] == 1.0
+    bf16 = DivergenceDetector(warmup_steps=0, nonfinite={"action": "skip"})
+    bf16.checkpointer, bf16.run_dir = None, None
+    assert bf16.check_step(trainer, SimpleNamespace(), {"loss": 2.0, "grad_norm": math.inf, "act_rms": 1.0}) is True
+    assert logged["stability/nonfinite"] == 1.0 and "train/loss_scale" not in {k for k in logged if k.startswith("stability")}
+
+
+def test_a_loss_far_above_its_start_is_a_signal_during_the_warmup():
+    """The spike statistics are not trusted in the warm-up, but a loss 1.5x the first step's is divergence."""
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(
+        global_step=3, is_global_zero=True, accumulate_grad_batches=1, log_every_n_steps=1, loggers=[],
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=3)),
+    )  # fmt: skip
+    det = DivergenceDetector(warmup_steps=100, loss_level={"ratio": 1.5, "action": "skip"})
+    det.checkpointer, det.run_dir = None, None
+    losses = [11.0, 10.5, 12.0, 15.0, 17.0]
+    dropped = [det.check_step(trainer, SimpleNamespace(), {"loss": x, "grad_norm": 1.0}) for x in losses]
+    assert dropped == [False, False, False, False, True] and det.first_loss == 11.0 and det.trouble_start == 3
+    again = DivergenceDetector()
+    again.load_state_dict(det.state_dict())
+    assert again.first_loss == 11.0
