@@ -22,7 +22,7 @@ from pathlib import Path
 from lmtrain import corrections, logbook
 from lmtrain.errors import InputError
 
-SERIES = ("train/loss", "val/loss", "train/lr")
+SERIES = ("train/loss", "val/loss", "train/lr", "train/loss_scale", "train/skipped_steps")  # the last two: fp16 runs
 
 
 def from_csv(run_dir: Path) -> dict[str, dict[int, float]] | None:
@@ -115,7 +115,7 @@ def write_plots(run_dir: Path, metrics: dict[str, dict[int, float]]) -> list[Pat
     out.mkdir(parents=True, exist_ok=True)
     events = markers(Path(run_dir))
     written = []
-    train, val, lr = (sorted(metrics.get(k, {}).items()) for k in SERIES)
+    train, val, lr = (sorted(metrics.get(k, {}).items()) for k in SERIES[:3])
 
     fig, ax = _figure(f"loss: {Path(run_dir).name}")
     if train:
@@ -134,6 +134,19 @@ def write_plots(run_dir: Path, metrics: dict[str, dict[int, float]]) -> list[Pat
     _mark(ax, events)
     _save(fig, ax, out / "lr.png", {"train/lr": len(lr), "markers": len(events)})
     written.append(out / "lr.png")
+
+    scale, skipped = (sorted(metrics.get(k, {}).items()) for k in ("train/loss_scale", "train/skipped_steps"))
+    if scale:  # fp16: the gradient scaler's story (OPT's logbook: a collapsing scale came before divergence)
+        fig, ax = _figure(f"fp16 loss scale: {Path(run_dir).name}")
+        ax.plot([s for s, _ in scale], [v for _, v in scale], color="tab:purple", linewidth=1.5, label="train/loss_scale")
+        ax.set_yscale("log", base=2)
+        ax.set_ylabel("loss scale")
+        twin = ax.twinx()
+        twin.plot([s for s, _ in skipped], [v for _, v in skipped], color="tab:red", linewidth=1, label="train/skipped_steps")
+        twin.set_ylabel("updates skipped by the scaler (total)")
+        _mark(ax, events)
+        _save(fig, ax, out / "loss_scale.png", {"train/loss_scale": len(scale), "train/skipped_steps": len(skipped), "markers": len(events)})
+        written.append(out / "loss_scale.png")
     return written
 
 
