@@ -49,16 +49,41 @@ class RecordLR(L.Callback):
 
 
 class OperatorAt(L.Callback):
-    """Act as an operator: run ``python -m lmtrain.control RUN_DIR lr --scale S`` (in-process) at step ``step``."""
+    """Act as an operator: run ``python -m lmtrain.control RUN_DIR lr --scale S`` (or ``--value V``) in-process when
+    step ``step`` is done, once per run directory (a replay after a rollback does not ask again)."""
 
-    def __init__(self, run_dir: str, step: int, scale: float) -> None:
-        self.run_dir, self.step, self.scale = run_dir, step, scale
+    def __init__(self, run_dir: str, step: int, scale: float | None = None, value: float | None = None) -> None:
+        self.run_dir, self.step, self.scale, self.value = run_dir, step, scale, value
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step and trainer.is_global_zero:
+        from pathlib import Path
+
+        marker = Path(self.run_dir) / ".operator-asked"
+        if trainer.global_step == self.step and trainer.is_global_zero and not marker.exists():
             from lmtrain.control import main
 
-            assert main([self.run_dir, "lr", "--scale", str(self.scale)]) == 0
+            marker.touch()
+            what = ["--scale", str(self.scale)] if self.scale is not None else ["--value", str(self.value)]
+            assert main([self.run_dir, "lr", *what]) == 0
+
+
+class RecordScale(L.Callback):
+    """Write, per rank, the fp16 gradient scaler's scale after every optimizer step to ``{path}.rank{R}.json``
+    (merged over the attempts of a run: a rollback's replay overwrites the steps it repeats)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.scales = path, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.scales[trainer.global_step] = trainer.precision_plugin.scaler.get_scale()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import json
+        from pathlib import Path
+
+        path = Path(f"{self.path}.rank{trainer.global_rank}.json")
+        earlier = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**earlier, **{str(k): v for k, v in self.scales.items()}}))
 
 
 class PendingStats(L.Callback):

@@ -72,3 +72,24 @@ def test_a_failure_on_one_rank_ends_every_rank(tmp_path, dataset_dir):
     again = run_train_cli(args, tmp_path)
     assert again.returncode == 0 and "resuming from" in again.stderr, again.stderr[-3000:]
     assert ck.newest(tmp_path / "runs" / "fail" / "checkpoints").step == 8
+
+
+@pytest.mark.distributed
+def test_closing_frees_every_gloo_group_before_the_interpreter_exits(tmp_path):
+    """The cause of a rare 'terminate called without an active exception' after a successful 2-rank run: gloo
+    groups outliving destroy_process_group (held by FSDP state cycles and by DeviceMeshes that DTensor's caches keep)
+    were torn down during the interpreter's finalization. train.py's _close_process_group leaves no gloo thread."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29531", str(ROOT / "tests" / "close_groups_probe.py")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = sorted(line for line in res.stdout.splitlines() if line.startswith("rank "))
+    assert len(lines) == 2, res.stdout
+    for line in lines:
+        before, after = (int(part.split("=")[1]) for part in line.split()[2:])
+        assert before > 0 and after == 0, line

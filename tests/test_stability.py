@@ -244,3 +244,31 @@ def test_a_loss_far_above_its_start_is_a_signal_during_the_warmup():
     again = DivergenceDetector()
     again.load_state_dict(det.state_dict())
     assert again.first_loss == 11.0
+
+
+@pytest.mark.slow
+def test_an_operators_absurd_learning_rate_is_rolled_back_and_revoked(tmp_path, dataset_dir):
+    """No fault group, bf16: a healthy run; when step 9 is done an operator sets the learning rate to 5.0
+    (`python -m lmtrain.control RUN lr --value 5.0`). The run diverges, the detector rolls back to the checkpoint
+    of step 8, which predates the correction, revokes it (the replay passes step 9 without it) and ends healthy."""
+    run = tmp_path / "run"
+    cfg = make_cfg(
+        TINY + STABLE + ["trainer.precision=bf16-mixed", "+callbacks.op._target_=tests.plugins.OperatorAt", f"+callbacks.op.run_dir={run}",
+                         "+callbacks.op.step=9", "+callbacks.op.value=5.0", "+callbacks.rec._target_=tests.plugins.RecordLR",
+                         f"+callbacks.rec.path={tmp_path / 'lr'}"],
+        tmp_path, dataset_dir,
+    )  # fmt: skip
+    train(cfg)  # returns: the run finished
+    entries = corrections.load(run)
+    assert [e["reason"] for e in entries] == ["operator", "rollback"] and entries[1]["revokes"] == [0]
+    assert entries[0]["from_step"] == 9 and entries[1]["from_step"] == 8 and corrections.in_force(entries) == [entries[1]]
+    kinds = _kinds(run)
+    assert kinds[:3] == ["start", "lr_correction", "divergence_signal"] and kinds[3] == "rollback" and kinds.count("rollback") == 1
+    rollback = next(e for e in logbook.read(run) if e["kind"] == "rollback")
+    assert "revoked operator x" in rollback["message"] and rollback["revoked"][0]["reason"] == "operator"
+    lrs = json.loads((tmp_path / "lr.rank0.json").read_text())  # the replay's learning rates (the last attempt's record)
+    assert max(float(v) for v in lrs.values()) < 0.01  # 5.0 never came back
+    rows = _rows(run)
+    assert sorted(rows) == list(range(16)) and all(math.isfinite(float(rows[s]["train/loss"])) for s in rows)
+    assert float(rows[15]["train/loss"]) < float(rows[0]["train/loss"])
+    assert ck.newest(run / "checkpoints").meta["health"]["healthy"]
