@@ -20,6 +20,9 @@ from lmtrain.errors import STOPPED_EXIT, InputError, RunStopped
 from lmtrain.run import train
 
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # lightning 2.6.6 on torch 2.13, harmless
+# fp16: when the gradient scaler skips an overflowing update, torch warns that the scheduler stepped before the optimizer;
+# the schedule is a function of the step count (lmtrain.optim), so nothing is skipped
+warnings.filterwarnings("ignore", message=r".*lr_scheduler.step\(\)` before `optimizer.step\(\)`.*")
 # val/loss is reduced over ranks by the module itself and logged from rank zero
 warnings.filterwarnings("ignore", message=r".*self.log\('val/.*sync_dist=True.*")
 
