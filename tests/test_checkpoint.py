@@ -13,6 +13,7 @@ from lmtrain import checkpoint as ck
 from lmtrain import logbook
 from lmtrain.checkpoint import CheckpointError
 from lmtrain.config import ConfigError
+from lmtrain.errors import RunStopped
 from lmtrain.run import train
 from tests.conftest import TINY, make_cfg, run_train_cli
 
@@ -235,9 +236,11 @@ def test_disk_guard_prunes_then_stops_cleanly_when_the_disk_fills(tmp_path, data
         TINY + CKPT + common + [f"callbacks.disk_guard.margin_gb={margin}", "trainer.max_steps=10", "callbacks.checkpoint.keep_every=2"],
         tmp_path / "s",
     )
-    train(cfg)
+    with pytest.raises(RunStopped, match="not enough disk space"):  # the run did not finish: exit status 3
+        train(cfg)
     run = tmp_path / "s" / "run"
     events = [e for e in logbook.read(run) if e["kind"] not in ("checkpoint", "end")]
-    assert events[-1]["kind"] == "disk_full" and "Stopping training" in events[-1]["message"]
+    assert events[-2]["kind"] == "disk_full" and "Stopping training" in events[-2]["message"]
+    assert events[-1]["kind"] == "stopped" and "not enough disk space" in events[-1]["message"]
     assert [c.step for c in ck.scan(run / "checkpoints")] == [2, 4]  # stopped at step 6, the last good one kept
     assert max(_losses(run)) == 5
