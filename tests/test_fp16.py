@@ -60,6 +60,9 @@ def test_overflowing_steps_are_skipped_counted_and_training_goes_on(tmp_path, da
     assert len(loss) == 16 and loss[-1] < loss[0] - 0.3 and all(math.isfinite(x) for x in loss)
     newest = ck.newest(run / "checkpoints")
     assert newest.step == 16 and newest.meta["health"]["healthy"] and newest.meta["health"]["skipped_steps"] == 4
+    from tests.test_report import read_png
+
+    assert read_png(run / "plots" / "loss_scale.png")[2] == {"train/loss_scale": 16, "train/skipped_steps": 16, "markers": 0}
 
 
 @pytest.mark.parametrize("action", ["skip", "rollback"])
