@@ -256,7 +256,10 @@ class DivergenceDetector(L.Callback):
         limit = self.signals["skipped_steps"]["max_consecutive"]
         if self.skip_streak > limit:
             fired.append(
-                ("skipped_steps", f"{self.skip_streak} updates in a row skipped by the fp16 gradient scaler (more than {limit}; scale {scale:g})")
+                (
+                    "skipped_steps",
+                    f"{self.skip_streak} updates in a row skipped by the fp16 gradient scaler (more than {limit}; scale {scale:g})",
+                )
             )
         return fired
 
