@@ -1,10 +1,12 @@
 """fp16 mixed precision with dynamic loss scaling, on GPUs and on CPU alike.
 
-Lightning's own ``16-mixed`` plugin has two gaps for a pretraining run (both measured, ../shared/FINDINGS.md):
+Lightning's own ``16-mixed`` plugin has two gaps for a pretraining run:
 
 * With a fused optimizer (our AdamW on CUDA) it leaves the gradients *scaled* until inside ``optimizer.step``,
   so the gradient norm that is clipped, logged and judged at ``on_before_optimizer_step`` is the scaled one
-  (``inf`` whenever the scaler is about to skip). Here the gradients are always unscaled first
+  (``inf`` whenever the scaler is about to skip), and a step whose gradients were all dropped before
+  ``scaler.step`` made ``scaler.update()`` fail ("No inf checks were recorded prior to update": the first overflow
+  of an fp16 run on an H100 ended in that traceback). Here the gradients are always unscaled first
   (``GradScaler.unscale_``, the documented way to clip with a scaler); the fused step is then told they are.
 * On CPU Lightning silently trains in bf16 instead, so no test ever ran the scaler. Here ``16-mixed`` means fp16
   autocast and a real ``torch.amp.GradScaler`` on every device: CI exercises the same code as an H100.
