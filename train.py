@@ -20,6 +20,7 @@ from lmtrain.errors import STOPPED_EXIT, InputError, RunStopped
 from lmtrain.run import train
 
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # lightning 2.6.6 on torch 2.13, harmless
+warnings.filterwarnings("ignore", message=".*'set_vital' is deprecated.*")  # torchdata 0.11 on torch 2.13, harmless, every run
 # fp16: when the gradient scaler skips an overflowing update, torch warns that the scheduler stepped before the optimizer;
 # the schedule is a function of the step count (lmtrain.optim), so nothing is skipped
 warnings.filterwarnings("ignore", message=r".*lr_scheduler.step\(\)` before `optimizer.step\(\)`.*")

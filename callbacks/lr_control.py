@@ -40,6 +40,7 @@ class LRControl(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         # rank zero's reading, so that every rank applies the same corrections even while the file is being written
         self.entries = trainer.strategy.broadcast(corrections.load(self.run_dir) if trainer.is_global_zero else None, src=0)
+        self._log_schedule_changes(trainer)
         if self.scale is not None and corrections.config_scale(self.entries) != self.scale:
             entry = {"from_step": trainer.global_step, "scale": self.scale, "reason": "config"}
             if trainer.is_global_zero:
@@ -51,6 +52,16 @@ class LRControl(L.Callback):
                     step=trainer.global_step,
                 )
             self.entries.append(entry)
+
+    def _log_schedule_changes(self, trainer) -> None:
+        """A resume follows the composed config's schedule (lmtrain.optim.ConfiguredLR): say what changed."""
+        for cfg in trainer.lr_scheduler_configs or []:
+            changes = getattr(cfg.scheduler, "changes", None)
+            if changes and trainer.is_global_zero:
+                what = ", ".join(f"{k} {old:g} -> {new:g}" if isinstance(old, float) else f"{k} {old} -> {new}" for k, (old, new) in changes.items())
+                message = f"schedule: {what} at step {trainer.global_step} (the config's schedule from here on)"
+                logbook.append(self.run_dir, "schedule_change", message, step=trainer.global_step, changes=changes)
+                print(f"[lmtrain] {message}", file=sys.stderr)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step

@@ -223,6 +223,12 @@ def _build(files, tmp: Path, settings: dict, fp: str, workers: int, shard_tokens
             raise PrepareError(str(exc)) from None
         save_ranks(ranks, tmp / TOKENIZER_FILE)
         enc = encoding_from_ranks(ranks, name=f"bpe{vocab}")
+        if enc.n_vocab < vocab:
+            print(
+                f"note: --tokenizer {spec} trained {enc.n_vocab:,} tokens, fewer than the {vocab:,} asked: the corpus "
+                f"has no more merges to learn. The model needs model.vocab_size >= {enc.n_vocab}.",
+                file=sys.stderr,
+            )
         tok_ref, tok_base = TOKENIZER_FILE, str(tmp)
     else:
         enc = load_tokenizer(spec)

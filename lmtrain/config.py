@@ -19,6 +19,11 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lmtrain.errors import InputError
 
+# The root config's keys (conf/train.yaml and its groups); anything else at the top is a typo (`+run_nam=x`).
+TOP_LEVEL = {
+    "run_name", "run_dir", "seed", "ckpt_path", "resume", "overwrite", "global_batch_size", "grad_scaler", "paths", "module",
+    "model", "optimizer", "scheduler", "data", "strategy", "trainer", "callbacks", "logger", "experiment", "debug", "fault", "hydra",
+}  # fmt: skip
 PRECISIONS = ("32-true", "32", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "transformer-engine")
 
 
@@ -146,6 +151,12 @@ def _strategy_problems(cfg: DictConfig) -> list[str]:
 def validate_config(cfg: DictConfig) -> None:
     """Raise ConfigError for the first problem in ``cfg`` (all problems are listed)."""
     problems: list[str] = []
+    for key in sorted(OmegaConf.missing_keys(cfg)):
+        hint = " (a dataset made by python -m data.prepare)" if key == "data.path" else ""
+        problems.append(f"{key} is required and has no default: give {key}=...{hint}")
+    for key in cfg.keys():
+        if key not in TOP_LEVEL:
+            problems.append(f"unknown top-level key '{key}'{_suggest(str(key), TOP_LEVEL)}; allowed: {sorted(TOP_LEVEL - {'hydra'})}")
 
     # unknown keys: every instantiable node's keys must be its target's constructor arguments
     for path, node in _nodes(cfg):
@@ -225,7 +236,10 @@ def validate_config(cfg: DictConfig) -> None:
         if not isinstance(sched.total_steps, int) or sched.total_steps <= 0:
             problems.append(f"scheduler.total_steps={sched.total_steps!r} must be a positive integer")
         elif not isinstance(sched.warmup_steps, int) or not 0 <= sched.warmup_steps <= sched.total_steps:
-            problems.append(f"scheduler.warmup_steps={sched.warmup_steps!r} must be in 0..scheduler.total_steps={sched.total_steps}")
+            problems.append(
+                f"scheduler.warmup_steps={sched.warmup_steps!r} must be in 0..scheduler.total_steps={sched.total_steps} "
+                f"(for a short run, lower it: scheduler.warmup_steps={max(0, int(sched.total_steps) // 10)})"
+            )
         if not 0.0 <= float(sched.get("min_lr_ratio", 0.0)) <= 1.0:
             problems.append(f"scheduler.min_lr_ratio={sched.min_lr_ratio} must be in [0, 1]")
 
@@ -244,6 +258,20 @@ def validate_config(cfg: DictConfig) -> None:
 
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def check_machine(cfg: DictConfig) -> None:
+    """What this machine must have for the config to run here (not part of validate_config: a plan for a GPU cluster
+    is validated on a laptop). Checked before any data is prepared or model built."""
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    if accelerator in ("gpu", "cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"trainer.accelerator={accelerator} but this machine has no usable GPU (torch.cuda.is_available() is false): "
+                "use trainer=default (CPU), or run on a GPU machine"
+            )
 
 
 def apply_global_batch_size(cfg: DictConfig) -> None:

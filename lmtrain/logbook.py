@@ -50,11 +50,15 @@ def read(run_dir: str | Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m lmtrain.logbook RUN_DIR", file=sys.stderr)
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m lmtrain.logbook", description="Print a run's logbook (RUN_DIR/logbook.jsonl) as a timeline.")
+    p.add_argument("run_dir", help="the run directory, e.g. runs/my-run")
+    args = p.parse_args(argv)
+    if not (Path(args.run_dir) / FILE).is_file():
+        print(f"error: {args.run_dir} has no logbook ({FILE}): not a run directory, or a run that never started", file=sys.stderr)
         return 2
-    for e in read(args[0]):
+    for e in read(args.run_dir):
         extra = {k: v for k, v in e.items() if k not in ("time", "kind", "message")}
         print(f"{e['time']}  {e['kind']:<20} {e['message']}" + (f"  {extra}" if extra else ""))
     return 0

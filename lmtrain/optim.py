@@ -62,8 +62,42 @@ class WarmupDecay:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
 
 
+class ConfiguredLR(LambdaLR):
+    """``LambdaLR`` whose schedule is the one it was built with, also after ``load_state_dict``.
+
+    ``LambdaLR.load_state_dict`` restores a callable schedule's fields and the peak learning rates from the
+    checkpoint, so a run resumed with a new ``trainer.max_steps`` or ``optimizer.lr`` silently kept the old schedule.
+    Here a resume restores the position (steps taken) only; the schedule and the peak rates stay this run's (the
+    composed config is the truth), the current rate is recomputed from them, and what differed from the
+    checkpoint's is kept in :attr:`changes` (``{name: (saved, now)}``) for the run's logbook.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: Callable[[int], float]) -> None:
+        super().__init__(optimizer, schedule)
+        self.changes: dict[str, tuple] = {}
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.pop("changes", None)
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = {k: v for k, v in state_dict.items() if k not in ("lr_lambdas", "changes")}
+        schedule, peaks = dict(vars(self.lr_lambdas[0])), list(self.base_lrs)
+        old_schedule = (state_dict.get("lr_lambdas") or [None])[0] or {}
+        self.__dict__.update(saved)  # position: last_epoch, _step_count, ...
+        self.base_lrs = peaks
+        self.changes = {k: (old_schedule[k], v) for k, v in schedule.items() if k in old_schedule and old_schedule[k] != v}
+        old_peaks = saved.get("base_lrs", peaks)
+        if list(old_peaks) != peaks:
+            self.changes["peak lr"] = (old_peaks[0], peaks[0])
+        self._last_lr = [base * self.lr_lambdas[0](self.last_epoch) for base in self.base_lrs]
+        for group, lr, base in zip(self.optimizer.param_groups, self._last_lr, self.base_lrs):
+            group["lr"], group["initial_lr"] = lr, base  # the optimizer's restored groups carried the saved ones
+
+
 def warmup_decay(
     optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, decay: str = "cosine", min_lr_ratio: float = 0.1
 ) -> LambdaLR:
-    """The scheduler of ``conf/scheduler/*.yaml`` (stepped once per optimizer step)."""
-    return LambdaLR(optimizer, WarmupDecay(warmup_steps, total_steps, decay, min_lr_ratio))
+    """The scheduler of ``conf/scheduler/*.yaml`` (stepped once per optimizer step); a resume keeps this schedule."""
+    return ConfiguredLR(optimizer, WarmupDecay(warmup_steps, total_steps, decay, min_lr_ratio))

@@ -18,11 +18,13 @@ from callbacks.checkpoint import Checkpointer
 from lmtrain import checkpoint as ck
 from lmtrain import corrections, logbook
 from lmtrain.checkpoint import CheckpointError, check_compatible, config_hash
-from lmtrain.config import ConfigError, apply_global_batch_size, validate_config, validate_data
+from lmtrain.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data
 from lmtrain.errors import InputError, RunStopped
 from lmtrain.precision import build as build_precision
 
 log = logging.getLogger("lmtrain")
+# Lightning 2.6 advertises a cloud logger on every run without its own ("💡 Tip: ... litlogger"): not ours to print.
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: "litlogger" not in record.getMessage())
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -148,6 +150,7 @@ def _attempt(cfg: DictConfig, rollback: dict | None):
     import lightning as L
 
     validate_config(cfg)
+    check_machine(cfg)
     apply_global_batch_size(cfg)
     run_dir = Path(cfg.run_dir)
     try:
@@ -177,7 +180,15 @@ def _attempt(cfg: DictConfig, rollback: dict | None):
     identity = model_identity(shape, cfg)
     del shape
     if resume is not None:
-        check_compatible(resume_identity(resume), identity, f"checkpoint {resume.path}")
+        try:
+            check_compatible(resume_identity(resume), identity, f"checkpoint {resume.path}")
+        except CheckpointError as exc:
+            if cfg.get("ckpt_path"):
+                raise
+            raise CheckpointError(
+                f"{exc}\nrun '{cfg.run_name}' continues from its newest checkpoint; to train this config instead, choose another "
+                f"run_name=..., or pass resume=false overwrite=true to delete run '{cfg.run_name}''s checkpoints"
+            ) from None
         print(f"[lmtrain] resuming from {resume.path} (step {resume.step})", file=sys.stderr)
         if resume.meta.get("mlflow_run_id") and (cfg.get("logger") or {}).get("mlflow"):
             with open_dict(cfg):
@@ -196,13 +207,14 @@ def _attempt(cfg: DictConfig, rollback: dict | None):
     checkpointer = next((c for c in callbacks if isinstance(c, Checkpointer)), None)
     extra = {"enable_checkpointing": True} if checkpointer is not None else {}  # ours replaces Lightning's ModelCheckpoint
     precision, plugins = build_precision(cfg.trainer.precision, str(cfg.trainer.accelerator), instantiate(cfg.grad_scaler) if cfg.get("grad_scaler") else None)
-    trainer: L.Trainer = instantiate(
-        cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy, precision=precision, plugins=plugins, **extra
-    )
+    if plugins:  # ours (fp16) beside the user's own trainer.plugins
+        extra.update(precision=precision, plugins=[*(instantiate(p) for p in cfg.trainer.get("plugins") or []), *plugins])
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy, **extra)
 
     if trainer.is_global_zero:
         try:
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            (run_dir / "overrides.yaml").write_text(OmegaConf.to_yaml(_overrides()))
         except OSError as exc:
             raise InputError(f"cannot write {run_dir / 'config.yaml'}: {exc.strerror or exc} (disk full?)") from exc
     _log_config(trainer, cfg, run_dir)
@@ -244,6 +256,13 @@ def _attempt(cfg: DictConfig, rollback: dict | None):
     if getattr(module, "last_train_loss", None) is not None:
         metrics["train/loss"] = module.last_train_loss  # read from the step statistics, not self.log (lmtrain.module)
     return metrics, detector, stopped
+
+
+def _overrides() -> list[str]:
+    """The command line's overrides of this attempt (empty outside a Hydra app, e.g. in tests that compose)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def _checkpoint_root(cfg: DictConfig) -> Path | None:

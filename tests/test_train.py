@@ -28,6 +28,7 @@ def test_cli_fast_dev_run_on_the_embedded_corpus(tmp_path):
     assert (tmp_path / "data" / "python-stdlib" / "manifest.json").is_file()
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert (run_dir / "config.yaml").is_file()
+    assert "litlogger" not in res.stderr and "set_vital" not in res.stderr  # third-party noise kept off the console
 
 
 def test_cli_config_error_exits_2_with_one_message(tmp_path):

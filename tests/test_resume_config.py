@@ -1,0 +1,62 @@
+"""A resume follows the composed config: what it changes is applied and written in the logbook (issue 16)."""
+
+from __future__ import annotations
+
+import math
+
+from lmtrain import logbook
+from lmtrain.logs import by_step
+from lmtrain.optim import WarmupDecay
+from lmtrain.run import train
+from tests.conftest import TINY, make_cfg
+
+BASE = TINY + [
+    "callbacks=default", "trainer.enable_progress_bar=false", "callbacks.disk_guard.margin_gb=0", "logger=csv",
+    "scheduler.warmup_steps=2", "trainer.val_check_interval=100", "callbacks.checkpoint.every_n_steps=10",
+]  # fmt: skip
+
+
+def test_a_resume_follows_the_configs_schedule_and_says_what_changed(tmp_path, dataset_dir):
+    """Started for a 100-step schedule, stopped at step 10, re-run with trainer.max_steps=20 (so total_steps=20) and a
+    new peak learning rate: from step 10 on the rate is the 20-step schedule of the new peak (LambdaLR alone kept the
+    old one), and the logbook says so."""
+    first = make_cfg(BASE + ["trainer.max_steps=10", "scheduler.total_steps=100"], tmp_path, dataset_dir)
+    train(first)
+    second = make_cfg(BASE + ["trainer.max_steps=20", "optimizer.lr=2e-3"], tmp_path, dataset_dir)
+    train(second)
+    run = tmp_path / "run"
+    lr = {s: float(r["train/lr"]) for s, r in by_step(run).items() if "train/lr" in r}
+    old, new = WarmupDecay(2, 100), WarmupDecay(2, 20)
+    for s in range(10):
+        assert math.isclose(lr[s], float(first.optimizer.lr) * old(s), rel_tol=1e-6), s
+    for s in range(10, 20):
+        assert math.isclose(lr[s], 2e-3 * new(s), rel_tol=1e-6), s
+    (entry,) = [e for e in logbook.read(run) if e["kind"] == "schedule_change"]
+    assert "total_steps 100 -> 20" in entry["message"] and "peak lr" in entry["message"] and entry["step"] == 10
+
+
+def test_an_unchanged_resume_logs_no_schedule_change(tmp_path, dataset_dir):
+    train(make_cfg(BASE + ["trainer.max_steps=10", "scheduler.total_steps=20"], tmp_path, dataset_dir))
+    train(make_cfg(BASE + ["trainer.max_steps=20"], tmp_path, dataset_dir))
+    assert [e["kind"] for e in logbook.read(tmp_path / "run") if e["kind"] in ("resume", "schedule_change")] == ["resume"]
+
+
+def test_a_refused_attempt_leaves_the_run_directory_as_it_was(tmp_path, dataset_dir):
+    """Re-running run_name=mine with another model is refused before anything of the run changes, naming the two
+    ways out; the run's files are byte-for-byte what they were."""
+    from tests.conftest import run_train_cli
+
+    args = [a for a in TINY if not a.startswith("model=")] + [
+        f"paths.runs={tmp_path / 'runs'}", "run_name=mine", f"data.path={dataset_dir}", "data.prepare=null", "callbacks=checkpoint",
+        "callbacks.disk_guard.margin_gb=0", "trainer.max_steps=2", "callbacks.checkpoint.every_n_steps=2",
+    ]  # fmt: skip
+    first = run_train_cli(args + ["model=tiny"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = tmp_path / "runs" / "mine"
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert (run / "overrides.yaml").is_file() and not (run / ".hydra").exists()
+    again = run_train_cli(args + ["model=tiny-llama"], tmp_path)
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert "choose another run_name=..., or pass resume=false overwrite=true" in again.stderr
+    after = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert after == before

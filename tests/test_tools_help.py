@@ -1,0 +1,85 @@
+"""Every entry point answers --help, and a wrong run directory is one error line (issue 16, items 4 and 7)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from lmtrain.config import validate_config
+from tests.conftest import ROOT, TINY, make_cfg, run_train_cli
+
+
+def _run(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def test_tools_answer_help_and_name_a_missing_run(tmp_path):
+    plan = _run("-m", "lmtrain.plan", "--help")
+    assert plan.returncode == 0 and "cluster.gpus" in plan.stdout, plan.stderr[-2000:]
+    book = _run("-m", "lmtrain.logbook", "--help")
+    assert book.returncode == 0 and "usage: python -m lmtrain.logbook" in book.stdout
+    nope = _run("-m", "lmtrain.logbook", str(tmp_path / "nope"))
+    assert nope.returncode == 2 and nope.stderr.strip().startswith("error:") and "has no logbook" in nope.stderr
+
+
+def test_train_help_describes_the_groups_and_hides_the_fault_drills(tmp_path):
+    res = _run(str(ROOT / "train.py"), "--help", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    import re
+
+    assert "model       mini" in res.stdout and "Exit status" in res.stdout and not re.search(r"\bfault\b", res.stdout)
+
+
+@pytest.mark.parametrize("option", sorted(p.stem for p in (ROOT / "conf" / "debug").glob("*.yaml")))
+def test_every_debug_option_is_valid_and_runs(tmp_path, dataset_dir, option):
+    """Each shipped debug option passes validation as it is, and runs through train.py on a prepared dataset."""
+    validate_config(make_cfg([f"debug={option}"], tmp_path))
+    args = [f"debug={option}", "logger=none", "trainer.enable_progress_bar=false", f"paths.runs={tmp_path / 'runs'}",
+            f"data.path={dataset_dir}", "data.prepare=null", "model.vocab_size=1024", *([] if option == "cpu-small" else
+            [a for a in TINY if a.startswith(("model=", "data.", "trainer.accelerator"))])]  # fmt: skip
+    res = run_train_cli(args, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_a_bpe_smaller_than_asked_is_said(corpus_jsonl, tmp_path, capsys):
+    from data.prepare import prepare
+
+    manifest = prepare([corpus_jsonl], tmp_path / "ds", tokenizer="bpe:60000", val_fraction=0.1, workers=1, progress=False)
+    assert manifest["vocab_size"] < 60000
+    assert f"trained {manifest['vocab_size']:,} tokens, fewer than the 60,000 asked" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data=prepared"], "data.path is required and has no default: give data.path=... (a dataset made by python -m data.prepare)"),
+        (["+run_nam=foo"], "unknown top-level key 'run_nam' (did you mean 'run_name'?)"),
+        (["trainer=gpu"], "trainer.accelerator=gpu but this machine has no usable GPU"),
+    ],
+)
+def test_what_used_to_escape_is_one_line_exit_2(tmp_path, overrides, message):
+    """A missing mandatory key (was a 25-line MissingMandatoryValue traceback), a typo'd new top-level key (was
+    accepted silently), a GPU trainer without a GPU (failed only after the model was built)."""
+    import torch
+
+    if overrides == ["trainer=gpu"] and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    res = run_train_cli([*overrides, f"paths.runs={tmp_path / 'runs'}", "logger=none"], tmp_path)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert message in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
+
+
+def test_without_a_terminal_progress_is_a_line_every_n_steps(tmp_path, dataset_dir):
+    """stderr to a pipe, as in a SLURM log: plain lines every callbacks.progress_bar.line_every_n_steps steps, and no
+    carriage-return redraws."""
+    args = [a for a in TINY if a not in ("callbacks=none", "trainer.enable_progress_bar=false")] + [
+        "callbacks=progress_bar", "callbacks.progress_bar.line_every_n_steps=2", f"paths.runs={tmp_path / 'runs'}",
+        f"data.path={dataset_dir}", "data.prepare=null",
+    ]  # fmt: skip
+    res = run_train_cli(args, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [line for line in res.stderr.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2/4", "4/4"] and "loss" in lines[0] and "lr" in lines[0], lines
+    assert "\r" not in res.stderr
