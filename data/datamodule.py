@@ -21,9 +21,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from data.prepare import PrepareError, prepare, read_manifest
+from data.prepare import CHECKSUM, PrepareError, prepare, read_manifest, shard_checksum
 from lmtrain.errors import InputError
 from lmtrain.tokenizer import load_tokenizer, tokenizer_identity
+
+
+VERIFY_ON_OPEN_BYTES = 1 << 30  # a split this small has its shard checksums checked when opened; larger: --verify
 
 
 class PackedBlocks(Dataset):
@@ -40,12 +43,19 @@ class PackedBlocks(Dataset):
         sizes = [s["num_tokens"] for s in self.shards]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # start of each shard
         self.num_tokens = int(self.offsets[-1])
+        self.vocab_size = int(manifest["vocab_size"])
+        small = self.num_tokens * self.dtype.itemsize <= VERIFY_ON_OPEN_BYTES  # checksums too: about a second
         for s in self.shards:
             f = self.directory / s["path"]
             expected = s["num_tokens"] * self.dtype.itemsize
             if not f.is_file() or f.stat().st_size != expected:
                 got = f.stat().st_size if f.is_file() else "missing"
                 raise PrepareError(f"dataset shard {f} is damaged: expected {expected} bytes, found {got}")
+            if small and CHECKSUM in s and shard_checksum(f) != s[CHECKSUM]:
+                raise PrepareError(
+                    f"dataset shard {f} is damaged: its checksum does not match the manifest (the file changed after it was "
+                    f"prepared); prepare the dataset again (python -m data.prepare --force ...)"
+                )
         self._maps: list[np.memmap] | None = None  # opened lazily, once per process
 
     def __len__(self) -> int:
@@ -67,8 +77,20 @@ class PackedBlocks(Dataset):
         return out
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        block = torch.from_numpy(self._read(i * self.seq_len, self.seq_len + 1))
+        ids = self._read(i * self.seq_len, self.seq_len + 1)
+        if ids.max(initial=0) >= self.vocab_size:  # a damaged shard: on a GPU the embedding would die in a device assert
+            raise PrepareError(self._bad_id(i * self.seq_len, ids))
+        block = torch.from_numpy(ids)
         return block[:-1], block[1:]  # (T,), (T,)
+
+    def _bad_id(self, start: int, ids: np.ndarray) -> str:
+        pos = start + int(np.argmax(ids >= self.vocab_size))
+        shard = int(np.searchsorted(self.offsets, pos, side="right") - 1)
+        return (
+            f"dataset shard {self.directory / self.shards[shard]['path']} is damaged: token id {int(ids[pos - start])} at token "
+            f"{pos - int(self.offsets[shard])} of the shard is not below the vocabulary ({self.vocab_size}); check it with "
+            f"python -m data.prepare --verify {self.directory}"
+        )
 
     def __getstate__(self) -> dict:  # never pickle open memmaps into loader workers
         state = self.__dict__.copy()
