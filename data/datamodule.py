@@ -25,7 +25,6 @@ from data.prepare import CHECKSUM, PrepareError, prepare, read_manifest, shard_c
 from lmtrain.errors import InputError
 from lmtrain.tokenizer import load_tokenizer, tokenizer_identity
 
-
 VERIFY_ON_OPEN_BYTES = 1 << 30  # a split this small has its shard checksums checked when opened; larger: --verify
 
 

@@ -160,7 +160,7 @@ def verify(directory: str | Path) -> list[str]:
     manifest = read_manifest(directory)
     dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
     problems = []
-    for split, info in manifest["splits"].items():
+    for info in manifest["splits"].values():
         for shard in info["shards"]:
             f = directory / shard["path"]
             expected = shard["num_tokens"] * dtype.itemsize
