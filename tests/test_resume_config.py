@@ -35,12 +35,6 @@ def test_a_resume_follows_the_configs_schedule_and_says_what_changed(tmp_path, d
     assert "total_steps 100 -> 20" in entry["message"] and "peak lr" in entry["message"] and entry["step"] == 10
 
 
-def test_an_unchanged_resume_logs_no_schedule_change(tmp_path, dataset_dir):
-    train(make_cfg(BASE + ["trainer.max_steps=10", "scheduler.total_steps=20"], tmp_path, dataset_dir))
-    train(make_cfg(BASE + ["trainer.max_steps=20"], tmp_path, dataset_dir))
-    assert [e["kind"] for e in logbook.read(tmp_path / "run") if e["kind"] in ("resume", "schedule_change")] == ["resume"]
-
-
 def test_a_refused_attempt_leaves_the_run_directory_as_it_was(tmp_path, dataset_dir):
     """Re-running run_name=mine with another model is refused before anything of the run changes, naming the two
     ways out; the run's files are byte-for-byte what they were."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -27,18 +28,17 @@ def test_tools_answer_help_and_name_a_missing_run(tmp_path):
 def test_train_help_describes_the_groups_and_hides_the_fault_drills(tmp_path):
     res = _run(str(ROOT / "train.py"), "--help", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
-    import re
-
     assert "model       mini" in res.stdout and "Exit status" in res.stdout and not re.search(r"\bfault\b", res.stdout)
 
 
 @pytest.mark.parametrize("option", sorted(p.stem for p in (ROOT / "conf" / "debug").glob("*.yaml")))
 def test_every_debug_option_is_valid_and_runs(tmp_path, dataset_dir, option):
-    """Each shipped debug option passes validation as it is, and runs through train.py on a prepared dataset."""
+    """Each shipped debug option passes validation as it is, and runs (debug=fdr through train.py: test_train.py)."""
     validate_config(make_cfg([f"debug={option}"], tmp_path))
+    if option == "fdr":
+        return
     args = [f"debug={option}", "logger=none", "trainer.enable_progress_bar=false", f"paths.runs={tmp_path / 'runs'}",
-            f"data.path={dataset_dir}", "data.prepare=null", "model.vocab_size=1024", *([] if option == "cpu-small" else
-            [a for a in TINY if a.startswith(("model=", "data.", "trainer.accelerator"))])]  # fmt: skip
+            f"data.path={dataset_dir}", "data.prepare=null", "model.vocab_size=1024"]  # fmt: skip
     res = run_train_cli(args, tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
 
@@ -59,16 +59,20 @@ def test_a_bpe_smaller_than_asked_is_said(corpus_jsonl, tmp_path, capsys):
         (["trainer=gpu"], "trainer.accelerator=gpu but this machine has no usable GPU"),
     ],
 )
-def test_what_used_to_escape_is_one_line_exit_2(tmp_path, overrides, message):
+def test_what_used_to_escape_is_one_config_error(tmp_path, overrides, message):
     """A missing mandatory key (was a 25-line MissingMandatoryValue traceback), a typo'd new top-level key (was
-    accepted silently), a GPU trainer without a GPU (failed only after the model was built)."""
+    accepted silently), a GPU trainer without a GPU (failed only after the model was built): a ConfigError before any
+    work, which train.py prints as one line with exit status 2 (tests/test_train.py)."""
     import torch
+
+    from lmtrain.config import ConfigError
+    from lmtrain.run import train
 
     if overrides == ["trainer=gpu"] and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    res = run_train_cli([*overrides, f"paths.runs={tmp_path / 'runs'}", "logger=none"], tmp_path)
-    assert res.returncode == 2, res.stderr[-3000:]
-    assert message in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        train(make_cfg([*overrides, "logger=none"], tmp_path))
+    assert not (tmp_path / "data").exists()  # nothing prepared
 
 
 def test_without_a_terminal_progress_is_a_line_every_n_steps(tmp_path, dataset_dir):
