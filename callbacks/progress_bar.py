@@ -50,7 +50,7 @@ class ProgressBar(TQDMProgressBar):
         out = {}
         for key, value in metrics.items():
             name = self.SHORT.get(key, key)
-            if name == "loss" and isinstance(value, float):
+            if name in ("loss", "val_loss") and isinstance(value, float):
                 value = f"{value:.3f}"
             elif name == "lr" and isinstance(value, float):
                 value = f"{value:.2e}"

@@ -86,4 +86,4 @@ def test_without_a_terminal_progress_is_a_line_every_n_steps(tmp_path, dataset_d
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [line for line in res.stderr.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["2/4", "4/4"] and "loss" in lines[0] and "lr" in lines[0], lines
-    assert "\r" not in res.stderr
+    assert "\r" not in res.stderr and re.search(r"val_loss \d+\.\d{3}  ", lines[-1]), lines  # the validation loss, rounded
