@@ -1,5 +1,6 @@
 """Run under torchrun by tests/test_distributed.py: FSDP2 on a gloo mesh, one training step, then train.py's
-``_close_process_group``; prints the threads left before and after (gloo's are named pt_gloo_runloop)."""
+``_close_process_group``; writes the count of gloo threads (named pt_gloo_runloop) before and after to
+``rank<N>.txt`` in the working directory: one file per rank, as two ranks' prints into one pipe can interleave."""
 
 import os
 import sys
@@ -29,4 +30,4 @@ torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # a DTensor op: fills D
 before = threads()
 del model, layer, mesh  # as when a run returns: nothing of the training is referenced any more
 _close_process_group()
-print(f"rank {os.environ['RANK']} before={before.count('pt_gloo_runloop')} after={threads().count('pt_gloo_runloop')}", flush=True)
+Path(f"rank{os.environ['RANK']}.txt").write_text(f"before={before.count('pt_gloo_runloop')} after={threads().count('pt_gloo_runloop')}")
