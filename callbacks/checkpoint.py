@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from lightning.pytorch.callbacks import Checkpoint
 
 from lmtrain import checkpoint as ck
 from lmtrain.checkpoint import CheckpointError
+from lmtrain.console import log
 
 
 def _rng_state() -> dict:
@@ -372,7 +372,7 @@ class Checkpointer(Checkpoint):
         for guard in (c for c in trainer.callbacks if hasattr(c, "after_save")):
             guard.after_save(trainer, self, final, size)
         if deleted:
-            print(f"[lmtrain] retention removed {', '.join(p.name for p in deleted)}", file=sys.stderr)
+            log.info(f"retention removed {', '.join(p.name for p in deleted)}")
         from lmtrain.logbook import append
 
         removed = f"; retention removed {', '.join(p.name for p in deleted)}" if deleted else ""
@@ -420,10 +420,10 @@ def alert(checkpointer: Checkpointer, kind: str, message: str) -> None:
     """Loud: stderr at once, the run logbook, and an MLflow tag on the run (when there is one)."""
     from lmtrain.logbook import append
 
-    print(f"[lmtrain] ALERT: {message}", file=sys.stderr, flush=True)
+    log.info(f"ALERT: {message}")
     append(checkpointer.root.parent, kind, message)
     for hook in getattr(checkpointer, "alert_hooks", ()):
         try:
             hook(kind, message)
         except Exception as exc:  # noqa: BLE001 - an alert channel failing must not hide the alert
-            print(f"[lmtrain] could not send the alert to {hook}: {exc}", file=sys.stderr)
+            log.info(f"could not send the alert to {hook}: {exc}")

@@ -34,12 +34,12 @@ A ``stop``, or a rollback that cannot happen, ends the run with :class:`lmtrain.
 from __future__ import annotations
 
 import math
-import sys
 
 import lightning as L
 
 from lmtrain import checkpoint as ck
 from lmtrain import corrections, logbook
+from lmtrain.console import log
 from lmtrain.errors import InputError
 from lmtrain.logs import log_direct
 
@@ -337,11 +337,11 @@ class DivergenceDetector(L.Callback):
         return True
 
     def _event(self, trainer, kind: str, message: str, **fields) -> None:
-        print(f"[lmtrain] {kind}: {message}", file=sys.stderr, flush=True)
+        log.info(f"{kind}: {message}")
         if trainer.is_global_zero and self.run_dir is not None:
             logbook.append(self.run_dir, kind, message, **fields)
             for hook in getattr(self.checkpointer, "alert_hooks", ()):
                 try:
                     hook(kind, message)
                 except Exception as exc:  # noqa: BLE001
-                    print(f"[lmtrain] could not send {kind} to {hook}: {exc}", file=sys.stderr)
+                    log.info(f"could not send {kind} to {hook}: {exc}")

@@ -22,12 +22,12 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import sys
 from pathlib import Path
 
 import lightning as L
 import torch
 
+from lmtrain.console import log
 from lmtrain.errors import InputError
 
 KINDS = ("crash", "crash_mid_save", "enospc", "truncate", "loss_spike", "nan_loss", "act_growth", "grad_overflow")
@@ -74,7 +74,7 @@ class FaultInjector(L.Callback):
         return True
 
     def _kill(self, what: str) -> None:
-        print(f"[lmtrain] FAULT: killing the process ({what})", file=sys.stderr, flush=True)
+        log.info(f"FAULT: killing the process ({what})")
         os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -83,20 +83,20 @@ class FaultInjector(L.Callback):
             self._kill(f"crash at step {step}")
         if self.kind in ("loss_spike", "nan_loss") and step == self.step and self._arm():
             pl_module.loss_fault = self.factor if self.kind == "loss_spike" else float("nan")
-            print(f"[lmtrain] FAULT: {self.kind} at step {step} on rank {trainer.global_rank}", file=sys.stderr, flush=True)
+            log.info(f"FAULT: {self.kind} at step {step} on rank {trainer.global_rank}")
         if self.kind == "act_growth" and step == self.step and self._growth_from is None and self._arm():
             self._growth_from = step
             pl_module.model.norm.register_forward_pre_hook(
                 lambda module, args: (args[0] * self.factor ** (trainer.global_step - self._growth_from + 1),), prepend=True
             )
-            print(f"[lmtrain] FAULT: activations growing x{self.factor} per step from step {step}", file=sys.stderr, flush=True)
+            log.info(f"FAULT: activations growing x{self.factor} per step from step {step}")
 
         if self.kind == "grad_overflow" and step == self.step and self._arm():
             end = step + self.count
             pl_module.model.norm.register_forward_pre_hook(
                 lambda module, args: (_ScaleGrad.apply(args[0], self.factor),) if trainer.global_step < end and module.training else None
             )
-            print(f"[lmtrain] FAULT: gradients x{self.factor:g} in steps {step}..{end - 1}", file=sys.stderr, flush=True)
+            log.info(f"FAULT: gradients x{self.factor:g} in steps {step}..{end - 1}")
 
     def at_checkpoint(self, point: str, step: int, path: Path) -> None:
         if step < self.step:
@@ -109,4 +109,4 @@ class FaultInjector(L.Callback):
             files = [p for p in path.rglob("*") if p.is_file() and p.name != "meta.json"]
             victim = max(files, key=lambda p: p.stat().st_size)
             os.truncate(victim, victim.stat().st_size // 2)
-            print(f"[lmtrain] FAULT: truncated {victim}", file=sys.stderr, flush=True)
+            log.info(f"FAULT: truncated {victim}")

@@ -10,12 +10,12 @@ followed (OPT's "empirical LR schedule"); the ``report`` callback plots it, corr
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import lightning as L
 
 from lmtrain import corrections, logbook
+from lmtrain.console import log
 from lmtrain.errors import InputError
 
 REQUESTS = "control"
@@ -61,7 +61,7 @@ class LRControl(L.Callback):
                 what = ", ".join(f"{k} {old:g} -> {new:g}" if isinstance(old, float) else f"{k} {old} -> {new}" for k, (old, new) in changes.items())
                 message = f"schedule: {what} at step {trainer.global_step} (the config's schedule from here on)"
                 logbook.append(self.run_dir, "schedule_change", message, step=trainer.global_step, changes=changes)
-                print(f"[lmtrain] {message}", file=sys.stderr)
+                log.info(f"{message}")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -88,7 +88,7 @@ class LRControl(L.Callback):
                 try:
                     requests.append(json.loads(f.read_text()))
                 except (OSError, json.JSONDecodeError) as exc:
-                    print(f"[lmtrain] ignoring unreadable control request {f}: {exc}", file=sys.stderr)
+                    log.info(f"ignoring unreadable control request {f}: {exc}")
                 done = folder / "applied"
                 done.mkdir(exist_ok=True)
                 f.rename(done / f.name)
@@ -103,4 +103,4 @@ class LRControl(L.Callback):
                 corrections.add(self.run_dir, entry)
                 what = f"x{req['scale']}" if req.get("scale") is not None else f"set to {req['value']:g} (x{scale:.4g})"
                 logbook.append(self.run_dir, "lr_correction", f"operator: learning rate {what} from step {step}", step=step)
-                print(f"[lmtrain] learning rate {what} from step {step} (operator request)", file=sys.stderr)
+                log.info(f"learning rate {what} from step {step} (operator request)")

@@ -9,12 +9,13 @@ time. A device idle for a large share of the window means the host, not the GPU,
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import lightning as L
 import torch
+
+from lmtrain.console import log
 
 
 def busy_fraction(events, wall_us: float) -> tuple[float, float]:
@@ -120,6 +121,6 @@ class StepProfiler(L.Callback):
                 stats.sort_stats("cumulative").print_stats(self.row_limit)
                 (out / f"python_rank{rank}.txt").write_text(buf.getvalue())
         except OSError as exc:  # a profile is not worth the run (a full disk is the disk guard's business)
-            print(f"[lmtrain] profile: {head}; could not write it to {out}: {exc.strerror or exc}", file=sys.stderr, flush=True)
+            log.info(f"profile: {head}; could not write it to {out}: {exc.strerror or exc}")
             return
-        print(f"[lmtrain] profile: {head}; written to {out}", file=sys.stderr, flush=True)
+        log.info(f"profile: {head}; written to {out}")

@@ -1,39 +1,84 @@
-"""A tqdm progress bar showing the step's loss, learning rate and tokens/s (without Lightning's v_num); in a log file
-(no terminal: SLURM, nohup, a pipe) one plain line every N steps instead, since tqdm's redraws there are carriage
-returns that filled 100 KB of a SLURM log in a 250-step run."""
+"""A tqdm progress bar of optimizer steps showing the step's loss, learning rate and tokens/s (without Lightning's
+v_num); in a log file (no terminal: SLURM, nohup, a pipe) one plain line every N steps instead, since tqdm's redraws
+there are carriage returns that filled 100 KB of a SLURM log in a 250-step run. The same lines go to the run's
+``train.log`` in both cases (lmtrain.console)."""
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from lightning.pytorch.callbacks import TQDMProgressBar
 
+from lmtrain import console
+
 
 class ProgressBar(TQDMProgressBar):
-    """Lightning's tqdm bar, minus the logger version number, with short metric names.
+    """Lightning's tqdm bar counting optimizer steps of the whole run, with short metric names.
+
+    Lightning's bar counts the batches of the current epoch: after a resume it had no total and its rate counted
+    the resumed steps as done in no time. This one shows ``step/max_steps`` from the step training continues at,
+    and its rate counts only the steps of this process.
 
     Args:
-        refresh_rate: batches between redraws.
-        line_every_n_steps: without a terminal, print ``step N/M  loss ... lr ... tok/s ...`` every this many steps.
+        refresh_rate: optimizer steps between redraws.
+        line_every_n_steps: print ``step N/M  loss ... lr ... tok/s ...`` every this many steps (without a terminal:
+            instead of the bar; always: into train.log).
+        mode: ``auto`` (a bar on a terminal, lines otherwise), ``bar`` or ``lines``.
     """
 
-    SHORT = {"train/loss": "loss", "train/lr": "lr", "perf/tokens_per_sec": "tok/s", "val/loss": "val_loss"}
+    SHORT = {"train/loss": "loss", "train/lr": "lr", "perf/tokens_per_sec_smoothed": "tok/s", "val/loss": "val_loss"}
 
-    def __init__(self, refresh_rate: int = 1, line_every_n_steps: int = 50) -> None:
+    def __init__(self, refresh_rate: int = 1, line_every_n_steps: int = 50, mode: str = "auto") -> None:
         super().__init__(refresh_rate=refresh_rate)
+        if mode not in ("auto", "bar", "lines"):
+            from lmtrain.config import ConfigError
+
+            raise ConfigError(f"callbacks.progress_bar.mode={mode!r}: expected auto, bar or lines")
         self.line_every_n_steps = max(1, int(line_every_n_steps))
-        self.lines = not sys.stderr.isatty()
+        self.lines = mode == "lines" or (mode == "auto" and not sys.stdout.isatty())  # where tqdm draws
 
     @property
     def is_enabled(self) -> bool:
         return super().is_enabled and not self.lines  # lines mode: Lightning's bars are built disabled
 
+    @property
+    def total_train_batches(self) -> int | float:
+        trainer = self.trainer
+        return trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else super().total_train_batches
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._count_steps(trainer)  # a resume mid-epoch starts no epoch
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        self._count_steps(trainer)
+
+    def _count_steps(self, trainer) -> None:
+        if self.is_enabled and trainer.max_steps and trainer.max_steps > 0:
+            bar = self.train_progress_bar
+            bar.reset(total=trainer.max_steps)
+            bar.n = bar.initial = trainer.global_step  # tqdm's rate is (n - initial) / the time since this reset
+            bar.refresh()
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         step = trainer.global_step
-        if self.lines and trainer.is_global_zero and (step % self.line_every_n_steps == 0 or step == trainer.max_steps):
+        if self.is_enabled and trainer.max_steps and trainer.max_steps > 0:
+            bar = self.train_progress_bar
+            if step != bar.n and (step % self.refresh_rate == 0 or step == trainer.max_steps):
+                bar.n = step
+                bar.set_postfix(self.get_metrics(trainer, pl_module))  # redraws
+        else:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if trainer.is_global_zero and (step % self.line_every_n_steps == 0 or step == trainer.max_steps) and step != getattr(self, "_line_step", None):
+            self._line_step = step
             shown = "  ".join(f"{k} {v}" for k, v in self.get_metrics(trainer, pl_module).items())
-            print(f"step {step}/{trainer.max_steps}  {shown}", file=sys.stderr, flush=True)
+            line = f"step {step}/{trainer.max_steps}  {shown}"
+            if self.lines:
+                logging.getLogger(console.PROGRESS).info(line)
+            else:
+                console.file_only(line, name=console.PROGRESS)
 
     def get_metrics(self, trainer, pl_module) -> dict:
         metrics = super().get_metrics(trainer, pl_module)
@@ -44,9 +89,9 @@ class ProgressBar(TQDMProgressBar):
             metrics["train/loss"] = loss
         if trainer.optimizers:
             metrics["train/lr"] = trainer.optimizers[0].param_groups[0]["lr"]
-        rate = next((c.last_tokens_per_sec for c in trainer.callbacks if getattr(c, "last_tokens_per_sec", None)), None)
+        rate = next((c.smoothed_tokens_per_sec for c in trainer.callbacks if getattr(c, "smoothed_tokens_per_sec", None)), None)
         if rate is not None:
-            metrics["perf/tokens_per_sec"] = rate
+            metrics["perf/tokens_per_sec_smoothed"] = rate
         out = {}
         for key, value in metrics.items():
             name = self.SHORT.get(key, key)

@@ -7,10 +7,11 @@ that cannot be made is reported and skipped: it never fails a finished training 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import lightning as L
+
+from lmtrain.console import log
 
 
 class Report(L.Callback):
@@ -46,4 +47,4 @@ class Report(L.Callback):
                 for f in self.files:
                     lg.experiment.log_artifact(lg.run_id, str(f), artifact_path="plots")
         except Exception as exc:  # noqa: BLE001 - plots are a convenience; training has finished
-            print(f"[lmtrain] could not write the plots in {self.run_dir / 'plots'}: {exc}", file=sys.stderr)
+            log.info(f"could not write the plots in {self.run_dir / 'plots'}: {exc}")

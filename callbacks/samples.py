@@ -9,12 +9,12 @@ FSDP they are collective); rank zero writes.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import lightning as L
 import torch
 
+from lmtrain.console import log
 from lmtrain.errors import InputError
 
 
@@ -81,4 +81,4 @@ class SampleText(L.Callback):
                 if type(lg).__name__ == "MLFlowLogger":
                     lg.experiment.log_text(lg.run_id, text, f"samples/{name}")
         except OSError as exc:  # a sample is not worth a crash (a full disk is the disk guard's business)
-            print(f"[lmtrain] could not write the text sample {name}: {exc}", file=sys.stderr)
+            log.info(f"could not write the text sample {name}: {exc}")

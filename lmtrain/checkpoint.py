@@ -21,7 +21,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +49,9 @@ def partial_name(step: int) -> str:
 
 
 def warn(msg: str) -> None:
-    print(f"[lmtrain] WARNING: {msg}", file=sys.stderr, flush=True)
+    from lmtrain.console import log
+
+    log.warning(msg)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import inspect
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from hydra.utils import get_object
@@ -56,6 +57,10 @@ def default_run_id() -> str:
 
 if not OmegaConf.has_resolver("lmtrain_run_id"):
     OmegaConf.register_new_resolver("lmtrain_run_id", default_run_id, use_cache=True)
+# the checkout's root: the embedded corpus is prepared once under it, whichever directory train.py is run from
+ROOT = Path(__file__).resolve().parent.parent
+if not OmegaConf.has_resolver("lmtrain_root"):
+    OmegaConf.register_new_resolver("lmtrain_root", lambda: str(ROOT))
 
 
 # -- helpers -----------------------------------------------------------------------------------

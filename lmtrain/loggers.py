@@ -59,6 +59,15 @@ class MLFlowLogger(_MLFlowLogger):
 
     _relog = False
 
+    def where(self) -> str:
+        """Where this run is, as a user finds it again: the experiment, the run id and the store (a relative SQLite
+        file resolved against the working directory, where MLflow opened it)."""
+        uri = self._tracking_uri or "MLflow's default store"
+        if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+            uri = f"sqlite:///{Path(uri.removeprefix('sqlite:///')).resolve()}"
+        artifacts = self.experiment.get_experiment(self.experiment_id).artifact_location
+        return f"experiment '{self._experiment_name}', run {self.run_id} in {uri}, artifacts in {artifacts} (browse: mlflow ui --backend-store-uri {uri})"
+
     def resume_at(self, step: int, relog: bool = False) -> None:
         """``relog``: a rollback's new timeline; its steps are logged again (MLflow keeps both values)."""
         self._resume_step, self._relog = step, relog

@@ -140,6 +140,7 @@ class LMModule(L.LightningModule):
         self._act_hook = None
         self._pending_stats: list[_StepStats] = []
         self.last_train_loss: float | None = None
+        self.best_val: tuple[float, int] | None = None  # (lowest validation loss, its step): the end-of-run summary
 
     def configure_model(self) -> None:
         """Build the model; under a sharding strategy (lmtrain.strategies) also shard it, once."""
@@ -306,6 +307,15 @@ class LMModule(L.LightningModule):
         val_loss = (total[0] / total[1]).float()
         self.log("val/loss", val_loss, prog_bar=True, sync_dist=False, rank_zero_only=True)
         self.log("val/ppl", torch.exp(val_loss).clamp(max=math.exp(50)), sync_dist=False, rank_zero_only=True)
+        if not self.trainer.sanity_checking and (self.best_val is None or float(val_loss) < self.best_val[0]):
+            self.best_val = (float(val_loss), self.trainer.global_step)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["lmtrain_best_val"] = list(self.best_val) if self.best_val else None
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        best = checkpoint.get("lmtrain_best_val")
+        self.best_val = (float(best[0]), int(best[1])) if best else None
 
     # -- optimisation -----------------------------------------------------------------------------
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:

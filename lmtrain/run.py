@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +16,13 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from callbacks.checkpoint import Checkpointer
 from lmtrain import checkpoint as ck
-from lmtrain import corrections, logbook
+from lmtrain import console, corrections, logbook
 from lmtrain.checkpoint import CheckpointError, check_compatible, config_hash
 from lmtrain.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data
+from lmtrain.console import log
 from lmtrain.errors import InputError, RunStopped
 from lmtrain.precision import build as build_precision
 
-log = logging.getLogger("lmtrain")
 # Lightning 2.6 advertises a cloud logger on every run without its own ("💡 Tip: ... litlogger"): not ours to print.
 logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: "litlogger" not in record.getMessage())
 
@@ -106,21 +106,37 @@ def train(cfg: DictConfig) -> dict[str, float]:
     A rollback requested by the divergence detector ends the attempt; the next attempt resumes from the
     checkpoint it chose, with the learning-rate correction recorded (lmtrain.corrections). A guard that stopped
     training (the detector's ``stop``, the disk guard) raises :class:`RunStopped`: the run did not finish.
+    What the run says goes to the console and, once the attempt is accepted, to ``RUN_DIR/train.log``
+    (lmtrain.console), with how it ended: the summary, the ``stopped:`` or ``error:`` line, or the traceback.
     """
+    console.install()
+    started = time.monotonic()
     rollback = None
-    while True:
-        metrics, detector, stopped = _attempt(cfg, rollback)
-        if stopped:
-            raise RunStopped(stopped)
-        rollback = getattr(detector, "rollback_request", None)
-        if rollback is None:
-            return metrics
-        run_dir = Path(cfg.run_dir)
-        if _global_rank() == 0:
-            _record_rollback(run_dir, rollback)
-        print(f"[lmtrain] rollback to {rollback['checkpoint']} (learning rate x{rollback['scale']})", file=sys.stderr, flush=True)
-        with open_dict(cfg):
-            cfg.ckpt_path = rollback["checkpoint"]
+    try:
+        while True:
+            metrics, detector, stopped = _attempt(cfg, rollback, started)
+            if stopped:
+                raise RunStopped(stopped)
+            rollback = getattr(detector, "rollback_request", None)
+            if rollback is None:
+                return metrics
+            run_dir = Path(cfg.run_dir)
+            if _global_rank() == 0:
+                _record_rollback(run_dir, rollback)
+            log.info(f"rollback to {rollback['checkpoint']} (learning rate x{rollback['scale']})")
+            with open_dict(cfg):
+                cfg.ckpt_path = rollback["checkpoint"]
+    except RunStopped as exc:
+        console.file_only(f"stopped: {exc.reason} (exit status 3)")
+        raise
+    except InputError as exc:
+        console.file_only(f"error: {exc} (exit status 2)")
+        raise
+    except BaseException as exc:
+        console.file_only(f"failed: {type(exc).__name__}", exc_info=True)
+        raise
+    finally:
+        console.end_file()
 
 
 def _record_rollback(run_dir: Path, rollback: dict) -> None:
@@ -145,7 +161,7 @@ def _global_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", "0"))))
 
 
-def _attempt(cfg: DictConfig, rollback: dict | None):
+def _attempt(cfg: DictConfig, rollback: dict | None, started: float):
     """One ``trainer.fit``; returns (final metrics, the divergence detector or None, why a guard stopped it or None)."""
     import lightning as L
 
@@ -158,6 +174,8 @@ def _attempt(cfg: DictConfig, rollback: dict | None):
     except OSError as exc:
         raise InputError(f"cannot create the run directory {run_dir} (run_dir / paths.runs): {exc.strerror or exc}") from exc
     resume = resume_point(cfg)
+    if rollback is None:
+        log.info(f"run {cfg.run_name}: {run_dir.resolve()}" + (f" (continuing from step {resume.step})" if resume is not None and resume.step >= 0 else ""))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     # cheap objects whose constructors check their options (the module, not yet its model): built before any data is prepared
     callbacks = instantiate_group(cfg.get("callbacks"))
@@ -176,7 +194,7 @@ def _attempt(cfg: DictConfig, rollback: dict | None):
     validate_data(cfg, datamodule.manifest, len(datamodule.train_set))
 
     shape = meta_model(model_factory)
-    print(describe_model(shape), file=sys.stderr)
+    log.info(describe_model(shape))
     identity = model_identity(shape, cfg)
     del shape
     if resume is not None:
@@ -189,7 +207,7 @@ def _attempt(cfg: DictConfig, rollback: dict | None):
                 f"{exc}\nrun '{cfg.run_name}' continues from its newest checkpoint; to train this config instead, choose another "
                 f"run_name=..., or pass resume=false overwrite=true to delete run '{cfg.run_name}''s checkpoints"
             ) from None
-        print(f"[lmtrain] resuming from {resume.path} (step {resume.step})", file=sys.stderr)
+        log.info(f"resuming from {resume.path} (step {resume.step})")
         if resume.meta.get("mlflow_run_id") and (cfg.get("logger") or {}).get("mlflow"):
             with open_dict(cfg):
                 cfg.logger.mlflow.run_id = cfg.logger.mlflow.get("run_id") or resume.meta["mlflow_run_id"]
@@ -217,6 +235,10 @@ def _attempt(cfg: DictConfig, rollback: dict | None):
             (run_dir / "overrides.yaml").write_text(OmegaConf.to_yaml(_overrides()))
         except OSError as exc:
             raise InputError(f"cannot write {run_dir / 'config.yaml'}: {exc.strerror or exc} (disk full?)") from exc
+    console.start_file(run_dir, f"run {cfg.run_name}: {' '.join(_overrides()) or '(no overrides)'}", trainer.is_global_zero)
+    if rollback is None:
+        for where in _mlflow_locations(trainer):
+            log.info(f"MLflow: {where}")
     _log_config(trainer, cfg, run_dir)
     if checkpointer is not None:
         checkpointer.run_info = {
@@ -250,6 +272,7 @@ def _attempt(cfg: DictConfig, rollback: dict | None):
             step = trainer.global_step
             tokens = step * module.tokens_per_step() if hasattr(module, "tokens_per_step") else 0
             logbook.append(run_dir, "end", f"training ended at step {step} ({tokens:,} tokens)", step=step, tokens=tokens)
+            _summary(cfg, trainer, module, checkpointer, run_dir, started)
     finally:
         logbook.mirrors.clear()
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
@@ -295,7 +318,7 @@ def resume_point(cfg: DictConfig) -> ck.Checkpoint | None:
     if existing and _global_rank() == 0:
         import shutil
 
-        print(f"[lmtrain] overwrite=true: deleting {len(existing)} checkpoint(s) in {root}", file=sys.stderr)
+        log.info(f"overwrite=true: deleting {len(existing)} checkpoint(s) in {root}")
         for d in existing:
             shutil.rmtree(d, ignore_errors=True)
         (root / ck.LATEST).unlink(missing_ok=True)
@@ -328,6 +351,39 @@ def resume_identity(resume: ck.Checkpoint) -> dict:
     return {"params": {k.removeprefix("model."): list(v.shape) for k, v in sd.items() if hasattr(v, "shape")}}
 
 
+def _mlflow_locations(trainer) -> list[str]:
+    """Where each MLflow run of this attempt is (rank zero; empty elsewhere)."""
+    return [lg.where() for lg in trainer.loggers if hasattr(lg, "where") and trainer.is_global_zero]
+
+
+def _summary(cfg: DictConfig, trainer, module, checkpointer: Checkpointer | None, run_dir: Path, started: float) -> None:
+    """The end-of-run summary (rank zero): steps, tokens, final losses, checkpoints, wall time, where things are."""
+    step = trainer.global_step
+    tokens = step * module.tokens_per_step() if hasattr(module, "tokens_per_step") else 0
+    losses = []
+    if getattr(module, "last_train_loss", None) is not None:
+        losses.append(f"train loss {module.last_train_loss:.4f} (last step)")
+    if "val/loss" in trainer.callback_metrics:
+        losses.append(f"val loss {float(trainer.callback_metrics['val/loss']):.4f}")
+    lines = [f"finished run {cfg.run_name} in {console.duration(time.monotonic() - started)}: {step:,} step{'' if step == 1 else 's'}, {tokens:,} tokens"
+             + (f"; {', '.join(losses)}" if losses else "")]  # fmt: skip
+    lines.append(f"  run directory  {run_dir.resolve()} (train.log, logbook.jsonl, config.yaml)")
+    if checkpointer is not None:
+        checkpointer.wait()
+        newest = ck.newest(checkpointer.root)
+        if newest is not None:
+            lines.append(f"  checkpoint     {newest.path.resolve()} (newest)")
+        best = getattr(module, "best_val", None)
+        if best is not None:
+            kept = checkpointer.root / ck.step_name(best[1])
+            at = f"checkpoint {kept.resolve()}" if kept.is_dir() else "no checkpoint kept at that step"
+            lines.append(f"  best val loss  {best[0]:.4f} at step {best[1]} ({at})")
+    for where in _mlflow_locations(trainer):
+        lines.append(f"  MLflow         {where}")
+    for line in lines:
+        log.info(line)
+
+
 def _mlflow_run_id(trainer) -> str | None:
     for lg in trainer.loggers:
         if isinstance(lg, MLFlowLogger) and trainer.is_global_zero:
@@ -353,7 +409,7 @@ def _safe_finalize(logger, status: str) -> None:
     try:
         logger.finalize(status)
     except Exception as exc:  # never hide the original error behind a logging one
-        print(f"[lmtrain] could not finalize {type(logger).__name__}: {exc}", file=sys.stderr)
+        log.info(f"could not finalize {type(logger).__name__}: {exc}")
 
 
 def _log_config(trainer, cfg: DictConfig, run_dir: Path) -> None:

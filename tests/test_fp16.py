@@ -112,6 +112,8 @@ def test_a_stop_under_the_scaler_exits_3_with_one_line(tmp_path, dataset_dir):
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("stopped: stopping at step 0 (loss_scale: fp16 loss scale 0.5 below the floor 1)"), last
     assert "Traceback" not in res.stderr
+    log = (tmp_path / "runs" / "s" / "train.log").read_text().strip().splitlines()  # the run's log says how it ended
+    assert "stopped: stopping at step 0 (loss_scale" in log[-1] and log[-1].endswith("(exit status 3)"), log[-3:]
 
 
 @pytest.mark.slow

@@ -18,16 +18,22 @@ EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml
 
 
 @pytest.mark.slow
-def test_cli_fast_dev_run_on_the_embedded_corpus(tmp_path):
-    """`python train.py debug=fdr`: the default config end to end, data preparation included."""
-    res = run_train_cli(
-        ["debug=fdr", "trainer.enable_progress_bar=false", f"paths.data={tmp_path / 'data'}", f"paths.runs={tmp_path / 'runs'}"], tmp_path
-    )
+def test_cli_fast_dev_run_on_the_embedded_corpus_from_another_directory(tmp_path):
+    """`python train.py debug=fdr` run from a directory that is not the checkout: the default config end to end. The
+    embedded corpus is prepared under the checkout (not into the working directory), the run directory is named at
+    the start, the run ends with a summary, and the console's lines are in RUN_DIR/train.log."""
+    res = run_train_cli(["debug=fdr", "trainer.enable_progress_bar=false", "run_name=fdr"], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
+    run_dir = (tmp_path / "runs" / "fdr").resolve()
+    lines = [line for line in res.stderr.splitlines() if line.startswith("[lmtrain]")]
+    assert lines[0] == f"[lmtrain] run fdr: {run_dir}", lines[:3]
     assert "model mini (opt): 4,273,664 parameters" in res.stderr
-    assert (tmp_path / "data" / "python-stdlib" / "manifest.json").is_file()
-    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert (ROOT / "data" / "cache" / "python-stdlib" / "manifest.json").is_file() and not (tmp_path / "data").exists()
     assert (run_dir / "config.yaml").is_file()
+    summary = next(line for line in lines if "finished run fdr" in line)
+    assert ": 1 step, " in summary and "train loss" in summary and f"run directory  {run_dir}" in res.stderr, summary
+    log = (run_dir / "train.log").read_text()
+    assert "model mini (opt): 4,273,664 parameters" in log and "finished run fdr" in log
     assert "litlogger" not in res.stderr and "set_vital" not in res.stderr  # third-party noise kept off the console
 
 

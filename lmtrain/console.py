@@ -1,0 +1,133 @@
+"""What a run says: one ``lmtrain`` logger for the console (stderr) and the run's ``RUN_DIR/train.log``.
+
+Every message of the trainer goes through ``logging.getLogger("lmtrain")`` (``log`` below). The console shows it as
+``[lmtrain] message``; the run's log file gets the same lines with a timestamp, plus Lightning's own messages and
+a progress line every ``line_every_n_steps`` even when the console shows a tqdm bar. The file is opened only once
+an attempt is accepted (nothing of an existing run changes before that, lmtrain.run); what was said before is kept
+in memory until then and written first. Rank zero writes the file; every rank prints. A resumed run appends to
+the same file, after a header line naming the attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("lmtrain")
+PROGRESS = "lmtrain.progress"  # progress lines: no prefix on the console
+FILE = "train.log"
+_FILE_ONLY = "lmtrain_file_only"  # a record attribute: written to train.log, not shown (the tqdm bar shows it)
+
+
+class _ConsoleFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        if record.name == PROGRESS or getattr(record, "bare", False):
+            return text
+        if record.levelno >= logging.WARNING and record.name.startswith("lmtrain"):
+            return f"[lmtrain] {record.levelname}: {text}"
+        return f"[lmtrain] {text}"
+
+
+class _StderrHandler(logging.StreamHandler):
+    """stderr as it is when a record is emitted (pytest's capture and redirections swap ``sys.stderr``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.addFilter(lambda record: not getattr(record, _FILE_ONLY, False))
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # logging.StreamHandler.__init__ assigns it
+        pass
+
+
+class RunLogFile(logging.Handler):
+    """``RUN_DIR/train.log``: records before :meth:`open` are held (up to ``limit``) and written when it opens."""
+
+    def __init__(self, limit: int = 10_000) -> None:
+        super().__init__(logging.INFO)
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"))
+        self.limit = limit
+        self.held: list[logging.LogRecord] = []
+        self.path: Path | None = None
+        self._fh = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._fh is None:
+            if len(self.held) < self.limit:
+                self.held.append(record)
+            return
+        try:
+            self._fh.write(self.format(record) + "\n")
+            self._fh.flush()
+        except Exception:  # noqa: BLE001 - a full disk must not end training here (the disk guard reports it)
+            self.handleError(record)
+
+    def open(self, path: Path, header: str) -> None:
+        if self.path == path and self._fh is not None:
+            return
+        self.close_file()
+        self._fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - held until the run ends
+        self.path = path
+        self._fh.write(f"==== {header}\n")
+        held, self.held = self.held, []
+        for record in held:
+            self.emit(record)
+
+    def close_file(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+        self._fh, self.path = None, None
+
+    def forget(self) -> None:
+        """Drop what was held (a refused attempt, or a rank that writes no file)."""
+        self.held.clear()
+
+
+run_log = RunLogFile()
+_installed = False
+
+
+def install() -> None:
+    """Route the ``lmtrain`` logger to stderr and to :data:`run_log` (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    console = _StderrHandler()
+    console.setFormatter(_ConsoleFormatter())
+    log.addHandler(console)
+    log.addHandler(run_log)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    logging.getLogger("lightning.pytorch").addHandler(run_log)  # its own console handler stays as it is
+
+
+def file_only(message: str, name: str = "lmtrain", exc_info: bool = False) -> None:
+    """A line for train.log alone (the console shows it as a bar, or the entry point prints it)."""
+    logging.getLogger(name).log(logging.ERROR if exc_info else logging.INFO, message, exc_info=exc_info, extra={_FILE_ONLY: True})
+
+
+def start_file(run_dir: Path, header: str, rank_zero: bool) -> None:
+    """The attempt is accepted: rank zero opens ``RUN_DIR/train.log`` and writes what was held."""
+    if rank_zero:
+        run_log.open(Path(run_dir) / FILE, header)
+    else:
+        run_log.forget()
+
+
+def end_file() -> None:
+    run_log.close_file()
+    run_log.forget()
+
+
+def duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"

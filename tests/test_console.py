@@ -1,0 +1,58 @@
+"""What a run tells its user: the run directory at the start, the summary at the end, RUN_DIR/train.log, a progress
+bar that counts the run's steps across a resume, and a tokens/s figure that does not jump."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from lmtrain.logs import metric
+from lmtrain.run import train
+from tests.conftest import TINY, make_cfg
+
+
+def test_summary_log_file_and_a_bar_that_counts_steps_across_a_resume(tmp_path, dataset_dir, capfd):
+    args = [a for a in TINY if a not in ("callbacks=none", "trainer.enable_progress_bar=false", "logger=none")] + [
+        "callbacks=[progress_bar,throughput,checkpoint]", "callbacks.progress_bar.mode=bar", "callbacks.progress_bar.line_every_n_steps=2",
+        "callbacks.checkpoint.every_n_steps=2", "callbacks.disk_guard.margin_gb=0", "logger=csv", "trainer.max_steps=6",
+        "trainer.val_check_interval=2", "run_name=con",
+    ]  # fmt: skip
+    cfg = make_cfg(args, tmp_path, dataset_dir)
+    run_dir = Path(cfg.run_dir).resolve()
+    train(cfg)
+    out, err = capfd.readouterr()
+    said = [line for line in err.splitlines() if line.startswith("[lmtrain]")]
+    assert said[0] == f"[lmtrain] run con: {run_dir}", said[:2]
+
+    # the summary names the lowest validation loss of the run, its step and the checkpoint kept there
+    val = metric(run_dir, "val/loss")
+    assert len(val) == 3
+    best = min(range(3), key=val.__getitem__)
+    summary = "\n".join(said[said.index(next(s for s in said if "finished run con" in s)) :])
+    assert ": 6 steps, 1,536 tokens; train loss" in summary and f"val loss {val[-1]:.4f}" in summary, summary
+    best_line = f"best val loss  {val[best]:.4f} at step {2 * (best + 1)} (checkpoint {run_dir / 'checkpoints' / f'step-{2 * (best + 1):07d}'})"
+    assert best_line in summary and f"checkpoint     {run_dir / 'checkpoints' / 'step-0000006'} (newest)" in summary, summary
+
+    # a bar on the console (tqdm's redraws, on stdout), a line every 2 steps in the log file only
+    assert not any(line.startswith("step ") for line in err.splitlines()) and "6/6" in out, repr(out)
+    log = (run_dir / "train.log").read_text()
+    assert re.findall(r"lmtrain.progress: step (\d+)/6", log) == ["2", "4", "6"], log
+    assert "finished run con" in log and best_line in log
+
+    # the bar's tokens/s is the rate of the last steps together: the harmonic mean of the per-step rates (equal tokens)
+    raw, smooth = metric(run_dir, "perf/tokens_per_sec"), metric(run_dir, "perf/tokens_per_sec_smoothed")
+    assert len(raw) == len(smooth) == 6
+    for i in range(6):
+        window = raw[max(0, i - 19) : i + 1]
+        assert abs(smooth[i] - len(window) / sum(1 / r for r in window)) < 1e-6 * smooth[i]
+
+    # resumed with a longer run: the bar starts at 6 of 8, not at 0 of an unknown total; the log file goes on
+    cfg = make_cfg([*args, "trainer.max_steps=8"], tmp_path, dataset_dir)
+    train(cfg)
+    out, err = capfd.readouterr()
+    assert f"[lmtrain] run con: {run_dir} (continuing from step 6)" in err
+    draws = [(int(n), int(t)) for n, t in re.findall(r"(?:Training|Epoch \d+):[^\r\n]*?(\d+)/(\d+) \[", out) if t != "?"]
+    moved = [n for n, t in draws if n]
+    assert draws and {t for _, t in draws} == {8} and moved[0] == 6 and moved[-1] == 8, (draws, out)
+    log = (run_dir / "train.log").read_text()
+    assert log.count("==== run con") == 2 and re.findall(r"lmtrain.progress: step (\d+)/8", log) == ["8"], log[-2000:]
