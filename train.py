@@ -15,9 +15,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
-import lmtrain.config  # noqa: F401  (registers the run-name resolver)
+from lmtrain.config import explain_hydra_error  # (importing lmtrain.config registers the run-name resolver)
 from lmtrain.errors import STOPPED_EXIT, InputError, RunStopped
-from lmtrain.run import train
 
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # lightning 2.6.6 on torch 2.13, harmless
 warnings.filterwarnings("ignore", message=".*'set_vital' is deprecated.*")  # torchdata 0.11 on torch 2.13, harmless, every run
@@ -35,6 +34,8 @@ def main(cfg: DictConfig) -> float | None:
         with open_dict(cfg):
             cfg.run_dir = hc.runtime.output_dir
             cfg.run_name = f"{cfg.run_name}-{hc.job.num}"
+    from lmtrain.run import train  # here, not at the top: --help, --cfg and a misspelled key answer in a second
+
     try:
         metrics = train(cfg)
     except InputError as exc:  # config, data, tokenizer, checkpoint or disk: one message, no traceback
@@ -109,5 +110,24 @@ def _close_process_group() -> None:
         mesh._pg_registry.clear()  # private: the mesh's own references to its groups (tests/test_distributed.py checks it)
 
 
+def cli() -> None:
+    """``main`` with Hydra's own composition errors (a misspelled key or option on the command line) answered like
+    ours: one line naming it, with a did-you-mean, exit status 2. ``HYDRA_FULL_ERROR=1`` makes Hydra raise them
+    instead of printing its text; set by the user, it keeps Hydra's full traceback."""
+    import os
+
+    from hydra.errors import HydraException
+
+    user_full_error = "HYDRA_FULL_ERROR" in os.environ
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except HydraException as exc:
+        if user_full_error:
+            raise
+        print(f"error: {explain_hydra_error(exc)}", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

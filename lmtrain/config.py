@@ -93,9 +93,36 @@ def _allowed_keys(target: Any) -> set[str] | None:
     return {name for name, p in sig.parameters.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL}
 
 
-def _suggest(key: str, allowed: set[str]) -> str:
-    close = difflib.get_close_matches(key, sorted(allowed), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+def _suggest(key: str, allowed: set[str], n: int = 1, prefix: str = "") -> str:
+    close = [f"'{prefix}{c}'" for c in difflib.get_close_matches(key, sorted(allowed), n=n)]
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
+
+
+def explain_hydra_error(exc: Exception) -> str:
+    """One line for an error Hydra raised while composing the command line, in the words of ``validate_config``:
+    a misspelled key gets the did-you-mean a misspelled YAML key gets (Hydra's own text suggests ``+key=`` instead,
+    which would add the typo to the config)."""
+    from hydra.errors import MissingConfigException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key and isinstance(cause.parent_node, DictConfig):
+            known = {str(k) for k in cause.parent_node.keys() if not str(k).startswith("_") and k != "hydra"}
+            prefix = cause.full_key[: -len(str(cause.key))] if cause.full_key.endswith(str(cause.key)) else ""
+            return (
+                f"unknown key '{cause.full_key}' on the command line{_suggest(str(cause.key), known, 2, prefix)}; to add a new "
+                f"key on purpose: +{cause.full_key}=..."
+            )
+        cause = cause.__cause__ or cause.__context__
+    text = " ".join(str(exc).split())
+    if isinstance(exc, MissingConfigException) and exc.missing_cfg_file and exc.options:
+        group, _, option = exc.missing_cfg_file.rpartition("/")
+        return f"{group}={option}: no such option{_suggest(option, set(exc.options))}; available: {', '.join(exc.options)}"
+    if text.startswith("Could not override '") and "No match in the defaults list" in text:
+        key = text.split("'")[1]
+        return f"unknown config group or key '{key}' on the command line{_suggest(key, TOP_LEVEL - {'hydra'})}; allowed: {sorted(TOP_LEVEL - {'hydra'})}"
+    return text
 
 
 def world_size(cfg: DictConfig) -> int:

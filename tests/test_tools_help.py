@@ -75,6 +75,25 @@ def test_what_used_to_escape_is_one_config_error(tmp_path, overrides, message):
     assert not (tmp_path / "data").exists()  # nothing prepared
 
 
+def test_command_line_typos_get_one_line_with_a_did_you_mean(tmp_path):
+    """A misspelled key or option on the command line: Hydra's own text suggested `+optimizer.lrr=`, which adds the
+    typo to the config; now one line with the key it meant and exit status 2, like a misspelled YAML key."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    cases = {
+        "optimizer.lrr=1e-3": "error: unknown key 'optimizer.lrr' on the command line (did you mean 'optimizer.lr'?); "
+        "to add a new key on purpose: +optimizer.lrr=...",
+        "model=tinyy": "error: model=tinyy: no such option (did you mean 'tiny'?); available: llama-7b, mini,",
+    }
+    for override, message in cases.items():  # composition fails before anything is imported for training: a second each
+        res = subprocess.run([sys.executable, str(ROOT / "train.py"), override], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        assert res.returncode == 2 and res.stderr.startswith(message) and len(res.stderr.splitlines()) == 1, res.stderr[-2000:]
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
 def test_without_a_terminal_progress_is_a_line_every_n_steps(tmp_path, dataset_dir):
     """stderr to a pipe, as in a SLURM log: plain lines every callbacks.progress_bar.line_every_n_steps steps, and no
     carriage-return redraws."""
