@@ -310,26 +310,33 @@ class TokenDataModule(L.LightningDataModule):
                 )
 
     # -- checkpointed identity of the stream ----------------------------------------------------
-    def _stream_identity(self) -> dict:
-        world, _ = self._world()
+    def stream_identity(self, world_size: int | None = None) -> dict:
+        """What a saved data position depends on: the dataset(s), seq_len, seed, mixture weights and ranks. Saved in
+        the checkpoint (the loader state, and meta.json through lmtrain.run) and compared on resume."""
+        world = self._world()[0] if world_size is None else world_size
         fps = [read_manifest(p).get("fingerprint") for p in self.paths]
         ident = {"dataset": fps[0] if len(fps) == 1 else fps, "data.seq_len": self.seq_len, "data.seed": self.seed, "world_size": world}
         if len(fps) > 1:
             ident["weights"] = self.weights
         return ident
 
-    def state_dict(self) -> dict:
-        return {"stream": self._stream_identity()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Refuse, before any training, a checkpoint whose saved data position belongs to another stream."""
-        saved, mine = state.get("stream", {}), self._stream_identity()
+    def check_stream(self, saved: dict, world_size: int | None = None) -> None:
+        """Refuse a checkpoint whose saved data position belongs to another stream, naming what changed."""
+        mine = self.stream_identity(world_size)
         changed = [f"{k}: {saved.get(k)!r} -> {mine[k]!r}" for k in mine if saved.get(k) != mine[k]]
         if changed:
             raise InputError(
                 "the checkpoint's data position belongs to another data stream (" + "; ".join(changed) + "): "
                 "resume with the settings it was saved with"
             )
+
+    def state_dict(self) -> dict:
+        return {"stream": self.stream_identity()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Refuse, before any training, a checkpoint whose saved data position belongs to another stream (lmtrain.run
+        already compared the one in meta.json before the attempt was accepted; older checkpoints lack it)."""
+        self.check_stream(state.get("stream", {}))
 
     # -- loaders ------------------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:

@@ -229,7 +229,10 @@ def _attempt(cfg: DictConfig, rollback: dict | None, started: float):
         extra.update(precision=precision, plugins=[*(instantiate(p) for p in cfg.trainer.get("plugins") or []), *plugins])
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy, **extra)
 
+    if resume is not None and "data_stream" in resume.meta and hasattr(datamodule, "check_stream"):
+        datamodule.check_stream(resume.meta["data_stream"], trainer.world_size)  # refused before anything is written
     if trainer.is_global_zero:
+        changes = _config_changes(run_dir, cfg) if resume is not None and rollback is None else {}
         try:
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
             (run_dir / "overrides.yaml").write_text(OmegaConf.to_yaml(_overrides()))
@@ -247,6 +250,8 @@ def _attempt(cfg: DictConfig, rollback: dict | None, started: float):
             "config_hash": config_hash(OmegaConf.to_container(cfg, resolve=True)),
             "mlflow_run_id": _mlflow_run_id(trainer),
         }
+        if hasattr(datamodule, "stream_identity"):
+            checkpointer.run_info["data_stream"] = datamodule.stream_identity(trainer.world_size)
         checkpointer.alert_hooks = [_mlflow_tagger(lg) for lg in trainer.loggers if isinstance(lg, MLFlowLogger)]
     logbook.mirrors[:] = [_mlflow_logbook_mirror(lg) for lg in trainer.loggers if isinstance(lg, MLFlowLogger) and trainer.is_global_zero]
     if trainer.is_global_zero:
@@ -254,6 +259,10 @@ def _attempt(cfg: DictConfig, rollback: dict | None, started: float):
             pass  # the rollback entry says where it went
         elif resume is not None:
             logbook.append(run_dir, "resume", f"resumed from {resume.path.name}", step=resume.step)
+            if changes:
+                shown = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items())
+                log.info(f"config changed since the last attempt (accepted): {shown}")
+                logbook.append(run_dir, "config_change", f"config: {shown} at step {resume.step}", step=resume.step, changes=changes)
         else:
             logbook.append(run_dir, "start", f"training from scratch, run {cfg.run_name}")
     try:
@@ -279,6 +288,22 @@ def _attempt(cfg: DictConfig, rollback: dict | None, started: float):
     if getattr(module, "last_train_loss", None) is not None:
         metrics["train/loss"] = module.last_train_loss  # read from the step statistics, not self.log (lmtrain.module)
     return metrics, detector, stopped
+
+
+# keys that differ between attempts of one run by design: not a change of the run's config
+_ATTEMPT_KEYS = ("ckpt_path", "resume", "overwrite", "logger/mlflow/run_id")
+
+
+def _config_changes(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
+    """What the resumed config changes against the previous attempt's ``config.yaml`` (flat keys -> [old, new]).
+    Everything here was accepted: what a resume cannot take (another model, another data stream) was refused."""
+    try:
+        old = flat_params(OmegaConf.load(run_dir / "config.yaml"))
+    except (OSError, ValueError):  # no previous config (a checkpoint given by path), or an unreadable one
+        return {}
+    new = flat_params(cfg)
+    keys = [k for k in sorted(old.keys() | new.keys()) if k not in _ATTEMPT_KEYS and old.get(k, "(unset)") != new.get(k, "(unset)")]
+    return {k: [old.get(k, "(unset)"), new.get(k, "(unset)")] for k in keys}
 
 
 def _overrides() -> list[str]:

@@ -33,11 +33,15 @@ def test_a_resume_follows_the_configs_schedule_and_says_what_changed(tmp_path, d
         assert math.isclose(lr[s], 2e-3 * new(s), rel_tol=1e-6), s
     (entry,) = [e for e in logbook.read(run) if e["kind"] == "schedule_change"]
     assert "total_steps 100 -> 20" in entry["message"] and "peak lr" in entry["message"] and entry["step"] == 10
+    (change,) = [e for e in logbook.read(run) if e["kind"] == "config_change"]  # every accepted change, old -> new
+    assert change["step"] == 10 and change["changes"] == {
+        "optimizer/lr": [float(first.optimizer.lr), 2e-3], "scheduler/total_steps": [100, 20], "trainer/max_steps": [10, 20],
+    }, change  # fmt: skip
 
 
 def test_a_refused_attempt_leaves_the_run_directory_as_it_was(tmp_path, dataset_dir):
-    """Re-running run_name=mine with another model is refused before anything of the run changes, naming the two
-    ways out; the run's files are byte-for-byte what they were."""
+    """Re-running run_name=mine with another model, or another data stream, is refused before anything of the run
+    changes, naming the two ways out; the run's files (train.log included) are byte-for-byte what they were."""
     from tests.conftest import run_train_cli
 
     args = [a for a in TINY if not a.startswith("model=")] + [
@@ -54,3 +58,8 @@ def test_a_refused_attempt_leaves_the_run_directory_as_it_was(tmp_path, dataset_
     assert "choose another run_name=..., or pass resume=false overwrite=true" in again.stderr
     after = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
     assert after == before
+    # another data stream: refused from the checkpoint's meta.json before the attempt is accepted (it used to be found
+    # while the checkpoint loaded, after config.yaml had been rewritten)
+    stream = run_train_cli(args + ["model=tiny", "data.seq_len=32", "trainer.max_steps=4"], tmp_path)
+    assert stream.returncode == 2 and "belongs to another data stream (data.seq_len: 64 -> 32)" in stream.stderr, stream.stderr[-3000:]
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
