@@ -71,7 +71,11 @@ class ProgressBar(TQDMProgressBar):
                 bar.set_postfix(self.get_metrics(trainer, pl_module))  # redraws
         else:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if trainer.is_global_zero and (step % self.line_every_n_steps == 0 or step == trainer.max_steps) and step != getattr(self, "_line_step", None):
+        if (
+            trainer.is_global_zero
+            and (step % self.line_every_n_steps == 0 or step == trainer.max_steps)
+            and step != getattr(self, "_line_step", None)
+        ):
             self._line_step = step
             shown = "  ".join(f"{k} {v}" for k, v in self.get_metrics(trainer, pl_module).items())
             line = f"step {step}/{trainer.max_steps}  {shown}"

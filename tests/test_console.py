@@ -30,7 +30,9 @@ def test_summary_log_file_and_a_bar_that_counts_steps_across_a_resume(tmp_path, 
     best = min(range(3), key=val.__getitem__)
     summary = "\n".join(said[said.index(next(s for s in said if "finished run con" in s)) :])
     assert ": 6 steps, 1,536 tokens; train loss" in summary and f"val loss {val[-1]:.4f}" in summary, summary
-    best_line = f"best val loss  {val[best]:.4f} at step {2 * (best + 1)} (checkpoint {run_dir / 'checkpoints' / f'step-{2 * (best + 1):07d}'})"
+    best_line = (
+        f"best val loss  {val[best]:.4f} at step {2 * (best + 1)} (checkpoint {run_dir / 'checkpoints' / f'step-{2 * (best + 1):07d}'})"
+    )
     assert best_line in summary and f"checkpoint     {run_dir / 'checkpoints' / 'step-0000006'} (newest)" in summary, summary
 
     # a bar on the console (tqdm's redraws, on stdout), a line every 2 steps in the log file only

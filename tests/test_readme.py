@@ -1,0 +1,172 @@
+"""Every command line of the README, as a user copies it.
+
+The ``bash`` blocks of README.md are read, continuation lines joined and comments dropped; each command is claimed
+by exactly one handler below, and a command no handler claims fails the test (a new README line needs a test). What
+the handlers do with them:
+
+* ``python train.py ...`` (also under torchrun, srun and the plugin's PYTHONPATH): composed from the real config tree
+  and checked by ``validate_config`` with the README's own overrides (a sweep: each value; ``/data/...`` paths: a
+  dataset prepared here by the README's own ``data.prepare`` line); on a machine without a GPU the CPU ones also
+  pass ``check_machine``. ``--cfg job`` runs for real. Trained end to end elsewhere: ``debug=fdr`` (the default
+  config, tests/test_train.py), the sweep (test_train), resume / ``resume=false`` / ``overwrite`` / ``ckpt_path``
+  (tests/test_checkpoint.py), the plugin (tests/test_plugin.py), FSDP/HSDP under torchrun and SLURM
+  (tests/test_fsdp.py).
+* ``python -m data.prepare``, ``lmtrain.plan``, ``lmtrain.control``, ``lmtrain.generate``, ``lmtrain.report`` and
+  ``lmtrain.export``: run here, with the README's arguments, on a run named ``my-run`` trained here for 4 steps.
+* The two set-up lines: ``.ci/run`` runs the install and the test command; the bare ``python train.py`` is the
+  config checked here and trained by the ``debug=fdr`` test.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmtrain.config import check_machine, validate_config
+from lmtrain.errors import InputError
+from tests.conftest import ROOT, TINY, make_cfg
+
+README = ROOT / "README.md"
+
+
+def readme_commands() -> list[str]:
+    """The command lines of the README's bash blocks: continuations joined, comments and placeholders kept as written."""
+    commands, block, pending = [], False, ""
+    for line in README.read_text().splitlines():
+        if line.startswith("```"):
+            block = line.strip() == "```bash" if not block else False
+            continue
+        if not block:
+            continue
+        text = pending + line.strip()
+        if text.endswith("\\"):
+            pending = text[:-1] + " "
+            continue
+        pending = ""
+        text = re.sub(r"\s+#.*$", "", text) if not text.startswith("#") else ""
+        if text:
+            commands.append(text)
+    return commands
+
+
+def _train_args(command: str) -> list[str] | None:
+    """The train.py arguments of a training command (python, torchrun or srun; env assignments before it), else None."""
+    words = shlex.split(command.split("&&")[-1])
+    while words and re.match(r"^[A-Z_]+=", words[0]):
+        words.pop(0)
+    if "train.py" not in words:
+        return None
+    if words[0] not in ("python", "torchrun", "srun"):
+        return None
+    return words[words.index("train.py") + 1 :]
+
+
+@pytest.fixture(scope="module")
+def readme_world(tmp_path_factory, corpus_jsonl, dataset_dir):
+    """The README's custom corpus (its data.prepare line, inputs swapped for the test corpus) and a run named my-run."""
+    from lmtrain.run import train
+
+    root = tmp_path_factory.mktemp("readme")
+    corpus = root / "corpus"
+    (command,) = [c for c in readme_commands() if c.startswith("python -m data.prepare")]
+    argv = shlex.split(command)[3:]
+    argv[argv.index("--input") + 1 : argv.index("--output")] = [str(corpus_jsonl)]
+    argv[argv.index("--output") + 1] = str(corpus)
+    argv += ["--val-fraction", "0.1"]  # the test corpus has 43 documents: the default 1% selects none
+    from data.prepare import main as prepare_main
+
+    assert prepare_main(argv) == 0
+    cfg = make_cfg(
+        [a for a in TINY if a != "callbacks=none"]
+        + [
+            "callbacks=[checkpoint,report]",
+            "callbacks.checkpoint.every_n_steps=2",
+            "callbacks.disk_guard.margin_gb=0",
+            "logger=csv",
+            f"run_dir={root / 'runs' / 'my-run'}",
+            "run_name=my-run",
+        ],  # fmt: skip
+        root,
+        dataset_dir,  # the tiny model's 1024-token dataset (the README corpus's tokenizer is larger)
+    )
+    train(cfg)
+    return root, corpus
+
+
+def _compose(args: list[str], corpus: Path, tmp_path: Path) -> list:
+    """The configs a train.py command line composes (one per sweep value), with /data/... paths replaced."""
+    overrides, sweep = [], False
+    it = iter(args)
+    for a in it:
+        if a == "--config-dir":  # searched beside conf/, as train.py's --config-dir does
+            overrides.append(f"hydra.searchpath=[file://{ROOT / next(it)}]")
+        elif a == "-m":
+            sweep = True
+        elif a == "...":
+            continue
+        else:
+            a = re.sub(r"/data/[\w-]+", str(corpus), a)
+            overrides.append(re.sub(r"runs/other/checkpoints/step-\d+", "runs/my-run/checkpoints/step-0000004", a))
+    runs = [overrides]
+    if sweep:
+        (i, key, values), *_ = [(i, *o.split("=", 1)) for i, o in enumerate(overrides) if "," in o and not o.startswith("'")]
+        runs = [[*overrides[:i], f"{key}={v}", *overrides[i + 1 :]] for v in values.split(",")]
+    return [make_cfg(o, tmp_path) for o in runs]
+
+
+def test_every_readme_command_line_works(readme_world, tmp_path, monkeypatch, capsys):
+    root, corpus = readme_world
+    monkeypatch.chdir(root)
+    sys.path.insert(0, str(ROOT / "examples" / "plugin"))  # the plugin line's PYTHONPATH
+    claimed = []
+    try:
+        for command in readme_commands():
+            if command.startswith(("python3 -m venv", ". .venv/bin/activate")):
+                claimed.append(command)  # the set-up lines: .ci/run
+                continue
+            args = _train_args(command)
+            if args is not None:
+                if args == ["--cfg", "job"]:
+                    res = subprocess.run(
+                        [sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, cwd=tmp_path, timeout=120
+                    )
+                    assert res.returncode == 0 and "model:" in res.stdout, (command, res.stderr[-2000:])
+                else:
+                    for cfg in _compose(args, corpus, tmp_path):
+                        try:
+                            validate_config(cfg)
+                            if str(cfg.trainer.accelerator) != "gpu" or torch.cuda.is_available():
+                                check_machine(cfg)
+                        except InputError as exc:
+                            raise AssertionError(f"README: {command}\n{exc}") from None
+                claimed.append(command)
+                continue
+            words = shlex.split(command)
+            if words[:2] != ["python", "-m"]:
+                continue
+            tool, argv = words[2], words[3:]
+            if tool == "data.prepare":
+                claimed.append(command)  # run by the fixture
+                continue
+            argv = [a for a in argv if not (a.startswith("[") or a.endswith("]"))]  # optional arguments shown in brackets
+            if tool == "lmtrain.report" and "--tracking-uri" in argv:
+                argv = argv[: argv.index("--tracking-uri")] + ["--tracking-uri", f"sqlite:///{root / 'nothing.db'}"]
+            if tool == "lmtrain.generate" and "--checkpoint" in argv:
+                argv[argv.index("--checkpoint") + 1] = "step-0000004"  # the README's step 100 is this short run's step 4
+            module = __import__(tool, fromlist=["main"])
+            code = module.main(argv)
+            out = capsys.readouterr()
+            expected = 2 if tool == "lmtrain.report" and "--tracking-uri" in argv else 0  # no such MLflow run in an empty store
+            assert code == expected, (command, out.err[-2000:])
+            claimed.append(command)
+    finally:
+        sys.path.remove(str(ROOT / "examples" / "plugin"))
+    unclaimed = [c for c in readme_commands() if c not in claimed]
+    assert not unclaimed, f"README command lines no test runs: {unclaimed}"
+    assert (root / "exported" / "my-run").is_dir() and (root / "runs" / "my-run" / "plots").is_dir()
