@@ -170,3 +170,22 @@ def test_every_readme_command_line_works(readme_world, tmp_path, monkeypatch, ca
     unclaimed = [c for c in readme_commands() if c not in claimed]
     assert not unclaimed, f"README command lines no test runs: {unclaimed}"
     assert (root / "exported" / "my-run").is_dir() and (root / "runs" / "my-run" / "plots").is_dir()
+
+
+def test_every_shipped_config_option_composes_and_validates(readme_world, tmp_path):
+    """`GROUP=OPTION` for every file under conf/ (the fault drills as `fault=X`, which tests/test_stability.py and
+    tests/test_checkpoint.py run): the config it composes passes validate_config; a prepared dataset stands in for the
+    data groups' required path. A shipped option that cannot work (data.seq_len over the default model's context, a
+    warm-up longer than debug=cpu-small's 4 steps) fails here."""
+    _, corpus = readme_world
+    data = {"prepared": [f"data.path={corpus}"], "mixture": [f"data.sources=[{{path: {corpus}, weight: 1.0}}]"]}
+    failed = []
+    for group in sorted(p for p in (ROOT / "conf").iterdir() if p.is_dir()):
+        for option in sorted(group.glob("*.yaml")):
+            extra = data.get(option.stem, []) if group.name == "data" else [f"data.path={corpus}"] if group.name == "experiment" else []
+            overrides = [f"{group.name}={option.stem}", *extra]
+            try:
+                validate_config(make_cfg(overrides, tmp_path))
+            except InputError as exc:
+                failed.append(f"{' '.join(overrides)}: {exc}")
+    assert not failed, "\n".join(failed)
