@@ -104,10 +104,9 @@ def _close_process_group() -> None:
         pass
     dist.destroy_process_group()
     gc.collect()  # the FSDP state (reference cycles) and whatever else still holds a group
-    from torch.distributed.device_mesh import DeviceMesh
+    from lmtrain.compat import forget_mesh_groups
 
-    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:  # isinstance would warn on torch's opaque objects
-        mesh._pg_registry.clear()  # private: the mesh's own references to its groups (tests/test_distributed.py checks it)
+    forget_mesh_groups()  # the meshes' own references to their groups (tests/test_distributed.py checks the threads go)
 
 
 def cli() -> None:

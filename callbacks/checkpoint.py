@@ -24,6 +24,7 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint
 
 from lmtrain import checkpoint as ck
+from lmtrain import compat
 from lmtrain.checkpoint import CheckpointError
 from lmtrain.console import log
 
@@ -276,7 +277,7 @@ class Checkpointer(Checkpoint):
             for lg in trainer.loggers:  # rows up to this step are on disk whenever this checkpoint is
                 lg.save()
         partial, final = self.root / ck.partial_name(step), self.root / ck.step_name(step)
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)  # collective: every rank
+        checkpoint = compat.dump_checkpoint(trainer)  # collective: every rank
         meta = self._meta(trainer, step)
         self.last_saved_step = step
         if self._sharded:

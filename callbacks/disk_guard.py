@@ -22,6 +22,7 @@ from pathlib import Path
 import lightning as L
 
 from lmtrain import checkpoint as ck
+from lmtrain.contracts import StopsTraining
 from lmtrain.errors import InputError
 
 GB = 1e9
@@ -38,7 +39,7 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(p).free
 
 
-class DiskGuard(L.Callback):
+class DiskGuard(L.Callback, StopsTraining):
     """Args:
     margin_gb: free space to keep beyond one checkpoint (GB, 1e9 bytes).
     """

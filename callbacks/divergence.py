@@ -40,6 +40,7 @@ import lightning as L
 from lmtrain import checkpoint as ck
 from lmtrain import corrections, logbook
 from lmtrain.console import log
+from lmtrain.contracts import RequestsRollback, StopsTraining
 from lmtrain.errors import InputError
 from lmtrain.logs import log_direct
 
@@ -81,7 +82,7 @@ class _EMA:
         self.mean, self.var, self.n = s["mean"], s["var"], s["n"]
 
 
-class DivergenceDetector(L.Callback):
+class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback):
     """Args (each signal is a dict; missing keys take the defaults in ``DEFAULTS``):
     warmup_steps: healthy steps observed before spikes are judged.
     ema_beta: smoothing of the running statistics.

@@ -125,6 +125,15 @@ def explain_hydra_error(exc: Exception) -> str:
     return text
 
 
+def device_type(accelerator: Any) -> str:
+    """``cuda`` or ``cpu``: where ``trainer.accelerator`` trains on this machine (``auto`` is CUDA when there is one,
+    as Lightning decides; ``gpu`` is CUDA even without one, which :func:`check_machine` refuses)."""
+    import torch
+
+    accelerator = str(accelerator)
+    return "cuda" if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()) else "cpu"
+
+
 def world_size(cfg: DictConfig) -> int:
     """Processes in the run: from the launcher's environment, else trainer.devices x trainer.num_nodes."""
     if "WORLD_SIZE" in os.environ:
@@ -142,7 +151,7 @@ def world_size(cfg: DictConfig) -> int:
     else:  # "auto" / -1
         import torch
 
-        n = torch.cuda.device_count() if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available() else 1
+        n = max(torch.cuda.device_count(), 1) if device_type(accelerator) == "cuda" else 1
     return n * num_nodes
 
 
@@ -151,10 +160,7 @@ def _strategy_problems(cfg: DictConfig) -> list[str]:
     if st is None or not hasattr(st, "get"):
         return []
     target, out = str(st.get("_target_", "")), []
-    accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    import torch
-
-    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    on_cpu = device_type(cfg.trainer.get("accelerator", "auto")) == "cpu"
     if (target.endswith("FSDPStrategy") and "lmtrain" not in target) or (target.endswith(".named") and st.get("name") == "fsdp"):
         if on_cpu:
             out.append("Lightning's FSDPStrategy does not run on CPU: use strategy=fsdp (FSDP2, runs on CPU with gloo and on GPUs)")
@@ -296,7 +302,7 @@ def check_machine(cfg: DictConfig) -> None:
     """What this machine must have for the config to run here (not part of validate_config: a plan for a GPU cluster
     is validated on a laptop). Checked before any data is prepared or model built."""
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    if accelerator in ("gpu", "cuda"):
+    if device_type(accelerator) == "cuda":
         import torch
 
         if not torch.cuda.is_available():

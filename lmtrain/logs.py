@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from lmtrain import compat
+
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, str]]:
     """Rows of a run's CSV log, as written by Lightning's CSVLogger."""
@@ -36,7 +38,7 @@ def log_direct(trainer, metrics: dict[str, float], step: int | None = None) -> N
     if not trainer.is_global_zero or not trainer.loggers:
         return
     if step is None:
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        step = compat.logged_step(trainer)
     if step % max(trainer.log_every_n_steps, 1):
         return
     for lg in trainer.loggers:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lmtrain import precision
+from lmtrain import compat, precision
 from lmtrain.errors import InputError
 from lmtrain.logs import log_direct
 from lmtrain.loss import cross_entropy
@@ -70,7 +70,7 @@ class _StepStats:
             values = values.detach().to("cpu", non_blocking=True)  # into pinned memory: needs the event below
             ready = torch.cuda.Event()
             ready.record()
-        return cls(trainer.global_step, trainer.fit_loop.epoch_loop._batches_that_stepped, optimizer.param_groups[0]["lr"], values, ready)
+        return cls(trainer.global_step, compat.logged_step(trainer), optimizer.param_groups[0]["lr"], values, ready)
 
     def read(self) -> list[float]:
         if self.ready is not None:

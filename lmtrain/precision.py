@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
+from lmtrain import compat
+
 
 class Fp16MixedPrecision(MixedPrecision):
     """``16-mixed`` with a given ``torch.amp.GradScaler``; gradients are unscaled before ``on_before_optimizer_step``."""
@@ -52,19 +54,17 @@ def scaler_of(trainer) -> torch.amp.GradScaler | None:
     return scaler if scaler is not None and scaler.is_enabled() else None
 
 
-# The two private GradScaler fields read below are the only ones lmtrain touches; tests/test_precision.py fails
-# loudly if a PyTorch version renames them.
 def loss_scale(scaler: torch.amp.GradScaler) -> torch.Tensor:
     """The scale this step's backward used, as a device tensor (``get_scale()`` would sync the host)."""
-    return scaler._scale.reshape(())
+    return compat.scaler_scale(scaler).reshape(())
 
 
 def overflowed(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:
     """1.0 if this step's unscaled gradients hold an inf/NaN (the scaler will skip the update), else 0.0."""
-    found = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {})
+    found = compat.scaler_found_inf(scaler, optimizer)
     if not found:
         raise RuntimeError("overflowed(): the gradients of this step have not been unscaled yet (GradScaler.unscale_)")
-    flags = [f.to(scaler._scale.device, non_blocking=True) for f in found.values()]
+    flags = [f.to(compat.scaler_scale(scaler).device, non_blocking=True) for f in found.values()]
     return torch.stack(flags).amax().clamp(max=1.0).float()
 
 
@@ -74,5 +74,7 @@ def build(precision: str, accelerator: str, scaler_factory) -> tuple[Any, list]:
     if str(precision) not in ("16-mixed", "16"):
         return precision, []
     scaler_factory = scaler_factory or torch.amp.GradScaler
-    device = "cpu" if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()) else "cuda"
+    from lmtrain.config import device_type
+
+    device = device_type(accelerator)
     return None, [Fp16MixedPrecision(device, scaler_factory(device=device))]

@@ -20,6 +20,7 @@ from lmtrain import console, corrections, logbook
 from lmtrain.checkpoint import CheckpointError, check_compatible, config_hash
 from lmtrain.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data
 from lmtrain.console import log
+from lmtrain.contracts import RequestsRollback, StopsTraining
 from lmtrain.errors import InputError, RunStopped
 from lmtrain.precision import build as build_precision
 
@@ -117,7 +118,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
             metrics, detector, stopped = _attempt(cfg, rollback, started)
             if stopped:
                 raise RunStopped(stopped)
-            rollback = getattr(detector, "rollback_request", None)
+            rollback = detector.rollback_request if detector is not None else None
             if rollback is None:
                 return metrics
             run_dir = Path(cfg.run_dir)
@@ -273,11 +274,11 @@ def _attempt(cfg: DictConfig, rollback: dict | None, started: float):
             _safe_finalize(lg, "failed")
         raise
     else:
-        detector = next((c for c in callbacks if hasattr(c, "rollback_request")), None)
-        stopped = next((c.stop_reason for c in trainer.callbacks if getattr(c, "stop_reason", None)), None)
+        detector = next((c for c in callbacks if isinstance(c, RequestsRollback)), None)
+        stopped = next((c.stop_reason for c in trainer.callbacks if isinstance(c, StopsTraining) and c.stop_reason), None)
         if trainer.is_global_zero and stopped:
             logbook.append(run_dir, "stopped", f"training stopped at step {trainer.global_step}: {stopped}", step=trainer.global_step)
-        elif trainer.is_global_zero and getattr(detector, "rollback_request", None) is None:
+        elif trainer.is_global_zero and (detector is None or detector.rollback_request is None):
             step = trainer.global_step
             tokens = step * module.tokens_per_step() if hasattr(module, "tokens_per_step") else 0
             logbook.append(run_dir, "end", f"training ended at step {step} ({tokens:,} tokens)", step=step, tokens=tokens)

@@ -31,6 +31,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from lmtrain import compat
 from lmtrain.errors import InputError
 
 AC_MODES = ("none", "selective", "full")
@@ -186,7 +187,7 @@ class HSDPStrategy(FSDP2Strategy):
                 f"strategy.shard_size={shard} does not divide the world size {world}: HSDP needs world = replicas x shard_size"
             )
         self._device_mesh = init_device_mesh(self.root_device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
-        self.lightning_module._device_mesh = self._device_mesh
+        compat.set_module_device_mesh(self.lightning_module, self._device_mesh)
 
     def shard_mesh(self):
         return self.device_mesh  # 2-D: fully_shard replicates over dim 0 and shards over dim 1

@@ -1,0 +1,64 @@
+"""Every private PyTorch and Lightning attribute lmtrain reads or writes on objects it does not own, in one place.
+
+Each function says what it touches and why no public API does the job. ``tests/test_compat.py`` exercises each one
+on real objects of the pinned versions (torch 2.13.0, lightning 2.6.6), and checks the private members that our
+subclasses of Lightning classes build on (:data:`SUBCLASS_PRIVATES`): an upgrade that renames one fails there, by
+name, rather than somewhere inside a run.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+# Private members of Lightning classes that lmtrain's subclasses use (class -> members), checked by tests/test_compat.py.
+SUBCLASS_PRIVATES = {
+    "lightning.pytorch.strategies.ModelParallelStrategy": ("_setup_distributed", "_device_mesh"),  # lmtrain.strategies
+    "lightning.pytorch.loggers.MLFlowLogger": ("_tracking_uri", "_experiment_name", "_initialized", "_run_id"),  # lmtrain.loggers
+}
+
+
+def logged_step(trainer) -> int:
+    """The step Lightning's loggers record the current batch at (``fit_loop.epoch_loop._batches_that_stepped``): the
+    public ``global_step`` differs from it under manual optimization and in validation, and logging our direct
+    metrics at another step would split one step's row in two."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def dump_checkpoint(trainer) -> dict:
+    """The full training state as Lightning would save it (``trainer._checkpoint_connector.dump_checkpoint``): our
+    checkpointer writes it itself (atomic directories, verification, async, sharded layouts), and
+    ``trainer.save_checkpoint`` would also write the file. A collective under sharded strategies: every rank calls it."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor:
+    """The loss scale as a device tensor (``GradScaler._scale``): ``get_scale()`` syncs the host every step."""
+    return scaler._scale
+
+
+def scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> dict:
+    """``{device: flag}`` recorded by ``unscale_`` for this optimizer's step (``GradScaler._per_optimizer_states``):
+    whether the scaler will skip the update, without a host sync; empty before ``unscale_``."""
+    return scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {})
+
+
+def set_module_device_mesh(lightning_module, mesh) -> None:
+    """Give the LightningModule our 2-D HSDP mesh (``LightningModule._device_mesh``, what its public ``device_mesh``
+    returns; Lightning's ModelParallelStrategy sets it only for the mesh it builds itself)."""
+    lightning_module._device_mesh = mesh
+
+
+def forget_mesh_groups() -> int:
+    """Drop every live ``DeviceMesh``'s references to its process groups (``DeviceMesh._pg_registry``), after
+    ``destroy_process_group``: DTensor's caches keep meshes alive until the interpreter finalizes, and a gloo group
+    freed there aborts the process (train.py's ``_close_process_group``). Returns how many meshes held groups."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    held = 0
+    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:  # isinstance warns on torch's opaque objects
+        if mesh._pg_registry:
+            held += 1
+            mesh._pg_registry.clear()
+    return held

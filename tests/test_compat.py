@@ -1,0 +1,66 @@
+"""lmtrain.compat on real objects of the pinned torch and Lightning: an upgrade that renames a private member lmtrain
+relies on fails here, naming it."""
+
+from __future__ import annotations
+
+import importlib
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lmtrain import compat
+
+
+@pytest.mark.parametrize("path", sorted(compat.SUBCLASS_PRIVATES))
+def test_the_private_members_our_subclasses_use_exist(path, tmp_path):
+    module, _, name = path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    if name == "MLFlowLogger":  # instance attributes: set by __init__
+        obj = cls(experiment_name="x", tracking_uri=f"sqlite:///{tmp_path / 'm.db'}")
+        missing = [m for m in compat.SUBCLASS_PRIVATES[path] if not hasattr(obj, m)]
+    else:
+        missing = [m for m in compat.SUBCLASS_PRIVATES[path] if not (hasattr(cls, m) or m in cls.__init__.__code__.co_names)]
+    assert not missing, f"{path} no longer has {missing}: see lmtrain/compat.py"
+
+
+def test_trainer_privates_after_a_real_fit(tmp_path):
+    trainer = L.Trainer(
+        max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path, limit_val_batches=0,
+    )  # fmt: skip
+    model = BoringModel()
+    trainer.fit(model)
+    assert compat.logged_step(trainer) == 3
+    state = compat.dump_checkpoint(trainer)
+    assert state["global_step"] == 3 and set(state["state_dict"]) == set(model.state_dict()) and state["optimizer_states"]
+    mesh = object()
+    compat.set_module_device_mesh(model, mesh)
+    assert model.device_mesh is mesh
+
+
+def test_grad_scaler_privates():
+    scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    (scaler.scale(p.sum()) * float("inf")).backward()
+    assert compat.scaler_scale(scaler).item() == 64.0
+    assert compat.scaler_found_inf(scaler, opt) == {}  # before unscale_
+    scaler.unscale_(opt)
+    assert [f.item() for f in compat.scaler_found_inf(scaler, opt).values()] == [1.0]
+
+
+def test_forget_mesh_groups_on_a_real_gloo_mesh(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        assert mesh._pg_registry  # what forget_mesh_groups clears
+        dist.destroy_process_group()
+        assert compat.forget_mesh_groups() >= 1 and not mesh._pg_registry
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
