@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import resource
 import shutil
 import signal
@@ -42,14 +43,16 @@ def _broken_dataset(kind: str, good: Path, tmp_path: Path) -> Path:
     ],
 )
 def test_bad_dataset_is_one_message(kind, message, dataset_dir, tmp_path):
+    """In this process for each damage; the first also as a user runs it (exit 2, the line, no traceback)."""
     ds = _broken_dataset(kind, dataset_dir, tmp_path)
     before = {p.name: p.read_bytes() for p in ds.iterdir()} if ds.exists() else None
-    res = run_train_cli([*TINY, f"paths.runs={tmp_path / 'runs'}", f"data.path={ds}", "data.prepare=null"], tmp_path)
-    assert res.returncode == 2, res.stderr[-2000:]
-    assert "Traceback" not in res.stderr
-    import re
-
-    assert re.search(message, res.stderr), res.stderr[-1000:]
+    args = [*TINY, f"paths.runs={tmp_path / 'runs'}", f"data.path={ds}", "data.prepare=null"]
+    if kind == "missing":
+        res = run_train_cli(args, tmp_path)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert re.search(message, res.stderr.strip().splitlines()[-1]), res.stderr[-1000:]
+    with pytest.raises(InputError, match=message):
+        train(make_cfg(args, tmp_path))
     after = {p.name: p.read_bytes() for p in ds.iterdir()} if ds.exists() else None
     assert after == before  # the user's files are untouched
 
@@ -156,16 +159,22 @@ def test_resuming_with_another_data_seed_is_refused(tiny_cfg, tmp_path, dataset_
         ),
     ],
 )
-def test_bad_option_values_checked_by_constructors_are_one_message(overrides, message, dataset_dir, tmp_path):
-    """Options validated in a class's constructor end like every other input error (Hydra would wrap them), and
-    before any data is prepared or anything is written in the run directory."""
-    import re
-
-    args = [*TINY, f"paths.runs={tmp_path / 'runs'}", f"data.path={dataset_dir}", "data.prepare=null", "run_name=bad", *overrides]
-    res = run_train_cli(args, tmp_path)
-    assert res.returncode == 2, res.stderr[-2000:]
-    assert "Traceback" not in res.stderr and "InstantiationException" not in res.stderr
-    assert re.search(message, res.stderr), res.stderr[-1000:]
-    assert "model tiny" not in res.stderr  # refused before the data and the model were looked at
-    run = tmp_path / "runs" / "bad"
+def test_bad_option_values_checked_by_constructors_are_one_message(overrides, message, dataset_dir, tmp_path, capsys):
+    """Options validated in a class's constructor end like every other input error (an InputError, which Hydra would
+    have wrapped in its InstantiationException), before any data is prepared or anything is written in the run
+    directory. In this process; the command line's exit 2 and one line: test_a_bad_option_value_from_the_command_line."""
+    cfg = make_cfg([*TINY, f"paths.runs={tmp_path / 'runs'}", "run_name=bad", *overrides], tmp_path, dataset_dir)
+    with pytest.raises(InputError, match=message):
+        train(cfg)
+    assert "model tiny" not in capsys.readouterr().err  # refused before the data and the model were looked at
+    run = Path(cfg.run_dir)
     assert not (run / "config.yaml").exists() and not (run / "checkpoints").exists()
+
+
+def test_a_bad_option_value_from_the_command_line(dataset_dir, tmp_path):
+    args = [*TINY, f"paths.runs={tmp_path / 'runs'}", f"data.path={dataset_dir}", "data.prepare=null", "run_name=bad",
+            "callbacks=default", "callbacks.checkpoint.keep_last=1"]  # fmt: skip
+    res = run_train_cli(args, tmp_path)
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and last.startswith("error: callbacks.checkpoint.keep_last=1: keep at least 2"), res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and "InstantiationException" not in res.stderr

@@ -86,7 +86,8 @@ def test_quarantine_moves_a_bad_checkpoint_aside_and_repoints_latest(tmp_path):
 # -- resume -----------------------------------------------------------------------------------------
 def test_identical_continuation_after_kill_9_and_kill_mid_save(tmp_path, dataset_dir):
     """Reference run; then the same run killed at step 6 (kill -9), re-run and killed while writing step 12's
-    checkpoint, re-run to the end: per-step train/loss identical to the reference, to the last digit."""
+    checkpoint, re-run to the end: per-step train/loss identical to the reference, to the last digit. Then the same
+    with asynchronous saves every 2 steps, killed at step 7."""
     ref = _cli(tmp_path, dataset_dir, "ref")
     assert ref.returncode == 0, ref.stderr[-3000:]
     crash = _cli(tmp_path, dataset_dir, "cut", "fault=crash", "callbacks.fault.step=6")
@@ -105,9 +106,20 @@ def test_identical_continuation_after_kill_9_and_kill_mid_save(tmp_path, dataset
     assert sorted(ref_loss) == list(range(14))
     assert got == ref_loss  # same steps, same printed values: 0 tolerance
     kinds = [e["kind"] for e in logbook.read(run) if e["kind"] != "checkpoint"]
-    assert kinds == ["start", "resume", "resume", "end"]
+    assert kinds == ["start", "resume", "config_change", "resume", "config_change", "end"]  # the fault drill changed each time
+    changes = [e["changes"] for e in logbook.read(run) if e["kind"] == "config_change"]
+    assert all(k.startswith("callbacks/fault/") for c in changes for k in c), changes
     saved = [e["step"] for e in logbook.read(run) if e["kind"] == "checkpoint"]
     assert saved == [4, 8, 12, 14]  # the save killed midway (12, second run) never logged
+
+    # asynchronous saves (written from a thread): retention holds, and a kill -9 between saves continues identically
+    extra = ["callbacks.checkpoint.async_save=true", "callbacks.checkpoint.every_n_steps=2", "callbacks.checkpoint.keep_last=2",
+             "callbacks.checkpoint.keep_every=4"]  # fmt: skip
+    assert _cli(tmp_path, dataset_dir, "async", *extra, "fault=crash", "callbacks.fault.step=7").returncode == -9
+    final = _cli(tmp_path, dataset_dir, "async", *extra)
+    assert final.returncode == 0 and "step-0000006" in final.stderr, final.stderr[-3000:]
+    assert _losses(tmp_path / "runs" / "async") == ref_loss
+    assert [c.step for c in ck.scan(tmp_path / "runs" / "async" / "checkpoints")] == [4, 8, 12, 14]  # last 2 + multiples of 4
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-0000008", "step-0000012", "step-0000014"]
 
 
@@ -182,19 +194,6 @@ def test_enospc_is_alerted_training_goes_on_and_repeated_failures_stop_the_run(t
     assert out.returncode == 2
     assert "1 consecutive checkpoint saves failed" in out.stderr and "Traceback" not in out.stderr
     assert ck.read_latest(tmp_path / "runs" / "e1" / "checkpoints") is None
-
-
-def test_async_saves_keep_retention_and_continue_identically(tmp_path, dataset_dir):
-    extra = ["callbacks.checkpoint.async_save=true", "callbacks.checkpoint.every_n_steps=2", "callbacks.checkpoint.keep_last=2",
-             "callbacks.checkpoint.keep_every=4"]  # fmt: skip
-    ref = _cli(tmp_path, dataset_dir, "ref", *extra)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    root = tmp_path / "runs" / "ref" / "checkpoints"
-    assert [c.step for c in ck.scan(root)] == [4, 8, 12, 14]  # last 2 (12, 14) + multiples of 4
-    assert _cli(tmp_path, dataset_dir, "cut", *extra, "fault=crash", "callbacks.fault.step=7").returncode == -9
-    final = _cli(tmp_path, dataset_dir, "cut", *extra)
-    assert final.returncode == 0 and "step-0000006" in final.stderr, final.stderr[-3000:]
-    assert _losses(tmp_path / "runs" / "cut") == _losses(tmp_path / "runs" / "ref")
 
 
 def test_disk_guard_refuses_to_start_without_room_for_one_checkpoint(tmp_path, dataset_dir):

@@ -15,16 +15,21 @@ def _generate(run, *args):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
 
 
-def test_generate_from_the_newest_checkpoint(tmp_path, dataset_dir):
+def test_generate_from_the_newest_checkpoint(tmp_path, dataset_dir, capsys):
+    """The first call as a user types it (a process); the others through the same main() in this process."""
+    from lmtrain.generate import main
+
     train(make_cfg(TINY + ["callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0", "callbacks.checkpoint.every_n_steps=2",
                            "trainer.max_steps=3"], tmp_path, dataset_dir))  # fmt: skip
     run = tmp_path / "run"
-    greedy = [_generate(run, "--prompt", "def main(", "--temperature", "0", "--max-new-tokens", "12") for _ in range(2)]
-    assert all(g.returncode == 0 for g in greedy), greedy[0].stderr[-2000:]
-    assert greedy[0].stdout == greedy[1].stdout and greedy[0].stdout.startswith("def main(")
-    assert "[step-0000003, step 3]" in greedy[0].stderr  # the newest complete checkpoint (2 and 3 exist)
-    older = _generate(run, "--prompt", "x", "--checkpoint", "step-0000002", "--max-new-tokens", "4", "--seed", "3")
-    assert older.returncode == 0 and "[step-0000002, step 2]" in older.stderr
+    greedy = _generate(run, "--prompt", "def main(", "--temperature", "0", "--max-new-tokens", "12")
+    assert greedy.returncode == 0, greedy.stderr[-2000:]
+    assert greedy.stdout.startswith("def main(") and "[step-0000003, step 3]" in greedy.stderr  # the newest (2 and 3 exist)
+    capsys.readouterr()
+    assert main([str(run), "--prompt", "def main(", "--temperature", "0", "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out == greedy.stdout  # greedy decoding is deterministic
+    assert main([str(run), "--prompt", "x", "--checkpoint", "step-0000002", "--max-new-tokens", "4", "--seed", "3"]) == 0
+    assert "[step-0000002, step 2]" in capsys.readouterr().err
     shutil.rmtree(run / "checkpoints")
-    none = _generate(run, "--prompt", "x")
-    assert none.returncode == 2 and "has no complete checkpoint" in none.stderr and "Traceback" not in none.stderr
+    code, err = main([str(run), "--prompt", "x"]), capsys.readouterr().err
+    assert code == 2 and "has no complete checkpoint" in err and "Traceback" not in err

@@ -105,14 +105,16 @@ def test_chunked_loss_counts_one_chunk_of_logits(capsys):
     assert chunked["total"] == pytest.approx(whole["total"] - whole["logits"] + chunked["logits"])  # both at the forward peak
 
 
-def test_table_output_and_bad_keys():
-    run = [sys.executable, "-m", "lmtrain.plan"]
-    ok = subprocess.run([*run, "model=opt-125m", "budget.tokens=3e11"], capture_output=True, text=True, cwd=ROOT)
+def test_table_output_and_bad_keys(capsys):
+    """One run as a user types it; the bad inputs through the same main() in this process (a process each cost 5 s)."""
+    from lmtrain.plan import main
+
+    ok = subprocess.run(
+        [sys.executable, "-m", "lmtrain.plan", "model=opt-125m", "budget.tokens=3e11"], capture_output=True, text=True, cwd=ROOT
+    )
     assert ok.returncode == 0 and "| fsdp | full |" in ok.stdout and "days" in ok.stdout
-    bad = subprocess.run([*run, "cluster.gpu=8"], capture_output=True, text=True, cwd=ROOT)
-    assert bad.returncode == 2 and "unknown planner key 'cluster.gpu'" in bad.stderr
-    bad = subprocess.run([*run, "model=opt-9b"], capture_output=True, text=True, cwd=ROOT)
-    assert bad.returncode == 2 and "opt-9b" in bad.stderr
+    assert main(["cluster.gpu=8"]) == 2 and "unknown planner key 'cluster.gpu'" in capsys.readouterr().err
+    assert main(["model=opt-9b"]) == 2 and "opt-9b" in capsys.readouterr().err
     # the training config's own checks, then the batch against the cluster: one error line each, no traceback
     for args, message in (
         (["trainer.accumulate_grad_batches=x"], "trainer.accumulate_grad_batches='x' must be a positive integer"),
@@ -122,8 +124,8 @@ def test_table_output_and_bad_keys():
             "global_batch_size=64 is not a multiple of data.batch_size (16) x cluster.gpus (8)",
         ),
     ):
-        bad = subprocess.run([*run, "model=opt-125m", *args], capture_output=True, text=True, cwd=ROOT)
-        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+        code, err = main(["model=opt-125m", *args]), capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, err
 
 
 def test_largest_model_search_measures_both_sides_of_the_boundary():

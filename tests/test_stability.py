@@ -164,7 +164,10 @@ def test_nan_on_one_rank_and_an_operator_lr_change_apply_on_both_ranks(tmp_path,
     assert float(ref["5"]) < 0.3 * float(ref["4"])  # x0.25 on top of the (slowly decaying) schedule
 
 
-def test_operator_command_line(tmp_path):
+def test_operator_command_line(tmp_path, capsys):
+    """The first call as a user types it (a process); the others through the same main() in this process."""
+    from lmtrain.control import main
+
     run = tmp_path / "run"
     run.mkdir()
     bad = subprocess.run(
@@ -172,16 +175,11 @@ def test_operator_command_line(tmp_path):
     )
     assert bad.returncode == 2 and "not a run directory" in bad.stderr
     (run / "config.yaml").write_text("x: 1\n")
-    ok = subprocess.run(
-        [sys.executable, "-m", "lmtrain.control", str(run), "lr", "--value", "1e-4"], capture_output=True, text=True, cwd=ROOT
-    )
-    assert ok.returncode == 0
+    assert main([str(run), "lr", "--value", "1e-4"]) == 0
     (req,) = list((run / "control").glob("lr-*.json"))
     assert json.loads(req.read_text())["value"] == 1e-4
-    neg = subprocess.run(
-        [sys.executable, "-m", "lmtrain.control", str(run), "lr", "--scale", "-1"], capture_output=True, text=True, cwd=ROOT
-    )
-    assert neg.returncode == 2 and "must be positive" in neg.stderr
+    capsys.readouterr()
+    assert main([str(run), "lr", "--scale", "-1"]) == 2 and "must be positive" in capsys.readouterr().err
 
 
 def test_detector_state_survives_a_resume(tmp_path, dataset_dir):
@@ -189,7 +187,9 @@ def test_detector_state_survives_a_resume(tmp_path, dataset_dir):
     train(make_cfg(TINY + STABLE, tmp_path / "ref", dataset_dir))
     train(make_cfg(TINY + STABLE + ["trainer.max_steps=9"], tmp_path / "cut", dataset_dir))
     train(make_cfg(TINY + STABLE, tmp_path / "cut", dataset_dir))  # the same run directory: resumes from step 9
-    assert _kinds(tmp_path / "cut" / "run") == ["start", "resume"]  # and no schedule_change: the config did not change
+    assert _kinds(tmp_path / "cut" / "run") == ["start", "resume", "config_change"]  # no schedule_change: the schedule's
+    (change,) = [e for e in logbook.read(tmp_path / "cut" / "run") if e["kind"] == "config_change"]  # length is fixed
+    assert change["changes"] == {"trainer/max_steps": [9, 16]}
     ref, got = _rows(tmp_path / "ref" / "run"), _rows(tmp_path / "cut" / "run")
     assert sorted(got) == list(range(16))
     for s in range(16):
@@ -213,7 +213,9 @@ def test_fp16_overflow_is_the_scalers_business_not_divergence():
     det.checkpointer, det.run_dir = None, None
 
     def step(loss=2.0, grad=1.0, scale=65536.0, overflow=False):
-        return det.check_step(trainer, SimpleNamespace(), {"loss": loss, "grad_norm": grad, "act_rms": 1.0, "loss_scale": scale, "overflow": overflow})
+        return det.check_step(
+            trainer, SimpleNamespace(), {"loss": loss, "grad_norm": grad, "act_rms": 1.0, "loss_scale": scale, "overflow": overflow}
+        )
 
     assert step() is False and logged["train/loss_scale"] == 65536.0 and logged["train/skipped_steps"] == 0.0
     assert step(grad=math.inf, overflow=True) is False and step(grad=math.nan, scale=32768.0, overflow=True) is False
