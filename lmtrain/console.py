@@ -47,19 +47,24 @@ class _StderrHandler(logging.StreamHandler):
 
 
 class RunLogFile(logging.Handler):
-    """``RUN_DIR/train.log``: records before :meth:`open` are held (up to ``limit``) and written when it opens."""
+    """``RUN_DIR/train.log``: between :meth:`hold` (a run starts) and :meth:`open` (its attempt is accepted) records
+    are held (up to ``limit``) and written when it opens; outside a run (the tools) nothing is kept."""
 
     def __init__(self, limit: int = 10_000) -> None:
         super().__init__(logging.INFO)
         self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"))
         self.limit = limit
         self.held: list[logging.LogRecord] = []
+        self.holding = False
         self.path: Path | None = None
         self._fh = None
 
+    def hold(self) -> None:
+        self.holding = True
+
     def emit(self, record: logging.LogRecord) -> None:
         if self._fh is None:
-            if len(self.held) < self.limit:
+            if self.holding and len(self.held) < self.limit:
                 self.held.append(record)
             return
         try:
@@ -85,8 +90,9 @@ class RunLogFile(logging.Handler):
         self._fh, self.path = None, None
 
     def forget(self) -> None:
-        """Drop what was held (a refused attempt, or a rank that writes no file)."""
+        """Drop what was held and hold no more (the run ended, or a rank that writes no file)."""
         self.held.clear()
+        self.holding = False
 
 
 run_log = RunLogFile()
@@ -94,7 +100,8 @@ _installed = False
 
 
 def install() -> None:
-    """Route the ``lmtrain`` logger to stderr and to :data:`run_log` (idempotent)."""
+    """Route the ``lmtrain`` logger to stderr and to :data:`run_log` (idempotent; done on import, so the tools'
+    messages reach the console as a run's do)."""
     global _installed
     if _installed:
         return
@@ -106,6 +113,11 @@ def install() -> None:
     log.setLevel(logging.INFO)
     log.propagate = False
     logging.getLogger("lightning.pytorch").addHandler(run_log)  # its own console handler stays as it is
+
+
+def begin_run() -> None:
+    """A run starts: hold what is said until its attempt is accepted and train.log opens (lmtrain.run)."""
+    run_log.hold()
 
 
 def file_only(message: str, name: str = "lmtrain", exc_info: bool = False) -> None:
@@ -131,3 +143,6 @@ def duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+install()

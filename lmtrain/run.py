@@ -110,7 +110,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     What the run says goes to the console and, once the attempt is accepted, to ``RUN_DIR/train.log``
     (lmtrain.console), with how it ended: the summary, the ``stopped:`` or ``error:`` line, or the traceback.
     """
-    console.install()
+    console.begin_run()
     started = time.monotonic()
     rollback = None
     try:
