@@ -176,7 +176,10 @@ def _attempt(cfg: DictConfig, rollback: dict | None, started: float):
         raise InputError(f"cannot create the run directory {run_dir} (run_dir / paths.runs): {exc.strerror or exc}") from exc
     resume = resume_point(cfg)
     if rollback is None:
-        log.info(f"run {cfg.run_name}: {run_dir.resolve()}" + (f" (continuing from step {resume.step})" if resume is not None and resume.step >= 0 else ""))
+        log.info(
+            f"run {cfg.run_name}: {run_dir.resolve()}"
+            + (f" (continuing from step {resume.step})" if resume is not None and resume.step >= 0 else "")
+        )
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     # cheap objects whose constructors check their options (the module, not yet its model): built before any data is prepared
     callbacks = instantiate_group(cfg.get("callbacks"))
@@ -225,7 +228,9 @@ def _attempt(cfg: DictConfig, rollback: dict | None, started: float):
         datamodule.skip_batches = skip
     checkpointer = next((c for c in callbacks if isinstance(c, Checkpointer)), None)
     extra = {"enable_checkpointing": True} if checkpointer is not None else {}  # ours replaces Lightning's ModelCheckpoint
-    precision, plugins = build_precision(cfg.trainer.precision, str(cfg.trainer.accelerator), instantiate(cfg.grad_scaler) if cfg.get("grad_scaler") else None)
+    precision, plugins = build_precision(
+        cfg.trainer.precision, str(cfg.trainer.accelerator), instantiate(cfg.grad_scaler) if cfg.get("grad_scaler") else None
+    )
     if plugins:  # ours (fp16) beside the user's own trainer.plugins
         extra.update(precision=precision, plugins=[*(instantiate(p) for p in cfg.trainer.get("plugins") or []), *plugins])
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy, **extra)
