@@ -22,7 +22,9 @@ def summary(run: Path) -> str:
     scale = [(s, float(r["train/loss_scale"])) for s, r in sorted(rows.items()) if "train/loss_scale" in r]
     if scale:
         skipped = max(float(r.get("train/skipped_steps", 0)) for r in rows.values())
-        out.append(f"   loss scale first {scale[0][1]:g} last {scale[-1][1]:g} min {min(v for _, v in scale):g}; skipped updates {skipped:g}")
+        out.append(
+            f"   loss scale first {scale[0][1]:g} last {scale[-1][1]:g} min {min(v for _, v in scale):g}; skipped updates {skipped:g}"
+        )
     for e in logbook.read(run):
         if e["kind"] not in ("checkpoint",):
             out.append(f"   {e['kind']:<18} {e['message'][:300]}")

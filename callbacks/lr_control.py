@@ -58,7 +58,9 @@ class LRControl(L.Callback):
         for cfg in trainer.lr_scheduler_configs or []:
             changes = getattr(cfg.scheduler, "changes", None)
             if changes and trainer.is_global_zero:
-                what = ", ".join(f"{k} {old:g} -> {new:g}" if isinstance(old, float) else f"{k} {old} -> {new}" for k, (old, new) in changes.items())
+                what = ", ".join(
+                    f"{k} {old:g} -> {new:g}" if isinstance(old, float) else f"{k} {old} -> {new}" for k, (old, new) in changes.items()
+                )
                 message = f"schedule: {what} at step {trainer.global_step} (the config's schedule from here on)"
                 logbook.append(self.run_dir, "schedule_change", message, step=trainer.global_step, changes=changes)
                 log.info(f"{message}")

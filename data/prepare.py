@@ -173,7 +173,9 @@ def verify(directory: str | Path) -> list[str]:
             ids = np.memmap(f, dtype=dtype, mode="r")
             bad = np.flatnonzero(ids >= manifest["vocab_size"]) if len(ids) else []
             if len(bad):
-                problems.append(f"{f}: token id {int(ids[bad[0]])} at token {int(bad[0])} is not below the vocabulary ({manifest['vocab_size']})")
+                problems.append(
+                    f"{f}: token id {int(ids[bad[0]])} at token {int(bad[0])} is not below the vocabulary ({manifest['vocab_size']})"
+                )
     return problems
 
 
@@ -386,7 +388,10 @@ def _verify_main(directory: str) -> int:
     for problem in problems:
         print(f"damaged: {problem}", file=sys.stderr)
     if problems:
-        print(f"error: {len(problems)} damaged shard(s) in {directory}: prepare it again (python -m data.prepare --force ...)", file=sys.stderr)
+        print(
+            f"error: {len(problems)} damaged shard(s) in {directory}: prepare it again (python -m data.prepare --force ...)",
+            file=sys.stderr,
+        )
         return 2
     print(f"ok: {directory}")
     return 0

@@ -53,9 +53,7 @@ def abandoned(entries: list[dict], from_step: int) -> list[int]:
     """Line numbers of the operator and config corrections in force from ``from_step`` on: the timeline a rollback to
     the checkpoint of ``from_step`` abandons (a checkpoint of step S is saved before step S's corrections apply)."""
     gone = revoked(entries)
-    return [
-        i for i, e in enumerate(entries) if i not in gone and e.get("reason") in ("operator", "config") and e["from_step"] >= from_step
-    ]
+    return [i for i, e in enumerate(entries) if i not in gone and e.get("reason") in ("operator", "config") and e["from_step"] >= from_step]
 
 
 def describe(entry: dict) -> str:

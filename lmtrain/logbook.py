@@ -52,7 +52,9 @@ def read(run_dir: str | Path) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m lmtrain.logbook", description="Print a run's logbook (RUN_DIR/logbook.jsonl) as a timeline.")
+    p = argparse.ArgumentParser(
+        prog="python -m lmtrain.logbook", description="Print a run's logbook (RUN_DIR/logbook.jsonl) as a timeline."
+    )
     p.add_argument("run_dir", help="the run directory, e.g. runs/my-run")
     args = p.parse_args(argv)
     if not (Path(args.run_dir) / FILE).is_file():

@@ -146,7 +146,9 @@ def write_plots(run_dir: Path, metrics: dict[str, dict[int, float]]) -> list[Pat
         twin.set_ylabel("updates skipped by the scaler (total)")
         ax.plot([], [], color="tab:red", linewidth=1, label="train/skipped_steps (right axis)")  # into the legend
         _mark(ax, events)
-        _save(fig, ax, out / "loss_scale.png", {"train/loss_scale": len(scale), "train/skipped_steps": len(skipped), "markers": len(events)})
+        _save(
+            fig, ax, out / "loss_scale.png", {"train/loss_scale": len(scale), "train/skipped_steps": len(skipped), "markers": len(events)}
+        )
         written.append(out / "loss_scale.png")
     return written
 
