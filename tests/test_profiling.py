@@ -163,3 +163,26 @@ def test_throughput_bench_prints_its_table_row(tmp_path):
     assert len(row) == 16 and row[1] == "1" and row[9] == "8 (5)", row
     trainer, raw, ratio = (float(row[i].replace(",", "")) for i in (10, 12, 13))
     assert trainer > 0 and raw > 0 and ratio == pytest.approx(trainer / raw, abs=2e-3)
+
+
+@pytest.mark.parametrize(
+    ("name", "precision", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16-mixed", 989.4e12),  # Lightning's table (H100 SXM, dense)
+        ("NVIDIA H200", "bf16-mixed", 989.4e12),  # ours: Lightning's table has no such name
+        ("NVIDIA A100-SXM4-80GB", "16-mixed", 312e12),  # Lightning's table
+        ("NVIDIA H100 80GB HBM3", "32-true", None),  # MFU is quoted for 16-bit training only
+        ("Some Future GPU", "bf16-mixed", None),  # nobody lists it: pass callbacks.throughput.peak_tflops
+    ],
+)
+def test_peak_flops_come_from_lightnings_table_except_where_it_is_silent(monkeypatch, name, precision, peak):
+    """The device name is what torch would report on that card (this machine has none): the lookup is what is tested."""
+    import torch
+
+    from callbacks.throughput import detect_peak_flops
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    got = detect_peak_flops(precision)
+    assert (got is None and peak is None) or got == pytest.approx(peak), (name, got)
