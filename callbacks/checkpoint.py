@@ -27,6 +27,7 @@ from lmtrain import checkpoint as ck
 from lmtrain import compat
 from lmtrain.checkpoint import CheckpointError
 from lmtrain.console import log
+from lmtrain.contracts import CheckpointStore, SaveGuard
 
 
 def _rng_state() -> dict:
@@ -113,7 +114,7 @@ class HostCopy:
         return obj
 
 
-class Checkpointer(Checkpoint):
+class Checkpointer(Checkpoint, CheckpointStore):
     """Save ``step-NNNNNNN`` checkpoints under ``dirpath`` every ``every_n_steps`` optimizer steps and at the end.
 
     Args:
@@ -150,6 +151,7 @@ class Checkpointer(Checkpoint):
         self.run_info: dict = {}  # set by lmtrain.run: config hash, model config, parameter shapes, MLflow run id
         self.health: dict = {}  # filled by the stability callbacks; stored in meta.json
         self.suppress_final_save = False  # set when training stops on divergence: never save the bad state
+        self.alert_hooks: list = []  # set by lmtrain.run: callables (kind, message) forwarding alerts (MLflow tags)
         self.faults = None  # a callbacks.fault.FaultInjector, for drills
         self.failures = 0
         self.last_saved_step: int | None = None
@@ -206,7 +208,7 @@ class Checkpointer(Checkpoint):
         ):
             self.save(trainer)  # training ended some other way (an epoch limit): still keep the final state
         self.wait()
-        for guard in (c for c in trainer.callbacks if hasattr(c, "flush_metrics")):
+        for guard in (c for c in trainer.callbacks if isinstance(c, SaveGuard)):
             guard.flush_metrics(trainer)  # the last save's figures, now that it is complete
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
@@ -269,7 +271,7 @@ class Checkpointer(Checkpoint):
         """Save a checkpoint of the current step; returns False if it was skipped or failed (training goes on)."""
         step = trainer.global_step
         self.wait()
-        for guard in (c for c in trainer.callbacks if hasattr(c, "before_save")):
+        for guard in (c for c in trainer.callbacks if isinstance(c, SaveGuard)):
             if not guard.before_save(trainer, self, self.estimate_bytes(trainer)):
                 return False
         t0 = time.perf_counter()
@@ -370,7 +372,7 @@ class Checkpointer(Checkpoint):
         self.failures = 0
         deleted = ck.prune(self.root, self.keep_last, self.keep_every, protect={meta["step"]})
         size = sum(ck.dir_files(final).values())
-        for guard in (c for c in trainer.callbacks if hasattr(c, "after_save")):
+        for guard in (c for c in trainer.callbacks if isinstance(c, SaveGuard)):
             guard.after_save(trainer, self, final, size)
         if deleted:
             log.info(f"retention removed {', '.join(p.name for p in deleted)}")
@@ -423,7 +425,7 @@ def alert(checkpointer: Checkpointer, kind: str, message: str) -> None:
 
     log.info(f"ALERT: {message}")
     append(checkpointer.root.parent, kind, message)
-    for hook in getattr(checkpointer, "alert_hooks", ()):
+    for hook in checkpointer.alert_hooks:
         try:
             hook(kind, message)
         except Exception as exc:  # noqa: BLE001 - an alert channel failing must not hide the alert

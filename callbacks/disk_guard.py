@@ -22,7 +22,7 @@ from pathlib import Path
 import lightning as L
 
 from lmtrain import checkpoint as ck
-from lmtrain.contracts import StopsTraining
+from lmtrain.contracts import SaveGuard, StopsTraining
 from lmtrain.errors import InputError
 
 GB = 1e9
@@ -39,7 +39,7 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(p).free
 
 
-class DiskGuard(L.Callback, StopsTraining):
+class DiskGuard(L.Callback, StopsTraining, SaveGuard):
     """Args:
     margin_gb: free space to keep beyond one checkpoint (GB, 1e9 bytes).
     """

@@ -40,7 +40,7 @@ import lightning as L
 from lmtrain import checkpoint as ck
 from lmtrain import corrections, logbook
 from lmtrain.console import log
-from lmtrain.contracts import RequestsRollback, StopsTraining
+from lmtrain.contracts import CheckpointStore, RequestsRollback, StepChecker, StopsTraining
 from lmtrain.errors import InputError
 from lmtrain.logs import log_direct
 
@@ -82,7 +82,7 @@ class _EMA:
         self.mean, self.var, self.n = s["mean"], s["var"], s["n"]
 
 
-class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback):
+class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecker):
     """Args (each signal is a dict; missing keys take the defaults in ``DEFAULTS``):
     warmup_steps: healthy steps observed before spikes are judged.
     ema_beta: smoothing of the running statistics.
@@ -168,7 +168,7 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback):
         self.skip_streak, self.skipped_total = state.get("skip_streak", 0), state.get("skipped_total", 0)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        self.checkpointer = next((c for c in trainer.callbacks if hasattr(c, "health") and hasattr(c, "root")), None)
+        self.checkpointer = next((c for c in trainer.callbacks if isinstance(c, CheckpointStore)), None)
         self.run_dir = self.checkpointer.root.parent if self.checkpointer is not None else None
         self.rollback_request = None
         self.stop_reason = None
@@ -341,7 +341,7 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback):
         log.info(f"{kind}: {message}")
         if trainer.is_global_zero and self.run_dir is not None:
             logbook.append(self.run_dir, kind, message, **fields)
-            for hook in getattr(self.checkpointer, "alert_hooks", ()):
+            for hook in self.checkpointer.alert_hooks:
                 try:
                     hook(kind, message)
                 except Exception as exc:  # noqa: BLE001

@@ -11,6 +11,7 @@ import sys
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 from lmtrain import console
+from lmtrain.contracts import ReportsThroughput
 
 
 class ProgressBar(TQDMProgressBar):
@@ -93,7 +94,7 @@ class ProgressBar(TQDMProgressBar):
             metrics["train/loss"] = loss
         if trainer.optimizers:
             metrics["train/lr"] = trainer.optimizers[0].param_groups[0]["lr"]
-        rate = next((c.smoothed_tokens_per_sec for c in trainer.callbacks if getattr(c, "smoothed_tokens_per_sec", None)), None)
+        rate = next((c.smoothed_tokens_per_sec for c in trainer.callbacks if isinstance(c, ReportsThroughput)), None)
         if rate is not None:
             metrics["perf/tokens_per_sec_smoothed"] = rate
         out = {}

@@ -8,6 +8,7 @@ from collections import deque
 import lightning as L
 import torch
 
+from lmtrain.contracts import ReportsThroughput
 from lmtrain.logs import log_direct
 
 # Dense bf16/fp16 tensor-core peaks (no sparsity) of the cards where Lightning's table
@@ -32,7 +33,7 @@ def detect_peak_flops(precision: str) -> float | None:
     return float(flops) if flops else None
 
 
-class Throughput(L.Callback):
+class Throughput(L.Callback, ReportsThroughput):
     """Logs ``perf/tokens_per_sec`` (all ranks together) and ``perf/mfu`` each optimizer step.
 
     One step's rate jumps with host noise (measured on 2 CPU cores: 464 to 1,517 tokens/s between neighbouring

@@ -1,7 +1,11 @@
-"""What the run (lmtrain.run) asks of the callbacks that can end an attempt early, declared as small base classes
-that those callbacks inherit and the run finds by type (not by probing for attributes)."""
+"""What components ask of each other, declared as small base classes that the callbacks inherit and the others find
+by type (``isinstance``), not by probing for attributes: the run asks who may stop training or request a rollback,
+LMModule who judges a step, the checkpointer who guards a save, the detector where the checkpoints are, the progress
+bar who measures speed."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 class StopsTraining:
@@ -18,3 +22,45 @@ class RequestsRollback:
     ``signal_step``, ``skip_batches`` and ``why``; the run records it and starts the next attempt from there."""
 
     rollback_request: dict | None = None
+
+
+class StepChecker:
+    """A callback that judges every optimizer step's statistics (the divergence detector). LMModule calls
+    :meth:`check_step` on every rank, with the same (reduced) statistics, one step late unless ``needs_same_step``."""
+
+    needs_same_step: bool = False  # True: the statistics of this very update are needed now (a device sync per step)
+
+    def check_step(self, trainer, pl_module, stats: dict) -> bool:
+        """``stats``: step, log_step, loss, grad_norm, act_rms, loss_scale, overflow. True: drop this update."""
+        raise NotImplementedError
+
+
+class SaveGuard:
+    """A callback consulted around every checkpoint save (the disk guard)."""
+
+    def before_save(self, trainer, checkpointer, estimate: int) -> bool:
+        """``estimate``: the bytes the save will write. False: skip this save (training goes on)."""
+        return True
+
+    def after_save(self, trainer, checkpointer, final, size: int) -> None:
+        """A save completed into ``final`` (``size`` bytes); may run in the saving thread."""
+
+    def flush_metrics(self, trainer) -> None:
+        """Log what the completed saves measured (called at each step and by the checkpointer at the end)."""
+
+
+class CheckpointStore:
+    """What the other callbacks may use of the run's checkpointer (callbacks.checkpoint.Checkpointer): where the
+    checkpoints are, the health fields saved with the next one, whether the final save is suppressed (a diverged
+    state), and the hooks that forward alerts (MLflow tags)."""
+
+    root: Path
+    health: dict
+    suppress_final_save: bool = False
+    alert_hooks: list
+
+
+class ReportsThroughput:
+    """A callback that measures training speed; the progress bar shows ``smoothed_tokens_per_sec``."""
+
+    smoothed_tokens_per_sec: float | None = None

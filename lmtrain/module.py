@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lmtrain import compat, precision
+from lmtrain.contracts import StepChecker
 from lmtrain.errors import InputError
 from lmtrain.logs import log_direct
 from lmtrain.loss import cross_entropy
@@ -230,12 +231,12 @@ class LMModule(L.LightningModule):
         # save, or at the end), so the host never waits for the device mid-step. A checker that must act on this very
         # update (a `skip` action) asks for it now: one device sync per step.
         checkers = self._checkers()
-        now = any(getattr(c, "needs_same_step", False) for c in checkers)
+        now = any(c.needs_same_step for c in checkers)
         if self._judge_stats(checkers, keep_newest=not now):
             self.drop_update(optimizer)
 
-    def _checkers(self) -> list:
-        return [c for c in self.trainer.callbacks if hasattr(c, "check_step")]
+    def _checkers(self) -> list[StepChecker]:
+        return [c for c in self.trainer.callbacks if isinstance(c, StepChecker)]
 
     def flush_step_stats(self) -> None:
         """Log and judge every step's statistics not yet read (before a checkpoint is saved, at the end)."""
