@@ -152,7 +152,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
         self.health: dict = {}  # filled by the stability callbacks; stored in meta.json
         self.suppress_final_save = False  # set when training stops on divergence: never save the bad state
         self.alert_hooks: list = []  # set by lmtrain.run: callables (kind, message) forwarding alerts (MLflow tags)
-        self.faults = None  # a callbacks.fault.FaultInjector, for drills
+        self._guards: list[SaveGuard] = []
         self.failures = 0
         self.last_saved_step: int | None = None
         self.last_stall_s = self.last_write_s = 0.0
@@ -167,6 +167,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
     # -- lifecycle ---------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.suppress_final_save = False
+        self._guards = [c for c in trainer.callbacks if isinstance(c, SaveGuard)]
         self._sharded = _is_sharded(trainer.strategy)
         if self.async_save and self._sharded:
             raise CheckpointError("callbacks.checkpoint.async_save is not supported with sharded strategies yet; set it to false")
@@ -303,7 +304,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
     def _write_single(self, trainer, checkpoint: dict, partial: Path, final: Path, meta: dict, t0: float) -> bool:
         try:
             partial.mkdir(parents=True, exist_ok=True)
-            self._fault("save_start", meta["step"], partial)
+            self._stage("save_start", meta["step"], partial)
             path = partial / ck.SINGLE_FILE
             io = trainer.strategy.checkpoint_io
             from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -315,7 +316,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
                     os.fsync(fh.fileno())
             else:  # a user's CheckpointIO plugin decides how bytes are written
                 io.save_checkpoint(checkpoint, path)
-            self._fault("before_commit", meta["step"], partial)
+            self._stage("before_commit", meta["step"], partial)
             self._commit(partial, final, meta)
             if threading.current_thread() is threading.main_thread():
                 self.last_stall_s = time.perf_counter() - t0  # synchronous: the whole save stalled training
@@ -334,14 +335,14 @@ class Checkpointer(Checkpoint, CheckpointStore):
             if trainer.is_global_zero:
                 partial.mkdir(parents=True, exist_ok=True)
             trainer.strategy.barrier("lmtrain-ckpt-mkdir")
-            self._fault("save_start", meta["step"], partial)
+            self._stage("save_start", meta["step"], partial)
             trainer.strategy.save_checkpoint(checkpoint, partial)  # every rank writes its shards
         except OSError as exc:
             error = exc
         ok = trainer.strategy.reduce_boolean_decision(error is None, all=True)
         if ok and trainer.is_global_zero:
             try:
-                self._fault("before_commit", meta["step"], partial)
+                self._stage("before_commit", meta["step"], partial)
                 self._commit(partial, final, meta)
             except OSError as exc:
                 error = exc
@@ -362,7 +363,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
 
     def _commit(self, partial: Path, final: Path, meta: dict) -> None:
         ck.commit(partial, final, meta)
-        self._fault("after_commit", meta["step"], final)
+        self._stage("after_commit", meta["step"], final)
         got, why = ck.verify(final)  # read back what the filesystem holds now
         if got is None:
             ck.quarantine(final)
@@ -414,9 +415,9 @@ class Checkpointer(Checkpoint, CheckpointStore):
             if raise_errors:
                 self._raise_if_too_many()
 
-    def _fault(self, point: str, step: int, path: Path) -> None:
-        if self.faults is not None:
-            self.faults.at_checkpoint(point, step, path)
+    def _stage(self, stage: str, step: int, path: Path) -> None:
+        for guard in self._guards:
+            guard.at_save_stage(stage, step, path)
 
 
 def alert(checkpointer: Checkpointer, kind: str, message: str) -> None:

@@ -28,6 +28,7 @@ import lightning as L
 import torch
 
 from lmtrain.console import log
+from lmtrain.contracts import SaveGuard
 from lmtrain.errors import InputError
 
 KINDS = ("crash", "crash_mid_save", "enospc", "truncate", "loss_spike", "nan_loss", "act_growth", "grad_overflow")
@@ -46,7 +47,18 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-class FaultInjector(L.Callback):
+def _scale_next_loss(pl_module, factor: float) -> None:
+    """The next loss the module computes (this step's training loss) multiplied by ``factor``: the module's ``loss``
+    wrapped on the instance for one call, so the gradients follow; nothing of the drill lives in LMModule."""
+
+    def once(inputs, targets):
+        del pl_module.loss  # the class's method again
+        return pl_module.loss(inputs, targets) * factor
+
+    pl_module.loss = once
+
+
+class FaultInjector(L.Callback, SaveGuard):
     def __init__(self, kind: str, step: int, run_dir: str, rank: int | None = 0, factor: float = 20.0, count: int = 1) -> None:
         if kind not in KINDS:
             raise InputError(f"fault.kind={kind!r}: use one of {list(KINDS)}")
@@ -55,11 +67,6 @@ class FaultInjector(L.Callback):
         self.marker = Path(run_dir) / ".faults" / f"{kind}-{self.step}"
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        from callbacks.checkpoint import Checkpointer
-
-        for c in trainer.callbacks:
-            if isinstance(c, Checkpointer):
-                c.faults = self
         self._global_rank = trainer.global_rank
 
     def _arm(self) -> bool:
@@ -82,7 +89,7 @@ class FaultInjector(L.Callback):
         if self.kind == "crash" and step >= self.step and self._arm():
             self._kill(f"crash at step {step}")
         if self.kind in ("loss_spike", "nan_loss") and step == self.step and self._arm():
-            pl_module.loss_fault = self.factor if self.kind == "loss_spike" else float("nan")
+            _scale_next_loss(pl_module, self.factor if self.kind == "loss_spike" else float("nan"))
             log.info(f"FAULT: {self.kind} at step {step} on rank {trainer.global_rank}")
         if self.kind == "act_growth" and step == self.step and self._growth_from is None and self._arm():
             self._growth_from = step
@@ -98,7 +105,7 @@ class FaultInjector(L.Callback):
             )
             log.info(f"FAULT: gradients x{self.factor:g} in steps {step}..{end - 1}")
 
-    def at_checkpoint(self, point: str, step: int, path: Path) -> None:
+    def at_save_stage(self, point: str, step: int, path: Path) -> None:
         if step < self.step:
             return
         if self.kind == "enospc" and point == "save_start" and self._arm():

@@ -48,6 +48,11 @@ class SaveGuard:
     def flush_metrics(self, trainer) -> None:
         """Log what the completed saves measured (called at each step and by the checkpointer at the end)."""
 
+    def at_save_stage(self, stage: str, step: int, path) -> None:
+        """A stage of the save protocol: ``save_start`` (the partial directory exists, nothing written),
+        ``before_commit`` (every file written, not yet committed) or ``after_commit`` (committed as ``path``, not yet
+        verified). Raising ``OSError`` fails the save as the filesystem would. The fault drills use it."""
+
 
 class CheckpointStore:
     """What the other callbacks may use of the run's checkpointer (callbacks.checkpoint.Checkpointer): where the

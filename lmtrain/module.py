@@ -137,7 +137,6 @@ class LMModule(L.LightningModule):
         self._val_count = torch.zeros(())
         self._train_losses: list[torch.Tensor] = []
         self._act_sq: list[torch.Tensor] = []
-        self.loss_fault: float | None = None
         self._act_hook = None
         self._pending_stats: list[_StepStats] = []
         self.last_train_loss: float | None = None
@@ -190,8 +189,6 @@ class LMModule(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, targets = batch  # (B, T), (B, T)
         loss = self.loss(inputs, targets)
-        if self.loss_fault is not None:  # fault drills (callbacks/fault.py): a spike or a NaN, once
-            loss, self.loss_fault = loss * self.loss_fault, None
         self._train_losses.append(loss.detach())
         return loss
 
