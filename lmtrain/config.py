@@ -156,33 +156,29 @@ def world_size(cfg: DictConfig) -> int:
 
 
 def _strategy_problems(cfg: DictConfig) -> list[str]:
+    """The strategy's own answer (its ``config_problems``: the rules live with the class) and Lightning's FSDPStrategy
+    on CPU, found by class rather than by the text of ``_target_``."""
     st = cfg.get("strategy")
-    if st is None or not hasattr(st, "get"):
+    if st is None or not hasattr(st, "get") or "_target_" not in st:
         return []
-    target, out = str(st.get("_target_", "")), []
+    try:
+        target = get_object(str(st._target_))
+    except Exception:  # noqa: BLE001 - reported with the other keys by validate_config
+        return []
     on_cpu = device_type(cfg.trainer.get("accelerator", "auto")) == "cpu"
-    if (target.endswith("FSDPStrategy") and "lmtrain" not in target) or (target.endswith(".named") and st.get("name") == "fsdp"):
-        if on_cpu:
-            out.append("Lightning's FSDPStrategy does not run on CPU: use strategy=fsdp (FSDP2, runs on CPU with gloo and on GPUs)")
-    if target.startswith("lmtrain.strategies.") and target.endswith(("FSDP2Strategy", "HSDPStrategy")):
-        if on_cpu and st.get("cpu_offload"):
-            out.append("strategy.cpu_offload=true needs GPUs: on CPU the parameters already live in host memory")
-        mixed = str(cfg.trainer.get("precision")) == "bf16-mixed" and st.get("mixed_precision", True)
-        if st.get("reduce_dtype") == "bfloat16" and not mixed:
-            out.append(
-                f"strategy.reduce_dtype={st.get('reduce_dtype')} takes effect only with trainer.precision=bf16-mixed and "
-                "strategy.mixed_precision=true (otherwise gradients are reduced in the parameters' fp32)"
-            )
-        if target.endswith("HSDPStrategy"):
-            ws = world_size(cfg)
-            devices = cfg.trainer.get("devices")
-            shard = st.get("shard_size") or (devices if isinstance(devices, int) else None)
-            if isinstance(shard, int) and (shard < 1 or ws % shard):
-                out.append(
-                    f"strategy.shard_size={shard} does not divide the world size {ws} (trainer.devices x trainer.num_nodes): "
-                    "HSDP needs world size = replicas x shard_size"
-                )
-    return out
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lmtrain.strategies import named
+
+    lightning_fsdp = (isinstance(target, type) and issubclass(target, FSDPStrategy)) or (target is named and st.get("name") == "fsdp")
+    if lightning_fsdp and on_cpu:
+        return ["Lightning's FSDPStrategy does not run on CPU: use strategy=fsdp (FSDP2, runs on CPU with gloo and on GPUs)"]
+    if not hasattr(target, "config_problems"):
+        return []
+    options = {k: v for k, v in OmegaConf.to_container(st, resolve=True).items() if not str(k).startswith("_")}
+    return target.config_problems(
+        options, precision=str(cfg.trainer.get("precision")), on_cpu=on_cpu, world_size=world_size(cfg), devices=cfg.trainer.get("devices")
+    )
 
 
 # -- pass 1: the config alone --------------------------------------------------------------------

@@ -50,6 +50,21 @@ def named(name: str) -> str:
 class FSDP2Strategy(ModelParallelStrategy):
     """Fully sharded data parallel (FSDP2) over all ranks; see the module docstring for the options."""
 
+    @classmethod
+    def config_problems(cls, options: dict, *, precision: str, on_cpu: bool, world_size: int, devices) -> list[str]:
+        """What these options cannot do in this run (lmtrain.config asks before any process starts; the options' own
+        values are checked in ``__init__``, where the strategy is built)."""
+        out = []
+        if on_cpu and options.get("cpu_offload"):
+            out.append("strategy.cpu_offload=true needs GPUs: on CPU the parameters already live in host memory")
+        mixed = str(precision) == "bf16-mixed" and options.get("mixed_precision", True)
+        if options.get("reduce_dtype") == "bfloat16" and not mixed:
+            out.append(
+                f"strategy.reduce_dtype={options.get('reduce_dtype')} takes effect only with trainer.precision=bf16-mixed and "
+                "strategy.mixed_precision=true (otherwise gradients are reduced in the parameters' fp32)"
+            )
+        return out
+
     def __init__(
         self,
         mixed_precision: bool = True,
@@ -145,6 +160,17 @@ class HSDPStrategy(FSDP2Strategy):
     Args:
         shard_size: ranks per shard group; null = the processes of one node (``trainer.devices``).
     """
+
+    @classmethod
+    def config_problems(cls, options: dict, *, precision: str, on_cpu: bool, world_size: int, devices) -> list[str]:
+        out = super().config_problems(options, precision=precision, on_cpu=on_cpu, world_size=world_size, devices=devices)
+        shard = options.get("shard_size") or (devices if isinstance(devices, int) else None)
+        if isinstance(shard, int) and (shard < 1 or world_size % shard):
+            out.append(
+                f"strategy.shard_size={shard} does not divide the world size {world_size} (trainer.devices x trainer.num_nodes): "
+                "HSDP needs world size = replicas x shard_size"
+            )
+        return out
 
     def __init__(
         self,
