@@ -55,14 +55,19 @@ class SaveGuard:
 
 
 class CheckpointStore:
-    """What the other callbacks may use of the run's checkpointer (callbacks.checkpoint.Checkpointer): where the
-    checkpoints are, the health fields saved with the next one, whether the final save is suppressed (a diverged
-    state), and the hooks that forward alerts (MLflow tags)."""
+    """What the run and the other callbacks may use of the run's checkpointer (callbacks.checkpoint.Checkpointer):
+    where the checkpoints are, what each records about the run (``run_info``, set by lmtrain.run), the health fields
+    saved with the next one, whether the final save is suppressed (a diverged state), the hooks that forward alerts
+    (MLflow tags), and waiting for a save in flight."""
 
     root: Path
+    run_info: dict
     health: dict
     suppress_final_save: bool = False
     alert_hooks: list
+
+    def wait(self) -> None:
+        """Return once no save is in flight."""
 
 
 class ReportsThroughput:

@@ -14,13 +14,12 @@ from hydra.utils import instantiate as _hydra_instantiate
 from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from callbacks.checkpoint import Checkpointer
 from lmtrain import checkpoint as ck
 from lmtrain import console, corrections, logbook
 from lmtrain.checkpoint import CheckpointError, check_compatible, config_hash
 from lmtrain.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data
 from lmtrain.console import log
-from lmtrain.contracts import RequestsRollback, StopsTraining
+from lmtrain.contracts import CheckpointStore, RequestsRollback, StopsTraining
 from lmtrain.errors import InputError, RunStopped
 from lmtrain.precision import build as build_precision
 
@@ -174,15 +173,16 @@ def _attempt(cfg: DictConfig, rollback: dict | None, started: float):
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise InputError(f"cannot create the run directory {run_dir} (run_dir / paths.runs): {exc.strerror or exc}") from exc
-    resume = resume_point(cfg)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    # cheap objects whose constructors check their options (the module, not yet its model): built before any data is prepared
+    callbacks = instantiate_group(cfg.get("callbacks"))
+    checkpointer = next((c for c in callbacks if isinstance(c, CheckpointStore)), None)  # callbacks.checkpoint.Checkpointer
+    resume = resume_point(cfg, checkpointer.root if checkpointer is not None else None)
     if rollback is None:
         log.info(
             f"run {cfg.run_name}: {run_dir.resolve()}"
             + (f" (continuing from step {resume.step})" if resume is not None and resume.step >= 0 else "")
         )
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    # cheap objects whose constructors check their options (the module, not yet its model): built before any data is prepared
-    callbacks = instantiate_group(cfg.get("callbacks"))
     strategy = instantiate(cfg.strategy) if cfg.get("strategy") else "auto"
     model_factory = instantiate(cfg.model)  # a factory: the model itself is built in LMModule.configure_model
     module = instantiate(
@@ -226,7 +226,6 @@ def _attempt(cfg: DictConfig, rollback: dict | None, started: float):
                 lg.resume_at(resume.step, relog=rollback is not None)  # a rollback's new timeline is logged again
         skip = rollback["skip_batches"] if rollback is not None else corrections.data_skip(corrections.load(run_dir), resume.step)
         datamodule.skip_batches = skip
-    checkpointer = next((c for c in callbacks if isinstance(c, Checkpointer)), None)
     extra = {"enable_checkpointing": True} if checkpointer is not None else {}  # ours replaces Lightning's ModelCheckpoint
     precision, plugins = build_precision(
         cfg.trainer.precision, str(cfg.trainer.accelerator), instantiate(cfg.grad_scaler) if cfg.get("grad_scaler") else None
@@ -319,22 +318,15 @@ def _overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
-def _checkpoint_root(cfg: DictConfig) -> Path | None:
-    for node in (cfg.get("callbacks") or {}).values():
-        if node is not None and str(node.get("_target_", "")).endswith("Checkpointer"):
-            return Path(node.dirpath)
-    return None
-
-
-def resume_point(cfg: DictConfig) -> ck.Checkpoint | None:
-    """Where training continues from: ``ckpt_path``, else (``resume=true``) the run's newest complete checkpoint.
+def resume_point(cfg: DictConfig, root: Path | None) -> ck.Checkpoint | None:
+    """Where training continues from: ``ckpt_path``, else (``resume=true``) the newest complete checkpoint under
+    ``root`` (the run's checkpoint directory; None: the run keeps no checkpoints).
 
     With ``resume=false`` a run whose checkpoint directory already holds checkpoints is refused unless
     ``overwrite=true``, which deletes them. Decided before any expensive work.
     """
     if cfg.get("ckpt_path"):
         return open_checkpoint(Path(cfg.ckpt_path))
-    root = _checkpoint_root(cfg)
     if root is None:
         return None
     if cfg.get("resume", True):
@@ -387,7 +379,7 @@ def _mlflow_locations(trainer) -> list[str]:
     return [lg.where() for lg in trainer.loggers if hasattr(lg, "where") and trainer.is_global_zero]
 
 
-def _summary(cfg: DictConfig, trainer, module, checkpointer: Checkpointer | None, run_dir: Path, started: float) -> None:
+def _summary(cfg: DictConfig, trainer, module, checkpointer: CheckpointStore | None, run_dir: Path, started: float) -> None:
     """The end-of-run summary (rank zero): steps, tokens, final losses, checkpoints, wall time, where things are."""
     step = trainer.global_step
     tokens = step * module.tokens_per_step() if hasattr(module, "tokens_per_step") else 0
