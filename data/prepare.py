@@ -31,15 +31,12 @@ import numpy as np
 
 from data.corpus import expand_inputs, iter_documents
 from lmtrain.errors import InputError
+from lmtrain.manifest import PrepareError, read_manifest  # noqa: F401  (read_manifest: re-exported for data.datamodule and users)
 from lmtrain.tokenizer import TokenizerError, encoding_from_ranks, eos_id, load_tokenizer, save_ranks, train_bpe
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 TOKENIZER_FILE = "tokenizer.tiktoken"
-
-
-class PrepareError(InputError):
-    """A dataset that cannot be prepared, with the reason."""
 
 
 def fingerprint(files: list[Path], settings: dict) -> str:
@@ -56,19 +53,6 @@ def is_val(index: int, val_fraction: float, seed: int) -> bool:
     if val_fraction <= 0:
         return False
     return zlib.crc32(f"{seed}:{index}".encode()) / 2**32 < val_fraction
-
-
-def read_manifest(directory: str | Path) -> dict:
-    path = Path(directory) / "manifest.json"
-    if not path.is_file():
-        raise PrepareError(f"no prepared dataset at {directory} (manifest.json missing): run `python -m data.prepare`")
-    try:
-        manifest = json.loads(path.read_text())
-        for key in ("dtype", "eos_id", "vocab_size", "tokenizer", "splits"):
-            manifest[key]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise PrepareError(f"corrupt dataset manifest {path}: {exc}") from None
-    return manifest
 
 
 # -- tokenising in worker processes -------------------------------------------------------------

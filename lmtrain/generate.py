@@ -68,7 +68,7 @@ def load_run(run_dir: Path, checkpoint: str | None = None, device: str = "cpu"):
 
 def run_tokenizer(cfg) -> tuple[str, Path]:
     """(tokenizer spec, the dataset folder it is relative to) of a run, from its config and dataset manifest."""
-    from data.prepare import read_manifest
+    from lmtrain.manifest import read_manifest
 
     data_path = Path(cfg.data.path) if cfg.data.get("path") else Path(cfg.data.sources[0]["path"])
     return str(read_manifest(data_path)["tokenizer"]), data_path
