@@ -50,6 +50,13 @@ def set_module_device_mesh(lightning_module, mesh) -> None:
     lightning_module._device_mesh = mesh
 
 
+def config_node(cfg, key):
+    """A child of an OmegaConf node as a node, without resolving its interpolations (``DictConfig._get_node``):
+    walking a config for unknown keys must not fail on a ``${...}`` that only resolves later (``???`` values, the
+    run-name resolver)."""
+    return cfg._get_node(key)
+
+
 def forget_mesh_groups() -> int:
     """Drop every live ``DeviceMesh``'s references to its process groups (``DeviceMesh._pg_registry``), after
     ``destroy_process_group``: DTensor's caches keep meshes alive until the interpreter finalizes, and a gloo group

@@ -18,6 +18,7 @@ from typing import Any
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from lmtrain import compat
 from lmtrain.errors import InputError
 
 # The root config's keys (conf/train.yaml and its groups); anything else at the top is a typo (`+run_nam=x`).
@@ -72,7 +73,7 @@ def _nodes(cfg: Any, path: str = "") -> Iterator[tuple[str, DictConfig]]:
         for key in cfg.keys():
             if str(key).startswith("_"):
                 continue
-            yield from _nodes(cfg._get_node(key), f"{path}.{key}" if path else str(key))
+            yield from _nodes(compat.config_node(cfg, key), f"{path}.{key}" if path else str(key))
     elif isinstance(cfg, ListConfig):
         for i, item in enumerate(cfg):
             yield from _nodes(item, f"{path}[{i}]")

@@ -40,6 +40,14 @@ def test_trainer_privates_after_a_real_fit(tmp_path):
     assert model.device_mesh is mesh
 
 
+def test_config_node_returns_the_unresolved_node():
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"a": {"b": "${missing.key}", "c": "???"}})
+    node = compat.config_node(cfg, "a")
+    assert OmegaConf.is_config(node) and compat.config_node(node, "b")._value() == "${missing.key}"
+
+
 def test_grad_scaler_privates():
     scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
     p = torch.nn.Parameter(torch.ones(2))
