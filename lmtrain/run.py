@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -161,8 +162,35 @@ def _global_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", "0"))))
 
 
+@dataclass
+class _Attempt:
+    """The parts of one attempt, built and wired here (nowhere else)."""
+
+    cfg: DictConfig
+    rollback: dict | None
+    run_dir: Path
+    callbacks: list
+    checkpointer: CheckpointStore | None
+    resume: ck.Checkpoint | None
+    module: Any = None
+    datamodule: Any = None
+    trainer: Any = None
+    identity: dict | None = None
+
+
 def _attempt(cfg: DictConfig, rollback: dict | None, started: float):
-    """One ``trainer.fit``; returns (final metrics, the divergence detector or None, why a guard stopped it or None)."""
+    """One ``trainer.fit``; returns (final metrics, the divergence detector or None, why a guard stopped it or None).
+    In order: what is decided from the config alone (nothing written but the run directory), what is built and checked
+    (data prepared, model identity and data stream against the checkpoint), the acceptance (only now is anything of the
+    run written), the fit."""
+    att = _decide(cfg, rollback)
+    _build(att)
+    _accept(att)
+    return _fit(att, started)
+
+
+def _decide(cfg: DictConfig, rollback: dict | None) -> _Attempt:
+    """The config checked, the callbacks built (cheap; their constructors check their options), the resume point."""
     import lightning as L
 
     validate_config(cfg)
@@ -174,7 +202,6 @@ def _attempt(cfg: DictConfig, rollback: dict | None, started: float):
     except OSError as exc:
         raise InputError(f"cannot create the run directory {run_dir} (run_dir / paths.runs): {exc.strerror or exc}") from exc
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    # cheap objects whose constructors check their options (the module, not yet its model): built before any data is prepared
     callbacks = instantiate_group(cfg.get("callbacks"))
     checkpointer = next((c for c in callbacks if isinstance(c, CheckpointStore)), None)  # callbacks.checkpoint.Checkpointer
     resume = resume_point(cfg, checkpointer.root if checkpointer is not None else None)
@@ -183,27 +210,33 @@ def _attempt(cfg: DictConfig, rollback: dict | None, started: float):
             f"run {cfg.run_name}: {run_dir.resolve()}"
             + (f" (continuing from step {resume.step})" if resume is not None and resume.step >= 0 else "")
         )
+    return _Attempt(cfg, rollback, run_dir, callbacks, checkpointer, resume)
+
+
+def _build(att: _Attempt) -> None:
+    """Strategy, module, data (prepared and checked), loggers and trainer; a checkpoint of another model or another data
+    stream refused. Nothing of the run is written here."""
+    cfg, resume, rollback = att.cfg, att.resume, att.rollback
     strategy = instantiate(cfg.strategy) if cfg.get("strategy") else "auto"
     model_factory = instantiate(cfg.model)  # a factory: the model itself is built in LMModule.configure_model
-    module = instantiate(
+    att.module = instantiate(
         cfg.module,
         model=model_factory,
         optimizer=instantiate(cfg.optimizer),
         scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
     )
-
-    datamodule = instantiate(cfg.data)
+    att.datamodule = datamodule = instantiate(cfg.data)
     datamodule.prepare_data()
     datamodule.setup("fit")
     validate_data(cfg, datamodule.manifest, len(datamodule.train_set))
 
     shape = meta_model(model_factory)
     log.info(describe_model(shape))
-    identity = model_identity(shape, cfg)
+    att.identity = model_identity(shape, cfg)
     del shape
     if resume is not None:
         try:
-            check_compatible(resume_identity(resume), identity, f"checkpoint {resume.path}")
+            check_compatible(resume_identity(resume), att.identity, f"checkpoint {resume.path}")
         except CheckpointError as exc:
             if cfg.get("ckpt_path"):
                 raise
@@ -215,27 +248,34 @@ def _attempt(cfg: DictConfig, rollback: dict | None, started: float):
         if resume.meta.get("mlflow_run_id") and (cfg.get("logger") or {}).get("mlflow"):
             with open_dict(cfg):
                 cfg.logger.mlflow.run_id = cfg.logger.mlflow.get("run_id") or resume.meta["mlflow_run_id"]
+    callbacks = att.callbacks
     if not cfg.trainer.get("enable_progress_bar", True):  # `trainer.enable_progress_bar=false` wins over the bar callback
         from lightning.pytorch.callbacks import ProgressBar
 
-        callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
+        callbacks = att.callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     loggers = instantiate_group(cfg.get("logger"))
     if resume is not None:
         for lg in loggers:
             if hasattr(lg, "resume_at"):
                 lg.resume_at(resume.step, relog=rollback is not None)  # a rollback's new timeline is logged again
-        skip = rollback["skip_batches"] if rollback is not None else corrections.data_skip(corrections.load(run_dir), resume.step)
+        skip = rollback["skip_batches"] if rollback is not None else corrections.data_skip(corrections.load(att.run_dir), resume.step)
         datamodule.skip_batches = skip
-    extra = {"enable_checkpointing": True} if checkpointer is not None else {}  # ours replaces Lightning's ModelCheckpoint
+    extra = {"enable_checkpointing": True} if att.checkpointer is not None else {}  # ours replaces Lightning's ModelCheckpoint
     precision, plugins = build_precision(
         cfg.trainer.precision, str(cfg.trainer.accelerator), instantiate(cfg.grad_scaler) if cfg.get("grad_scaler") else None
     )
     if plugins:  # ours (fp16) beside the user's own trainer.plugins
         extra.update(precision=precision, plugins=[*(instantiate(p) for p in cfg.trainer.get("plugins") or []), *plugins])
-    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy, **extra)
-
+    att.trainer = trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy, **extra)
     if resume is not None and "data_stream" in resume.meta and hasattr(datamodule, "check_stream"):
         datamodule.check_stream(resume.meta["data_stream"], trainer.world_size)  # refused before anything is written
+
+
+def _accept(att: _Attempt) -> None:
+    """The attempt is accepted: config.yaml, overrides.yaml and train.log written, the checkpointer and MLflow wired,
+    the logbook told how the attempt starts."""
+    cfg, run_dir, trainer, resume, rollback = att.cfg, att.run_dir, att.trainer, att.resume, att.rollback
+    changes = {}
     if trainer.is_global_zero:
         changes = _config_changes(run_dir, cfg) if resume is not None and rollback is None else {}
         try:
@@ -248,37 +288,41 @@ def _attempt(cfg: DictConfig, rollback: dict | None, started: float):
         for where in _mlflow_locations(trainer):
             log.info(f"MLflow: {where}")
     _log_config(trainer, cfg, run_dir)
-    if checkpointer is not None:
-        checkpointer.run_info = {
-            **identity,
+    if att.checkpointer is not None:
+        att.checkpointer.run_info = {
+            **att.identity,
             "run_name": cfg.run_name,
             "config_hash": config_hash(OmegaConf.to_container(cfg, resolve=True)),
             "mlflow_run_id": _mlflow_run_id(trainer),
         }
-        if hasattr(datamodule, "stream_identity"):
-            checkpointer.run_info["data_stream"] = datamodule.stream_identity(trainer.world_size)
-        checkpointer.alert_hooks = [_mlflow_tagger(lg) for lg in trainer.loggers if isinstance(lg, MLFlowLogger)]
+        if hasattr(att.datamodule, "stream_identity"):
+            att.checkpointer.run_info["data_stream"] = att.datamodule.stream_identity(trainer.world_size)
+        att.checkpointer.alert_hooks = [_mlflow_tagger(lg) for lg in trainer.loggers if isinstance(lg, MLFlowLogger)]
     logbook.mirrors[:] = [_mlflow_logbook_mirror(lg) for lg in trainer.loggers if isinstance(lg, MLFlowLogger) and trainer.is_global_zero]
-    if trainer.is_global_zero:
-        if rollback is not None:
-            pass  # the rollback entry says where it went
-        elif resume is not None:
-            logbook.append(run_dir, "resume", f"resumed from {resume.path.name}", step=resume.step)
-            if changes:
-                shown = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items())
-                log.info(f"config changed since the last attempt (accepted): {shown}")
-                logbook.append(run_dir, "config_change", f"config: {shown} at step {resume.step}", step=resume.step, changes=changes)
-        else:
-            logbook.append(run_dir, "start", f"training from scratch, run {cfg.run_name}")
+    if not trainer.is_global_zero or rollback is not None:
+        return  # a rollback's own entry says where it went
+    if resume is not None:
+        logbook.append(run_dir, "resume", f"resumed from {resume.path.name}", step=resume.step)
+        if changes:
+            shown = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items())
+            log.info(f"config changed since the last attempt (accepted): {shown}")
+            logbook.append(run_dir, "config_change", f"config: {shown} at step {resume.step}", step=resume.step, changes=changes)
+    else:
+        logbook.append(run_dir, "start", f"training from scratch, run {cfg.run_name}")
+
+
+def _fit(att: _Attempt, started: float):
+    """``trainer.fit``, then how it ended: a guard's stop, a rollback request, or the end (logbook entry, summary)."""
+    cfg, run_dir, trainer, module, resume = att.cfg, att.run_dir, att.trainer, att.module, att.resume
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume.load_path) if resume is not None else None)
+        trainer.fit(module, datamodule=att.datamodule, ckpt_path=str(resume.load_path) if resume is not None else None)
     except BaseException:
         # Lightning marks loggers failed for exceptions inside fit; make sure of it for the rest too
         for lg in trainer.loggers:
             _safe_finalize(lg, "failed")
         raise
     else:
-        detector = next((c for c in callbacks if isinstance(c, RequestsRollback)), None)
+        detector = next((c for c in att.callbacks if isinstance(c, RequestsRollback)), None)
         stopped = next((c.stop_reason for c in trainer.callbacks if isinstance(c, StopsTraining) and c.stop_reason), None)
         if trainer.is_global_zero and stopped:
             logbook.append(run_dir, "stopped", f"training stopped at step {trainer.global_step}: {stopped}", step=trainer.global_step)
@@ -286,7 +330,7 @@ def _attempt(cfg: DictConfig, rollback: dict | None, started: float):
             step = trainer.global_step
             tokens = step * module.tokens_per_step() if hasattr(module, "tokens_per_step") else 0
             logbook.append(run_dir, "end", f"training ended at step {step} ({tokens:,} tokens)", step=step, tokens=tokens)
-            _summary(cfg, trainer, module, checkpointer, run_dir, started)
+            _summary(cfg, trainer, module, att.checkpointer, run_dir, started)
     finally:
         logbook.mirrors.clear()
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
