@@ -72,6 +72,10 @@ def test_metrics_params_and_config_reach_the_server(mlflow_server, tiny_cfg):
     artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
     assert "config.yaml" in artifacts
     assert Path(client.download_artifacts(run.info.run_id, "config.yaml")).read_text().count("d_model: 64") == 1
+    # the logbook is mirrored as the run goes: its last entry (the checkpoint saved at the end) is in the artifact
+    assert "logbook.jsonl" in artifacts
+    mirrored = Path(client.download_artifacts(run.info.run_id, "logbook.jsonl")).read_text().splitlines()
+    assert mirrored == (Path(cfg.run_dir) / "logbook.jsonl").read_text().splitlines() and '"kind": "end"' in mirrored[-1]
     # the end-of-training plots and the validation-time samples are artifacts of the run
     assert sorted(a.path for a in client.list_artifacts(run.info.run_id, "plots")) == ["plots/loss.png", "plots/lr.png"]
     assert [a.path for a in client.list_artifacts(run.info.run_id, "samples")] == ["samples/step-0000002.txt", "samples/step-0000004.txt"]
