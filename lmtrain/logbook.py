@@ -7,13 +7,18 @@ Read it with ``python -m lmtrain.logbook RUN_DIR``.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
 
 FILE = "logbook.jsonl"
-# Called with (run_dir, entry) after every append: lmtrain.run registers one that mirrors the logbook to MLflow.
-mirrors: list = []
+# Every appended entry is also a record of this logger, with ``record.run_dir`` and ``record.entry``: a run mirrors
+# its logbook by attaching a handler for the attempt (lmtrain.run: to MLflow), with logging's own registry of
+# handlers instead of one of ours. Not propagated: the console says its own lines.
+events = logging.getLogger("lmtrain.logbook")
+events.propagate = False
+events.setLevel(logging.INFO)
 
 
 def append(run_dir: str | Path, kind: str, message: str, **fields) -> None:
@@ -25,10 +30,21 @@ def append(run_dir: str | Path, kind: str, message: str, **fields) -> None:
     except OSError as exc:
         print(f"[lmtrain] could not write the logbook in {run_dir}: {exc}", file=sys.stderr)
         return
-    for mirror in list(mirrors):
+    events.info(message, extra={"run_dir": Path(run_dir), "entry": entry})
+
+
+class Mirror(logging.Handler):
+    """A handler of :data:`events` calling ``send(run_dir, entry)`` for each entry; a failure is reported, never raised
+    (a mirror failing must not stop training)."""
+
+    def __init__(self, send) -> None:
+        super().__init__(logging.INFO)
+        self.send = send
+
+    def emit(self, record: logging.LogRecord) -> None:
         try:
-            mirror(Path(run_dir), entry)
-        except Exception as exc:  # noqa: BLE001 - a mirror failing must not stop training
+            self.send(record.run_dir, record.entry)
+        except Exception as exc:  # noqa: BLE001
             print(f"[lmtrain] could not mirror the logbook ({exc})", file=sys.stderr)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +176,7 @@ class _Attempt:
     datamodule: Any = None
     trainer: Any = None
     identity: dict | None = None
+    mirrors: list = field(default_factory=list)
 
 
 def _attempt(cfg: DictConfig, rollback: dict | None, started: float):
@@ -298,7 +299,11 @@ def _accept(att: _Attempt) -> None:
         if hasattr(att.datamodule, "stream_identity"):
             att.checkpointer.run_info["data_stream"] = att.datamodule.stream_identity(trainer.world_size)
         att.checkpointer.alert_hooks = [_mlflow_tagger(lg) for lg in trainer.loggers if isinstance(lg, MLFlowLogger)]
-    logbook.mirrors[:] = [_mlflow_logbook_mirror(lg) for lg in trainer.loggers if isinstance(lg, MLFlowLogger) and trainer.is_global_zero]
+    att.mirrors = [
+        logbook.Mirror(_mlflow_logbook_mirror(lg)) for lg in trainer.loggers if isinstance(lg, MLFlowLogger) and trainer.is_global_zero
+    ]
+    for mirror in att.mirrors:
+        logbook.events.addHandler(mirror)  # removed when the attempt's fit ends (_fit)
     if not trainer.is_global_zero or rollback is not None:
         return  # a rollback's own entry says where it went
     if resume is not None:
@@ -332,7 +337,8 @@ def _fit(att: _Attempt, started: float):
             logbook.append(run_dir, "end", f"training ended at step {step} ({tokens:,} tokens)", step=step, tokens=tokens)
             _summary(cfg, trainer, module, att.checkpointer, run_dir, started)
     finally:
-        logbook.mirrors.clear()
+        for mirror in att.mirrors:
+            logbook.events.removeHandler(mirror)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     if getattr(module, "last_train_loss", None) is not None:
         metrics["train/loss"] = module.last_train_loss  # read from the step statistics, not self.log (lmtrain.module)
