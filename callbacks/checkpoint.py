@@ -209,7 +209,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
         ):
             self.save(trainer)  # training ended some other way (an epoch limit): still keep the final state
         self.wait()
-        for guard in (c for c in trainer.callbacks if isinstance(c, SaveGuard)):
+        for guard in self._guards:
             guard.flush_metrics(trainer)  # the last save's figures, now that it is complete
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
@@ -272,7 +272,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
         """Save a checkpoint of the current step; returns False if it was skipped or failed (training goes on)."""
         step = trainer.global_step
         self.wait()
-        for guard in (c for c in trainer.callbacks if isinstance(c, SaveGuard)):
+        for guard in self._guards:
             if not guard.before_save(trainer, self, self.estimate_bytes(trainer)):
                 return False
         t0 = time.perf_counter()
@@ -373,7 +373,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
         self.failures = 0
         deleted = ck.prune(self.root, self.keep_last, self.keep_every, protect={meta["step"]})
         size = sum(ck.dir_files(final).values())
-        for guard in (c for c in trainer.callbacks if isinstance(c, SaveGuard)):
+        for guard in self._guards:
             guard.after_save(trainer, self, final, size)
         if deleted:
             log.info(f"retention removed {', '.join(p.name for p in deleted)}")

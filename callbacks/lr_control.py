@@ -63,7 +63,7 @@ class LRControl(L.Callback):
                 )
                 message = f"schedule: {what} at step {trainer.global_step} (the config's schedule from here on)"
                 logbook.append(self.run_dir, "schedule_change", message, step=trainer.global_step, changes=changes)
-                log.info(f"{message}")
+                log.info(message)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step

@@ -37,6 +37,7 @@ class ProgressBar(TQDMProgressBar):
 
             raise ConfigError(f"callbacks.progress_bar.mode={mode!r}: expected auto, bar or lines")
         self.line_every_n_steps = max(1, int(line_every_n_steps))
+        self._line_step: int | None = None  # the step of the last progress line (a step ends once per optimizer step)
         self.lines = mode == "lines" or (mode == "auto" and not sys.stdout.isatty())  # where tqdm draws
 
     @property
@@ -72,11 +73,7 @@ class ProgressBar(TQDMProgressBar):
                 bar.set_postfix(self.get_metrics(trainer, pl_module))  # redraws
         else:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if (
-            trainer.is_global_zero
-            and (step % self.line_every_n_steps == 0 or step == trainer.max_steps)
-            and step != getattr(self, "_line_step", None)
-        ):
+        if trainer.is_global_zero and (step % self.line_every_n_steps == 0 or step == trainer.max_steps) and step != self._line_step:
             self._line_step = step
             shown = "  ".join(f"{k} {v}" for k, v in self.get_metrics(trainer, pl_module).items())
             line = f"step {step}/{trainer.max_steps}  {shown}"

@@ -23,7 +23,7 @@ _FILE_ONLY = "lmtrain_file_only"  # a record attribute: written to train.log, no
 class _ConsoleFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         text = record.getMessage()
-        if record.name == PROGRESS or getattr(record, "bare", False):
+        if record.name == PROGRESS:
             return text
         if record.levelno >= logging.WARNING and record.name.startswith("lmtrain"):
             return f"[lmtrain] {record.levelname}: {text}"

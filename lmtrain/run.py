@@ -177,6 +177,7 @@ class _Attempt:
     trainer: Any = None
     identity: dict | None = None
     mirrors: list = field(default_factory=list)
+    mlflow: list = field(default_factory=list)  # where each MLflow run is (rank zero): said at the start and the end
 
 
 def _attempt(cfg: DictConfig, rollback: dict | None, started: float):
@@ -276,17 +277,17 @@ def _accept(att: _Attempt) -> None:
     """The attempt is accepted: config.yaml, overrides.yaml and train.log written, the checkpointer and MLflow wired,
     the logbook told how the attempt starts."""
     cfg, run_dir, trainer, resume, rollback = att.cfg, att.run_dir, att.trainer, att.resume, att.rollback
-    changes = {}
+    changes = _config_changes(run_dir, cfg) if trainer.is_global_zero and resume is not None and rollback is None else {}
     if trainer.is_global_zero:
-        changes = _config_changes(run_dir, cfg) if resume is not None and rollback is None else {}
         try:
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
             (run_dir / "overrides.yaml").write_text(OmegaConf.to_yaml(_overrides()))
         except OSError as exc:
             raise InputError(f"cannot write {run_dir / 'config.yaml'}: {exc.strerror or exc} (disk full?)") from exc
     console.start_file(run_dir, f"run {cfg.run_name}: {' '.join(_overrides()) or '(no overrides)'}", trainer.is_global_zero)
+    att.mlflow = _mlflow_locations(trainer)
     if rollback is None:
-        for where in _mlflow_locations(trainer):
+        for where in att.mlflow:
             log.info(f"MLflow: {where}")
     _log_config(trainer, cfg, run_dir)
     if att.checkpointer is not None:
@@ -335,7 +336,7 @@ def _fit(att: _Attempt, started: float):
             step = trainer.global_step
             tokens = step * module.tokens_per_step() if hasattr(module, "tokens_per_step") else 0
             logbook.append(run_dir, "end", f"training ended at step {step} ({tokens:,} tokens)", step=step, tokens=tokens)
-            _summary(cfg, trainer, module, att.checkpointer, run_dir, started)
+            _summary(cfg, trainer, module, att, tokens, started)
     finally:
         for mirror in att.mirrors:
             logbook.events.removeHandler(mirror)
@@ -429,10 +430,9 @@ def _mlflow_locations(trainer) -> list[str]:
     return [lg.where() for lg in trainer.loggers if hasattr(lg, "where") and trainer.is_global_zero]
 
 
-def _summary(cfg: DictConfig, trainer, module, checkpointer: CheckpointStore | None, run_dir: Path, started: float) -> None:
+def _summary(cfg: DictConfig, trainer, module, att: _Attempt, tokens: int, started: float) -> None:
     """The end-of-run summary (rank zero): steps, tokens, final losses, checkpoints, wall time, where things are."""
-    step = trainer.global_step
-    tokens = step * module.tokens_per_step() if hasattr(module, "tokens_per_step") else 0
+    step, run_dir, checkpointer = trainer.global_step, att.run_dir, att.checkpointer
     losses = []
     if getattr(module, "last_train_loss", None) is not None:
         losses.append(f"train loss {module.last_train_loss:.4f} (last step)")
@@ -451,7 +451,7 @@ def _summary(cfg: DictConfig, trainer, module, checkpointer: CheckpointStore | N
             kept = checkpointer.root / ck.step_name(best[1])
             at = f"checkpoint {kept.resolve()}" if kept.is_dir() else "no checkpoint kept at that step"
             lines.append(f"  best val loss  {best[0]:.4f} at step {best[1]} ({at})")
-    for where in _mlflow_locations(trainer):
+    for where in att.mlflow:
         lines.append(f"  MLflow         {where}")
     for line in lines:
         log.info(line)
