@@ -144,6 +144,10 @@ def test_resuming_with_another_data_seed_is_refused(tiny_cfg, tmp_path, dataset_
         (["module.loss_chunk_tokens=0"], r"module.loss_chunk_tokens=0: give a positive number of tokens, or null"),
         (["module.loss_chunk_tokens=many"], r"module.loss_chunk_tokens='many': give a positive number of tokens, or null"),
         (["callbacks=[none,samples]", "callbacks.samples.prompts=[]"], r"callbacks.samples.prompts: give one or more non-empty prompts"),
+        (
+            ["callbacks=[none,progress_bar]", "callbacks.progress_bar.mode=fancy"],
+            r"callbacks.progress_bar.mode='fancy': expected auto, bar or lines",
+        ),
         (["callbacks=[none,profiler]", "callbacks.profiler.steps=0"], r"callbacks.profiler: start_step=20 must be >= 0 and steps=0 >= 1"),
         (
             ["callbacks=[none,gc]", "callbacks.gc.every_n_steps=0"],
