@@ -3,7 +3,7 @@
     python bench/checkpoint_stall.py [--steps 8] [--every 3] [HYDRA_OVERRIDES ...]
     python bench/checkpoint_stall.py model=opt-1.3b trainer=gpu data.seq_len=1024 data.batch_size=4   # one H100
 
-Runs ``lmtrain.run.train`` twice with the given overrides, ``callbacks.checkpoint.async_save`` false then true,
+Runs ``lmtrain.training.run.train`` twice with the given overrides, ``callbacks.checkpoint.async_save`` false then true,
 saving every ``--every`` steps, and reads back what the checkpointer logged for each save: ``ckpt/stall_s``
 (training stopped: state collection plus, synchronous, the whole write, or, asynchronous, the copy to pinned
 host memory), ``ckpt/write_s`` (until the checkpoint was complete on disk) and ``ckpt/size_gb``. One table row per
@@ -27,9 +27,9 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 
-import lmtrain.config  # noqa: E402,F401
-from lmtrain.logs import metric  # noqa: E402
-from lmtrain.run import train  # noqa: E402
+import lmtrain.training.config  # noqa: E402,F401
+from lmtrain.formats.metrics import metric  # noqa: E402
+from lmtrain.training.run import train  # noqa: E402
 
 
 def run(overrides: list[str], async_save: bool, steps: int, every: int, out: Path) -> dict[str, list[float]]:
@@ -46,7 +46,7 @@ def run(overrides: list[str], async_save: bool, steps: int, every: int, out: Pat
         cfg.callbacks.checkpoint.async_save = async_save
         cfg.callbacks.checkpoint.keep_last = 2
         cfg.callbacks.disk_guard.margin_gb = 0
-        cfg.logger = {"csv": {"_target_": "lmtrain.loggers.CSVLogger", "save_dir": str(out), "name": "csv", "version": ""}}
+        cfg.logger = {"csv": {"_target_": "lmtrain.training.loggers.CSVLogger", "save_dir": str(out), "name": "csv", "version": ""}}
     train(cfg)
     got = {k: metric(out, f"ckpt/{k}") for k in ("stall_s", "write_s", "size_gb")}
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # room for the next mode's checkpoints

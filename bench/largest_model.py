@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lmtrain.model import ModelConfig, available_presets  # noqa: E402
+from lmtrain.formats.presets import available_presets, preset  # noqa: E402
 from lmtrain.plan import memory, model_numbers  # noqa: E402
 
 GIB = 2**30
@@ -34,7 +34,7 @@ def candidates(family: str, seq: int) -> list[tuple[str, int, object]]:
     """(preset, parameters, ModelConfig) of one family, smallest first, those whose positions reach ``seq``."""
     out = []
     for name in available_presets():
-        mcfg = ModelConfig.from_name(name)
+        mcfg = preset(name)
         if mcfg.family == family and mcfg.max_seq_len >= seq and mcfg.n_layers > 2:
             out.append((name, model_numbers(mcfg, seq)["params"], mcfg))
     return sorted(out, key=lambda c: c[1])
@@ -99,7 +99,7 @@ def main() -> None:
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
     def try_fn(i: int) -> bool:
-        from lmtrain.logs import metric
+        from lmtrain.formats.metrics import metric
 
         name, n, mcfg = cands[i]
         run_name = f"{args.strategy}-{name}"

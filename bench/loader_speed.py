@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from data.datamodule import TokenDataModule  # noqa: E402
-from data.prepare import prepare  # noqa: E402
+from lmtrain.data.datamodule import TokenDataModule  # noqa: E402
+from lmtrain.data.prepare import prepare  # noqa: E402
 
 CONSUMPTION_1P3B_H100 = 61_000  # tokens/s, raw PyTorch, FINDINGS.md
 TARGET = 50 * CONSUMPTION_1P3B_H100

@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from data.prepare import prepare  # noqa: E402
-from lmtrain.tokenizer import encoding_from_ranks, save_ranks, train_bpe  # noqa: E402
+from lmtrain.data.prepare import prepare  # noqa: E402
+from lmtrain.formats.tokenizer import encoding_from_ranks, save_ranks, train_bpe  # noqa: E402
 
 
 def stdlib_texts(max_bytes: int) -> list[str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lmtrain import logbook  # noqa: E402
-from lmtrain.logs import by_step  # noqa: E402
+from lmtrain.formats.metrics import by_step  # noqa: E402
 
 
 def summary(run: Path) -> str:

@@ -3,7 +3,7 @@
     python bench/throughput.py [--steps N] [--warmup W] [HYDRA_OVERRIDES ...]
     python bench/throughput.py --steps 60 model=mini data.seq_len=256 data.batch_size=8      # the CPU quickstart shape
 
-The trainer side is ``lmtrain.run.train`` with the composed config (Lightning, callbacks, CSV logging on; the
+The trainer side is ``lmtrain.training.run.train`` with the composed config (Lightning, callbacks, CSV logging on; the
 progress bar and validation off), its per-step ``perf/tokens_per_sec`` read back from the CSV log. The baseline
 is a bare loop over the same ``Decoder``: forward, cross-entropy, backward, global-norm clip, AdamW step, with
 its batches drawn from the same prepared dataset and moved to the device before timing starts (so it pays no
@@ -30,13 +30,13 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 
-import lmtrain.config  # noqa: E402,F401
-from callbacks.profiler import summarize  # noqa: E402
-from data.datamodule import PackedBlocks  # noqa: E402
-from lmtrain.logs import metric  # noqa: E402
-from lmtrain.model import num_params  # noqa: E402
-from lmtrain.module import lm_loss  # noqa: E402
-from lmtrain.run import train  # noqa: E402
+import lmtrain.training.config  # noqa: E402,F401
+from lmtrain.callbacks.profiler import summarize  # noqa: E402
+from lmtrain.data.datamodule import PackedBlocks  # noqa: E402
+from lmtrain.formats.metrics import metric  # noqa: E402
+from lmtrain.nn.model import num_params  # noqa: E402
+from lmtrain.training.module import lm_loss  # noqa: E402
+from lmtrain.training.run import train  # noqa: E402
 
 
 def trainer_tokens_per_sec(cfg, steps: int, warmup: int, out: Path, profile: int = 0) -> tuple[list[float], list[float], list[float]]:
@@ -44,7 +44,7 @@ def trainer_tokens_per_sec(cfg, steps: int, warmup: int, out: Path, profile: int
         cfg.trainer.max_steps = steps + profile  # profiled steps come after the timed ones: they do not slow them
         if profile:
             cfg.callbacks["profiler"] = {
-                "_target_": "callbacks.profiler.StepProfiler",
+                "_target_": "lmtrain.callbacks.profiler.StepProfiler",
                 "start_step": steps,
                 "steps": profile,
                 "python": True,
@@ -155,7 +155,7 @@ def main() -> None:
     # per-step MFU is proportional to per-step tokens/s: the window's MFU follows the window's rate
     mfu = f"{statistics.median(mfus) * t / statistics.median(trainer_rates):.1%}" if mfus else "n/a"
     mem = f"{max(mems):.1f}" if mems else "n/a"
-    ws = lmtrain.config.world_size(cfg)
+    ws = lmtrain.training.config.world_size(cfg)
     strategy = str(cfg.strategy.get("_target_", "")).rsplit(".", 1)[-1] if cfg.get("strategy") else "auto"
     if strategy == "named":
         strategy = str(cfg.strategy.name)

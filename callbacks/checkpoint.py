@@ -1,4 +1,4 @@
-"""Atomic, verified, optionally asynchronous checkpoints every N steps, with retention (see lmtrain.checkpoint).
+"""Atomic, verified, optionally asynchronous checkpoints every N steps, with retention (see lmtrain.formats.checkpoint).
 
 Everything needed for an identical continuation goes in: model, optimizer, scheduler, loop counters, the
 precision plugin (gradient scaler), callback states, the data stream position (the train loader's state), and
@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Checkpoint
 
-from lmtrain import checkpoint as ck
-from lmtrain import compat
-from lmtrain.checkpoint import CheckpointError
 from lmtrain.console import log
-from lmtrain.contracts import CheckpointStore, SaveGuard
+from lmtrain.formats import checkpoint as ck
+from lmtrain.formats.checkpoint import CheckpointError
+from lmtrain.training import compat
+from lmtrain.training.contracts import CheckpointStore, SaveGuard
 
 
 def _rng_state() -> dict:
@@ -148,10 +148,10 @@ class Checkpointer(Checkpoint, CheckpointStore):
         self.every_n_steps, self.keep_last, self.keep_every = every_n_steps, keep_last, keep_every
         self.async_save, self.save_on_train_end = async_save, save_on_train_end
         self.max_consecutive_failures = max_consecutive_failures
-        self.run_info: dict = {}  # set by lmtrain.run: config hash, model config, parameter shapes, MLflow run id
+        self.run_info: dict = {}  # set by lmtrain.training.run: config hash, model config, parameter shapes, MLflow run id
         self.health: dict = {}  # filled by the stability callbacks; stored in meta.json
         self.suppress_final_save = False  # set when training stops on divergence: never save the bad state
-        self.alert_hooks: list = []  # set by lmtrain.run: callables (kind, message) forwarding alerts (MLflow tags)
+        self.alert_hooks: list = []  # set by lmtrain.training.run: callables (kind, message) forwarding alerts (MLflow tags)
         self._guards: list[SaveGuard] = []
         self.failures = 0
         self.last_saved_step: int | None = None
@@ -377,7 +377,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
             guard.after_save(trainer, self, final, size)
         if deleted:
             log.info(f"retention removed {', '.join(p.name for p in deleted)}")
-        from lmtrain.logbook import append
+        from lmtrain.formats.logbook import append
 
         removed = f"; retention removed {', '.join(p.name for p in deleted)}" if deleted else ""
         append(
@@ -422,7 +422,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
 
 def alert(checkpointer: Checkpointer, kind: str, message: str) -> None:
     """Loud: stderr at once, the run logbook, and an MLflow tag on the run (when there is one)."""
-    from lmtrain.logbook import append
+    from lmtrain.formats.logbook import append
 
     log.info(f"ALERT: {message}")
     append(checkpointer.root.parent, kind, message)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import lightning as L
 
-from lmtrain import checkpoint as ck
-from lmtrain.contracts import SaveGuard, StopsTraining
 from lmtrain.errors import InputError
+from lmtrain.formats import checkpoint as ck
+from lmtrain.training.contracts import SaveGuard, StopsTraining
 
 GB = 1e9
 
@@ -53,7 +53,7 @@ class DiskGuard(L.Callback, StopsTraining, SaveGuard):
 
     @staticmethod
     def _checkpointer(trainer):
-        from callbacks.checkpoint import Checkpointer
+        from lmtrain.callbacks.checkpoint import Checkpointer
 
         return next((c for c in trainer.callbacks if isinstance(c, Checkpointer)), None)
 
@@ -75,7 +75,7 @@ class DiskGuard(L.Callback, StopsTraining, SaveGuard):
 
     def before_save(self, trainer, ckptr, estimate: int) -> bool:
         """Called by the checkpointer on every rank before a save; False means: do not save, stop training."""
-        from callbacks.checkpoint import alert
+        from lmtrain.callbacks.checkpoint import alert
 
         ok = True
         if trainer.is_global_zero:

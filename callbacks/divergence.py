@@ -21,13 +21,13 @@ that update and halves the scale; the step is counted (``train/skipped_steps``, 
 every step) and left out of the running statistics. Only a run of overflows, a collapsing scale or a non-finite
 loss is a signal. Running averages are updated only by healthy steps and start judging after ``warmup_steps``. Each signal's
 action is one of ``warn`` (metric, logbook, MLflow tag), ``skip`` (this step's update is dropped), ``stop``
-(stop cleanly, no checkpoint of the bad state) or ``rollback``: stop this attempt, and ``lmtrain.run`` resumes from
+(stop cleanly, no checkpoint of the bad state) or ``rollback``: stop this attempt, and ``lmtrain.training.run`` resumes from
 the newest checkpoint marked healthy that predates the trouble, with the learning rate multiplied by
 ``rollback_lr_scale`` from there on (recorded in ``RUN_DIR/lr_corrections.jsonl``, so it holds across later
 resumes) and, with ``skip_data``, past the data that was being read. At most ``max_rollbacks`` rollbacks within
 ``rollback_window`` steps; one more stops the run, saying so. The detector's state is saved in checkpoints, and
 every checkpoint's ``meta.json`` carries its health fields. A rollback also revokes the operator and config
-learning-rate corrections issued after its checkpoint (lmtrain.corrections): they belong to the abandoned timeline.
+learning-rate corrections issued after its checkpoint (lmtrain.formats.corrections): they belong to the abandoned timeline.
 A ``stop``, or a rollback that cannot happen, ends the run with :class:`lmtrain.errors.RunStopped` (exit status 3).
 """
 
@@ -37,12 +37,12 @@ import math
 
 import lightning as L
 
-from lmtrain import checkpoint as ck
-from lmtrain import corrections, logbook
 from lmtrain.console import log
-from lmtrain.contracts import CheckpointStore, RequestsRollback, StepChecker, StopsTraining
 from lmtrain.errors import InputError
-from lmtrain.logs import log_direct
+from lmtrain.formats import checkpoint as ck
+from lmtrain.formats import corrections, logbook
+from lmtrain.training.contracts import CheckpointStore, RequestsRollback, StepChecker, StopsTraining
+from lmtrain.training.logs import log_direct
 
 ACTIONS = ("warn", "skip", "stop", "rollback")
 SEVERITY = {a: i for i, a in enumerate(ACTIONS)}

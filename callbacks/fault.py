@@ -28,8 +28,8 @@ import lightning as L
 import torch
 
 from lmtrain.console import log
-from lmtrain.contracts import SaveGuard
 from lmtrain.errors import InputError
+from lmtrain.training.contracts import SaveGuard
 
 KINDS = ("crash", "crash_mid_save", "enospc", "truncate", "loss_spike", "nan_loss", "act_growth", "grad_overflow")
 

@@ -23,7 +23,7 @@ import time
 import lightning as L
 
 from lmtrain.errors import InputError
-from lmtrain.logs import log_direct
+from lmtrain.training.logs import log_direct
 
 
 class GarbageCollection(L.Callback):

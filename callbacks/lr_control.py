@@ -1,6 +1,6 @@
 """Mid-flight learning-rate corrections: applied at a step boundary on every rank, recorded, kept across resumes.
 
-Sources (see lmtrain.corrections): automatic rollbacks (the divergence detector), an operator
+Sources (see lmtrain.formats.corrections): automatic rollbacks (the divergence detector), an operator
 (``python -m lmtrain.control RUN_DIR lr --scale 0.5`` or ``--value 1e-4`` while the run runs), and the config
 at a (re)start (``callbacks.lr_control.scale``). The learning rate used at each step is the scheduler's value
 times the corrections in force at that step, so ``train/lr`` in MLflow shows the schedule the run really
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import lightning as L
 
-from lmtrain import corrections, logbook
 from lmtrain.console import log
 from lmtrain.errors import InputError
+from lmtrain.formats import corrections, logbook
 
 REQUESTS = "control"
 
@@ -54,7 +54,7 @@ class LRControl(L.Callback):
             self.entries.append(entry)
 
     def _log_schedule_changes(self, trainer) -> None:
-        """A resume follows the composed config's schedule (lmtrain.optim.ConfiguredLR): say what changed."""
+        """A resume follows the composed config's schedule (lmtrain.nn.optim.ConfiguredLR): say what changed."""
         for cfg in trainer.lr_scheduler_configs or []:
             changes = getattr(cfg.scheduler, "changes", None)
             if changes and trainer.is_global_zero:

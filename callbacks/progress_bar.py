@@ -11,7 +11,7 @@ import sys
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 from lmtrain import console
-from lmtrain.contracts import ReportsThroughput
+from lmtrain.training.contracts import ReportsThroughput
 
 
 class ProgressBar(TQDMProgressBar):
@@ -33,7 +33,7 @@ class ProgressBar(TQDMProgressBar):
     def __init__(self, refresh_rate: int = 1, line_every_n_steps: int = 50, mode: str = "auto") -> None:
         super().__init__(refresh_rate=refresh_rate)
         if mode not in ("auto", "bar", "lines"):
-            from lmtrain.config import ConfigError
+            from lmtrain.training.config import ConfigError
 
             raise ConfigError(f"callbacks.progress_bar.mode={mode!r}: expected auto, bar or lines")
         self.line_every_n_steps = max(1, int(line_every_n_steps))
@@ -85,7 +85,7 @@ class ProgressBar(TQDMProgressBar):
     def get_metrics(self, trainer, pl_module) -> dict:
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
-        # logged straight to the loggers (lmtrain.logs.log_direct), so read them at the source
+        # logged straight to the loggers (lmtrain.training.logs.log_direct), so read them at the source
         loss = getattr(pl_module, "last_train_loss", None)
         if loss is not None:
             metrics["train/loss"] = loss

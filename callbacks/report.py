@@ -1,6 +1,6 @@
 """At the end of training: PNG plots of the loss and of the learning rate applied, in ``RUN_DIR/plots/`` and in MLflow.
 
-The plots are those of ``python -m lmtrain.report RUN_DIR`` (lmtrain/report.py), made from what this run logged
+The plots are those of ``python -m lmtrain.report RUN_DIR`` (lmtrain/training/plots.py), made from what this run logged
 (its CSV log or its MLflow run), with rollbacks, learning-rate corrections and divergence signals marked. A plot
 that cannot be made is reported and skipped: it never fails a finished training run.
 """
@@ -25,11 +25,11 @@ class Report(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         flush = getattr(pl_module, "flush_step_stats", None)
-        if flush is not None:  # the last step's statistics are read one step late (lmtrain.module): log them first
+        if flush is not None:  # the last step's statistics are read one step late (lmtrain.training.module): log them first
             flush()
         if not trainer.is_global_zero:
             return
-        from lmtrain import report
+        from lmtrain.training import plots as report
 
         try:
             metrics = None

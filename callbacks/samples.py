@@ -1,7 +1,7 @@
 """Text samples at validation time: what the model writes after a few prompts, as the run goes.
 
 Enable with ``callbacks=[default,samples]`` and set ``callbacks.samples.prompts``. After every validation the model
-continues each prompt (with the run's own tokenizer, ``lmtrain.generate.sample``: temperature and top-k, a fixed
+continues each prompt (with the run's own tokenizer, ``lmtrain.nn.sampling.sample``: temperature and top-k, a fixed
 seed so samples of different steps are comparable); the text goes to ``RUN_DIR/samples/step-NNNNNNN.txt`` and, with
 MLflow, to the run as the artifact ``samples/step-NNNNNNN.txt``. Every rank runs the same forward passes (under
 FSDP they are collective); rank zero writes.
@@ -50,8 +50,8 @@ class SampleText(L.Callback):
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
-        from lmtrain.generate import sample
-        from lmtrain.tokenizer import eos_id
+        from lmtrain.formats.tokenizer import eos_id
+        from lmtrain.nn.sampling import sample
 
         if self._enc is None:
             self._enc = trainer.datamodule.tokenizer()

@@ -8,8 +8,8 @@ from collections import deque
 import lightning as L
 import torch
 
-from lmtrain.contracts import ReportsThroughput
-from lmtrain.logs import log_direct
+from lmtrain.training.contracts import ReportsThroughput
+from lmtrain.training.logs import log_direct
 
 # Dense bf16/fp16 tensor-core peaks (no sparsity) of the cards where Lightning's table
 # (lightning.fabric.utilities.throughput.get_available_flops, used for every other card) is silent or not dense: it
@@ -41,7 +41,7 @@ class Throughput(L.Callback, ReportsThroughput):
     over their time, also logged as ``perf/tokens_per_sec_smoothed``.
 
     MFU = achieved FLOP/s per device / peak FLOP/s, with ``6N + 12 * L * d * T`` FLOPs per token
-    (``lmtrain.model.flops_per_token``). It is logged when the peak is known: detected for common GPUs
+    (``lmtrain.nn.model.flops_per_token``). It is logged when the peak is known: detected for common GPUs
     under 16-bit precision, or given as ``peak_tflops`` (e.g. for a CPU or an unlisted card).
 
     Args:
@@ -73,7 +73,7 @@ class Throughput(L.Callback, ReportsThroughput):
         inputs = batch[0]
         self._tokens += inputs.numel()
         if self._flops_per_token is None:
-            from lmtrain.model import Decoder, flops_per_token
+            from lmtrain.nn.model import Decoder, flops_per_token
 
             model = getattr(pl_module, "model", None)
             self._flops_per_token = flops_per_token(model, inputs.shape[1]) if isinstance(model, Decoder) else 0.0

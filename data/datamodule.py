@@ -21,9 +21,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from data.prepare import CHECKSUM, PrepareError, prepare, read_manifest, shard_checksum
+from lmtrain.data.prepare import CHECKSUM, PrepareError, prepare, read_manifest, shard_checksum
 from lmtrain.errors import InputError
-from lmtrain.tokenizer import load_tokenizer, tokenizer_identity
+from lmtrain.formats.tokenizer import load_tokenizer, tokenizer_identity
 
 VERIFY_ON_OPEN_BYTES = 1 << 30  # a split this small has its shard checksums checked when opened; larger: --verify
 
@@ -53,7 +53,7 @@ class PackedBlocks(Dataset):
             if small and CHECKSUM in s and shard_checksum(f) != s[CHECKSUM]:
                 raise PrepareError(
                     f"dataset shard {f} is damaged: its checksum does not match the manifest (the file changed after it was "
-                    f"prepared); prepare the dataset again (python -m data.prepare --force ...)"
+                    f"prepared); prepare the dataset again (python -m lmtrain.data.prepare --force ...)"
                 )
         self._maps: list[np.memmap] | None = None  # opened lazily, once per process
 
@@ -88,7 +88,7 @@ class PackedBlocks(Dataset):
         return (
             f"dataset shard {self.directory / self.shards[shard]['path']} is damaged: token id {int(ids[pos - start])} at token "
             f"{pos - int(self.offsets[shard])} of the shard is not below the vocabulary ({self.vocab_size}); check it with "
-            f"python -m data.prepare --verify {self.directory}"
+            f"python -m lmtrain.data.prepare --verify {self.directory}"
         )
 
     def __getstate__(self) -> dict:  # never pickle open memmaps into loader workers
@@ -267,12 +267,12 @@ class TokenDataModule(L.LightningDataModule):
         self.seq_len, self.batch_size, self.num_workers, self.seed = seq_len, batch_size, num_workers, seed
         self.prepare_args = dict(prepare) if prepare else None
         if self.prepare_args and len(self.paths) > 1:
-            raise PrepareError("data.prepare builds one dataset: prepare each mixture source with `python -m data.prepare`")
+            raise PrepareError("data.prepare builds one dataset: prepare each mixture source with `python -m lmtrain.data.prepare`")
         self.val_batch_size = val_batch_size or batch_size
         self.pin_memory = pin_memory
         self.train_set: MixedBlocks | None = None
         self.val_set: MixedBlocks | None = None
-        self.skip_batches = 0  # set by lmtrain.run after a rollback: batches to skip past the restored position
+        self.skip_batches = 0  # set by lmtrain.training.run after a rollback: batches to skip past the restored position
 
     # -- dataset on disk ----------------------------------------------------------------------
     def prepare_data(self) -> None:
@@ -306,13 +306,13 @@ class TokenDataModule(L.LightningDataModule):
                 diff = [f"{k}: {first[1][k]} vs {ident[k]}" for k in ident if ident[k] != first[1][k]]
                 raise PrepareError(
                     f"mixture sources {first[0]} and {p} use different tokenizers ({'; '.join(diff)}): prepare every "
-                    f"source with the same one, e.g. `python -m data.prepare ... --tokenizer {first[0] / 'tokenizer.tiktoken'}`"
+                    f"source with the same one, e.g. `python -m lmtrain.data.prepare ... --tokenizer {first[0] / 'tokenizer.tiktoken'}`"
                 )
 
     # -- checkpointed identity of the stream ----------------------------------------------------
     def stream_identity(self, world_size: int | None = None) -> dict:
         """What a saved data position depends on: the dataset(s), seq_len, seed, mixture weights and ranks. Saved in
-        the checkpoint (the loader state, and meta.json through lmtrain.run) and compared on resume."""
+        the checkpoint (the loader state, and meta.json through lmtrain.training.run) and compared on resume."""
         world = self._world()[0] if world_size is None else world_size
         fps = [read_manifest(p).get("fingerprint") for p in self.paths]
         ident = {"dataset": fps[0] if len(fps) == 1 else fps, "data.seq_len": self.seq_len, "data.seed": self.seed, "world_size": world}
@@ -334,7 +334,7 @@ class TokenDataModule(L.LightningDataModule):
         return {"stream": self.stream_identity()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Refuse, before any training, a checkpoint whose saved data position belongs to another stream (lmtrain.run
+        """Refuse, before any training, a checkpoint whose saved data position belongs to another stream (lmtrain.training.run
         already compared the one in meta.json before the attempt was accepted; older checkpoints lack it)."""
         self.check_stream(state.get("stream", {}))
 

@@ -1,6 +1,6 @@
 """Tokenize a corpus into flat token shards with exactly one separator after every document.
 
-    python -m data.prepare --input PATH [PATH ...] --output DIR [--tokenizer SPEC] [--val-fraction F] [--workers N]
+    python -m lmtrain.data.prepare --input PATH [PATH ...] --output DIR [--tokenizer SPEC] [--val-fraction F] [--workers N]
 
 Output (``DIR/``): ``manifest.json``, the tokenizer's ranks file when it was trained here, and raw little-endian
 token shards ``{split}_{NNNNN}.bin`` (uint16 when the vocabulary fits, else uint32; read them with
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from data.corpus import expand_inputs, iter_documents
+from lmtrain.data.corpus import expand_inputs, iter_documents
 from lmtrain.errors import InputError
-from lmtrain.manifest import PrepareError, read_manifest  # noqa: F401  (read_manifest: re-exported for data.datamodule and users)
-from lmtrain.tokenizer import TokenizerError, encoding_from_ranks, eos_id, load_tokenizer, save_ranks, train_bpe
+from lmtrain.formats.manifest import PrepareError, read_manifest  # noqa: F401  (read_manifest: re-exported for data.datamodule and users)
+from lmtrain.formats.tokenizer import TokenizerError, encoding_from_ranks, eos_id, load_tokenizer, save_ranks, train_bpe
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
@@ -328,7 +328,9 @@ def _build(files, tmp: Path, settings: dict, fp: str, workers: int, shard_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m lmtrain.data.prepare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--verify", metavar="DIR", help="check a prepared dataset (sizes, checksums, token ids) and exit")
     p.add_argument("--input", nargs="+", help="files, directories, or 'python-stdlib'")
     p.add_argument("--output", help="dataset directory to create")
@@ -373,7 +375,7 @@ def _verify_main(directory: str) -> int:
         print(f"damaged: {problem}", file=sys.stderr)
     if problems:
         print(
-            f"error: {len(problems)} damaged shard(s) in {directory}: prepare it again (python -m data.prepare --force ...)",
+            f"error: {len(problems)} damaged shard(s) in {directory}: prepare it again (python -m lmtrain.data.prepare --force ...)",
             file=sys.stderr,
         )
         return 2

@@ -3,7 +3,7 @@
 Every message of the trainer goes through ``logging.getLogger("lmtrain")`` (``log`` below). The console shows it as
 ``[lmtrain] message``; the run's log file gets the same lines with a timestamp, plus Lightning's own messages and
 a progress line every ``line_every_n_steps`` even when the console shows a tqdm bar. The file is opened only once
-an attempt is accepted (nothing of an existing run changes before that, lmtrain.run); what was said before is kept
+an attempt is accepted (nothing of an existing run changes before that, lmtrain.training.run); what was said before is kept
 in memory until then and written first. Rank zero writes the file; every rank prints. A resumed run appends to
 the same file, after a header line naming the attempt.
 """
@@ -116,7 +116,7 @@ def install() -> None:
 
 
 def begin_run() -> None:
-    """A run starts: hold what is said until its attempt is accepted and train.log opens (lmtrain.run)."""
+    """A run starts: hold what is said until its attempt is accepted and train.log opens (lmtrain.training.run)."""
     run_log.hold()
 
 

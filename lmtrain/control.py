@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from lmtrain import checkpoint as ck
-from lmtrain import corrections
+from lmtrain.formats import checkpoint as ck
+from lmtrain.formats import corrections
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@
 Reads the newest complete checkpoint (or the named one), single-file or sharded (a sharded checkpoint is
 consolidated in memory: no distributed launch), and writes
 
-* ``DIR/model.safetensors``: the decoder's weights, names as in :class:`lmtrain.model.Decoder` (a tied output
+* ``DIR/model.safetensors``: the decoder's weights, names as in :class:`lmtrain.nn.model.Decoder` (a tied output
   head is stored once, as ``tok_emb.weight``);
 * ``DIR/config.json``: the model config, the tokenizer, the separator id, the dtype and where the weights came from;
 * ``DIR/tokenizer.tiktoken``: the run's ranks file, when the run used one (named tiktoken encodings are recorded by
@@ -37,7 +37,7 @@ def export(run_dir: Path, out: Path, checkpoint: str | None = None, dtype: str =
     """Write the export (see the module docstring); returns its config.json content."""
     from safetensors.torch import save_file
 
-    from lmtrain.generate import load_run, run_tokenizer
+    from lmtrain.formats.trained import load_run, read_config, run_tokenizer
 
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r}: use one of {list(DTYPES)}")
@@ -50,9 +50,7 @@ def export(run_dir: Path, out: Path, checkpoint: str | None = None, dtype: str =
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     except OSError as exc:
         raise InputError(f"cannot write the export to {out}: {exc.strerror or exc}") from exc
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
+    cfg = read_config(Path(run_dir))
     state = {}
     seen: dict[int, str] = {}
     tied = {}
@@ -117,8 +115,8 @@ def load(export_dir: str | Path, device: str = "cpu", dtype: str | None = None):
     ``dtype``: the model's parameter dtype (``float32``, ``bfloat16``, ``float16``); None: the stored one."""
     from safetensors.torch import load_file
 
-    from lmtrain.model import Decoder, ModelConfig
-    from lmtrain.tokenizer import load_tokenizer
+    from lmtrain.formats.tokenizer import load_tokenizer
+    from lmtrain.nn.model import Decoder, ModelConfig
 
     export_dir = Path(export_dir)
     if not (export_dir / "config.json").is_file():

@@ -32,11 +32,10 @@ from __future__ import annotations
 import json
 import math
 import sys
-from pathlib import Path
 
-from lmtrain.config import ConfigError, validate_config
+from lmtrain import config_dir
+from lmtrain.training.config import ConfigError, validate_config
 
-ROOT = Path(__file__).resolve().parent.parent
 STRATEGIES = ("ddp", "fsdp", "hsdp")
 AC = ("none", "selective", "full")
 GB = 1e9
@@ -48,7 +47,7 @@ def model_numbers(model_cfg, seq_len: int) -> dict:
     """Parameters and FLOPs of a model config (a meta-device build: no memory)."""
     import torch
 
-    from lmtrain.model import Decoder, flops_per_token, matmul_params, num_params
+    from lmtrain.nn.model import Decoder, flops_per_token, matmul_params, num_params
 
     with torch.device("meta"):
         model = Decoder(model_cfg)
@@ -122,7 +121,7 @@ def fewest_gpus(cfg, params: int, seq: int, batch: int, node: int, mem_bytes: fl
 
 
 def plan(cfg, cluster: dict, budget: dict) -> dict:
-    from lmtrain.model import ModelConfig
+    from lmtrain.nn.model import ModelConfig
 
     fields = {k: v for k, v in cfg.model.items() if not str(k).startswith("_")}
     mcfg = ModelConfig(**fields)
@@ -172,11 +171,11 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
 
 def largest_on_one_node(seq: int, batch: int, node: int, mem_bytes: float, accumulate: int = 1) -> str | None:
     """The preset with the most parameters that fits one node under fsdp with full activation checkpointing."""
-    from lmtrain.model import ModelConfig, available_presets
+    from lmtrain.formats.presets import available_presets, preset
 
     best = None
     for name in available_presets():
-        mcfg = ModelConfig.from_name(name)
+        mcfg = preset(name)
         n = model_numbers(mcfg, seq)["params"]
         if (
             memory(mcfg, n, min(seq, mcfg.max_seq_len), batch, "fsdp", node, node, "full", accumulate=accumulate)["total"]
@@ -260,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: cluster.gpus, cluster.gpus_per_node and cluster.memory_gb must be positive", file=sys.stderr)
         return 2
     try:
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             cfg = compose(config_name="train", overrides=overrides)
     except Exception as exc:  # noqa: BLE001 - Hydra's override errors are the user's
         print(f"error: {exc}", file=sys.stderr)

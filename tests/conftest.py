@@ -15,8 +15,8 @@ from omegaconf import DictConfig, open_dict
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import lmtrain.config  # noqa: E402,F401  (registers the run-name resolver)
-from data.corpus import python_stdlib_files  # noqa: E402
+import lmtrain.training.config  # noqa: E402,F401  (registers the run-name resolver)
+from lmtrain.data.corpus import python_stdlib_files  # noqa: E402
 
 os.environ.setdefault("LMTRAIN_RUN_ID", "pytest")
 
@@ -60,7 +60,7 @@ def corpus_jsonl(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def dataset_dir(corpus_jsonl, tmp_path_factory) -> Path:
-    from data.prepare import prepare
+    from lmtrain.data.prepare import prepare
 
     out = tmp_path_factory.mktemp("data") / "ds"
     prepare([corpus_jsonl], out, tokenizer="bpe:1024", val_fraction=0.1, workers=1, progress=False)

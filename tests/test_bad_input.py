@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from data.prepare import read_manifest
+from lmtrain.data.prepare import read_manifest
 from lmtrain.errors import InputError
-from lmtrain.run import train
+from lmtrain.training.run import train
 from tests.conftest import ROOT, TINY, make_cfg, run_train_cli
 
 
@@ -59,7 +59,7 @@ def test_bad_dataset_is_one_message(kind, message, dataset_dir, tmp_path):
 
 def test_corrupt_tokenizer_file_is_named(dataset_dir, tmp_path):
     ds = _broken_dataset("corrupt-tokenizer", dataset_dir, tmp_path)
-    from data.datamodule import TokenDataModule
+    from lmtrain.data.datamodule import TokenDataModule
 
     with pytest.raises(InputError, match=r"corrupt tokenizer ranks file .*tokenizer.tiktoken at line 1"):
         TokenDataModule(str(ds)).tokenizer()
@@ -121,7 +121,7 @@ def test_prepare_on_a_full_disk_fails_clearly_and_keeps_the_old_dataset(corpus_j
 
 def test_resuming_with_another_data_seed_is_refused(tiny_cfg, tmp_path, dataset_dir):
     ckpt_args = [
-        "trainer.enable_checkpointing=true", "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+        "trainer.enable_checkpointing=true", "+lmtrain.callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
         f"+callbacks.ckpt.dirpath={tmp_path / 'ckpt'}", "+callbacks.ckpt.filename=last", "trainer.max_steps=2",
     ]  # fmt: skip
     train(tiny_cfg(*ckpt_args))

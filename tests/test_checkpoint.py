@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from lmtrain import checkpoint as ck
-from lmtrain import logbook
-from lmtrain.checkpoint import CheckpointError
-from lmtrain.config import ConfigError
 from lmtrain.errors import RunStopped
-from lmtrain.run import train
+from lmtrain.formats import checkpoint as ck
+from lmtrain.formats import logbook
+from lmtrain.formats.checkpoint import CheckpointError
+from lmtrain.training.config import ConfigError
+from lmtrain.training.run import train
 from tests.conftest import TINY, make_cfg, run_train_cli
 
 # A run that checkpoints every 4 steps; dropout on, so the RNG state matters for an identical continuation.

@@ -1,4 +1,4 @@
-"""lmtrain.compat on real objects of the pinned torch and Lightning: an upgrade that renames a private member lmtrain
+"""lmtrain.training.compat on real objects of the pinned torch and Lightning: an upgrade that renames a private member lmtrain
 relies on fails here, naming it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lmtrain import compat
+from lmtrain.training import compat
 
 
 @pytest.mark.parametrize("path", sorted(compat.SUBCLASS_PRIVATES))
@@ -22,7 +22,7 @@ def test_the_private_members_our_subclasses_use_exist(path, tmp_path):
         missing = [m for m in compat.SUBCLASS_PRIVATES[path] if not hasattr(obj, m)]
     else:
         missing = [m for m in compat.SUBCLASS_PRIVATES[path] if not (hasattr(cls, m) or m in cls.__init__.__code__.co_names)]
-    assert not missing, f"{path} no longer has {missing}: see lmtrain/compat.py"
+    assert not missing, f"{path} no longer has {missing}: see lmtrain/training/compat.py"
 
 
 def test_trainer_privates_after_a_real_fit(tmp_path):

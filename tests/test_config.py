@@ -6,8 +6,8 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import open_dict
 
-from lmtrain.config import ConfigError, validate_config, validate_data
-from lmtrain.run import train
+from lmtrain.training.config import ConfigError, validate_config, validate_data
+from lmtrain.training.run import train
 from tests.conftest import TINY, make_cfg
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from lmtrain.logs import metric
-from lmtrain.run import train
+from lmtrain.formats.metrics import metric
+from lmtrain.training.run import train
 from tests.conftest import TINY, make_cfg
 
 

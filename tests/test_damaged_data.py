@@ -1,4 +1,4 @@
-"""A damaged shard of the right size is caught: checksums in the manifest, `python -m data.prepare --verify`, a check
+"""A damaged shard of the right size is caught: checksums in the manifest, `python -m lmtrain.data.prepare --verify`, a check
 on open for small datasets, and token ids checked per block in the loader (issue 16, item 2)."""
 
 from __future__ import annotations

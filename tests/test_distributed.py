@@ -19,7 +19,7 @@ def test_ddp_one_run_directory_a_failing_rank_ends_the_launch_and_the_resume_is_
        per-step losses of an uninterrupted run."""
     import time
 
-    from lmtrain import checkpoint as ck
+    from lmtrain.formats import checkpoint as ck
     from tests.test_checkpoint import CKPT, _losses
 
     base = [a for a in TINY if not a.startswith("trainer.devices")] + CKPT + [
@@ -32,7 +32,7 @@ def test_ddp_one_run_directory_a_failing_rank_ends_the_launch_and_the_resume_is_
     assert sorted(_losses(ref_dir)) == list(range(8))
 
     t0 = time.monotonic()
-    boom = ["+callbacks.boom._target_=tests.plugins.FailAtStep", "+callbacks.boom.step=5", "+callbacks.boom.rank=1"]
+    boom = ["+lmtrain.callbacks.boom._target_=tests.plugins.FailAtStep", "+callbacks.boom.step=5", "+callbacks.boom.rank=1"]
     fail = run_train_cli(base + ["run_name=cut", *boom], tmp_path, timeout=240)
     assert fail.returncode != 0 and "injected failure at step 5 on rank 1" in fail.stderr, fail.stderr[-3000:]
     assert time.monotonic() - t0 < 120

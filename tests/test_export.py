@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from lmtrain.run import train
+from lmtrain.training.run import train
 from tests.conftest import ROOT, TINY, make_cfg
 
 
@@ -39,7 +39,7 @@ print(model.lm_head.weight is model.tok_emb.weight)
 """
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
     assert loaded.returncode == 0 and loaded.stdout.strip() == "True", loaded.stderr[-2000:]
-    from lmtrain.generate import load_run
+    from lmtrain.formats.trained import load_run
 
     model, enc, _, _ = load_run(run)
     ref = model(torch.tensor([enc.encode_ordinary("def main(")]))

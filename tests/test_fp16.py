@@ -1,4 +1,4 @@
-"""fp16 with a real torch.amp.GradScaler on CPU (lmtrain.precision): overflows skipped and counted, the fp16 signals
+"""fp16 with a real torch.amp.GradScaler on CPU (lmtrain.training.precision): overflows skipped and counted, the fp16 signals
 and every action under the scaler, fp16 under FSDP2 on 2 ranks, and a real fp16 divergence."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ import math
 import pytest
 import torch
 
-from lmtrain import checkpoint as ck
-from lmtrain import logbook, precision
 from lmtrain.errors import RunStopped
-from lmtrain.run import train
+from lmtrain.formats import checkpoint as ck
+from lmtrain.formats import logbook
+from lmtrain.training import precision
+from lmtrain.training.run import train
 from tests.conftest import TINY, make_cfg, run_train_cli
 from tests.test_stability import STABLE, _kinds, _rows
 
@@ -25,7 +26,7 @@ def _series(run, key: str) -> list[float]:
 
 
 def test_the_scaler_fields_lmtrain_reads_exist():
-    """lmtrain.precision reads two private GradScaler fields; a PyTorch that renames them fails here, not in a run."""
+    """lmtrain.training.precision reads two private GradScaler fields; a PyTorch that renames them fails here, not in a run."""
     w = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([w], lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -143,9 +144,9 @@ def test_fp16_under_fsdp_on_two_ranks_skips_alike_and_rolls_back(tmp_path, datas
     args = [a for a in FP16 if not a.startswith(("trainer.devices", "logger"))] + [
         "strategy=fsdp", "trainer.devices=2", "logger=csv", f"paths.runs={tmp_path / 'runs'}", "run_name=f", f"data.path={dataset_dir}",
         "data.prepare=null", "fault=grad_overflow", "callbacks.fault.step=3", "callbacks.fault.count=2", "callbacks.fault.rank=1",
-        "+callbacks.nan._target_=callbacks.fault.FaultInjector", "+callbacks.nan.kind=nan_loss", "+callbacks.nan.step=10",
+        "+lmtrain.callbacks.nan._target_=lmtrain.callbacks.fault.FaultInjector", "+callbacks.nan.kind=nan_loss", "+callbacks.nan.step=10",
         f"+callbacks.nan.run_dir={tmp_path / 'runs' / 'f'}", "+callbacks.nan.rank=1",
-        "+callbacks.rec._target_=tests.plugins.RecordScale", f"+callbacks.rec.path={tmp_path / 'scale'}",
+        "+lmtrain.callbacks.rec._target_=tests.plugins.RecordScale", f"+callbacks.rec.path={tmp_path / 'scale'}",
     ]  # fmt: skip
     res = run_train_cli(args, tmp_path)
     assert res.returncode == 0, res.stderr[-4000:]

@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 
-from lmtrain import checkpoint as ck
-from lmtrain.config import ConfigError, validate_config
+from lmtrain.formats import checkpoint as ck
+from lmtrain.training.config import ConfigError, validate_config
 from tests.conftest import TINY, make_cfg, run_train_cli
 from tests.test_checkpoint import _losses
 
@@ -32,7 +32,7 @@ def _run(tmp_path, dataset_dir, name, *extra):
 @pytest.mark.distributed
 def test_fsdp_and_hsdp_match_one_process_and_resume_sharded_checkpoints(tmp_path, dataset_dir, capsys):
     """Global batch 8 everywhere: 1 process x 8 (in this process), fsdp 2 x 4 and 4 x 2, hsdp 2 x 2 (4 processes) x 2."""
-    from lmtrain.run import train
+    from lmtrain.training.run import train
 
     train(make_cfg(BASE + ["trainer.devices=1", "data.batch_size=8", f"run_dir={tmp_path / 'runs' / 'single'}"], tmp_path, dataset_dir))
     fsdp = _run(tmp_path, dataset_dir, "fsdp", "strategy=fsdp", "trainer.devices=2", "data.batch_size=4")
@@ -64,7 +64,7 @@ def test_fsdp_and_hsdp_match_one_process_and_resume_sharded_checkpoints(tmp_path
 
     from lmtrain import export, generate
     from lmtrain.export import load
-    from lmtrain.generate import load_run
+    from lmtrain.formats.trained import load_run
 
     capsys.readouterr()
     code = generate.main([str(tmp_path / "runs" / "cut"), "--prompt", "import os", "--temperature", "0", "--max-new-tokens", "5"])
@@ -106,12 +106,12 @@ def test_fsdp_and_hsdp_match_one_process_and_resume_sharded_checkpoints(tmp_path
         (["strategy=fsdp", "strategy.activation_checkpointing=some"], None),
         (
             ["strategy=fsdp", "+strategy.reshard=false"],
-            "unknown key 'strategy.reshard' for lmtrain.strategies.FSDP2Strategy.*reshard_after_forward",
+            "unknown key 'strategy.reshard' for lmtrain.training.strategies.FSDP2Strategy.*reshard_after_forward",
         ),
     ],
 )
 def test_impossible_strategies_are_refused_before_launch(tmp_path, overrides, message):
-    from lmtrain.strategies import FSDP2Strategy, StrategyError
+    from lmtrain.training.strategies import FSDP2Strategy, StrategyError
 
     cfg = make_cfg([a for a in TINY if not a.startswith("trainer.devices")] + overrides, tmp_path)
     if message is None:  # a bad option value: refused when the strategy is built, still before any process starts

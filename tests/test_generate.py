@@ -6,7 +6,7 @@ import shutil
 import subprocess
 import sys
 
-from lmtrain.run import train
+from lmtrain.training.run import train
 from tests.conftest import ROOT, TINY, make_cfg
 
 

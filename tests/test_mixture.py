@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from data.datamodule import BlockSampler, TokenDataModule, mixture_counts
-from data.prepare import PrepareError, prepare
+from lmtrain.data.datamodule import BlockSampler, TokenDataModule, mixture_counts
+from lmtrain.data.prepare import PrepareError, prepare
 from lmtrain.errors import InputError
-from lmtrain.run import train
+from lmtrain.training.run import train
 from tests.conftest import TINY, make_cfg, python_stdlib_files
 
 SEQ, BATCH = 32, 4

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lmtrain.run import train
+from lmtrain.training.run import train
 
 
 def _free_port() -> int:
@@ -92,7 +92,7 @@ def test_a_run_that_raises_is_marked_failed(mlflow_server, tiny_cfg, tmp_path):
     from mlflow.tracking import MlflowClient
 
     cfg = tiny_cfg("logger=mlflow", f"logger.mlflow.tracking_uri={mlflow_server}", "logger.mlflow.experiment_name=it", "run_name=crash",
-                   "trainer.max_steps=5", "+callbacks.boom._target_=tests.plugins.FailAtStep", "+callbacks.boom.step=2")  # fmt: skip
+                   "trainer.max_steps=5", "+lmtrain.callbacks.boom._target_=tests.plugins.FailAtStep", "+callbacks.boom.step=2")  # fmt: skip
     with pytest.raises(RuntimeError, match="injected failure at step 2"):
         train(cfg)
     client = MlflowClient(tracking_uri=mlflow_server)
@@ -105,7 +105,7 @@ def test_a_resumed_run_continues_the_same_mlflow_run_without_duplicated_steps(ml
     """Killed (kill -9) at step 6 after a checkpoint at step 4, then re-run: one MLflow run, steps 0..13 once each."""
     from mlflow.tracking import MlflowClient
 
-    from lmtrain import checkpoint as ck
+    from lmtrain.formats import checkpoint as ck
     from tests.conftest import TINY, run_train_cli
     from tests.test_checkpoint import CKPT
 

@@ -8,7 +8,8 @@ import shutil
 import pytest
 import torch
 
-from lmtrain.model import Decoder, ModelConfig, available_presets, flops_per_token, num_params
+from lmtrain.formats.presets import available_presets, preset
+from lmtrain.nn.model import Decoder, ModelConfig, flops_per_token, num_params
 
 # Published sizes: exact counts of the released checkpoints (OPT on the Hugging Face hub; Llama-2-7B),
 # else the paper's nominal size (OPT paper, Table 1).
@@ -28,7 +29,7 @@ PUBLISHED = {
 
 def meta_model(name: str, **overrides) -> Decoder:
     with torch.device("meta"):
-        return Decoder(ModelConfig.from_name(name, **overrides))
+        return Decoder(preset(name, **overrides))
 
 
 def test_every_paper_preset_is_registered():
@@ -53,7 +54,7 @@ def test_meta_forward_shapes(name):
 @pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
 def test_forward_backward_and_causality(name):
     torch.manual_seed(0)
-    model = Decoder(ModelConfig.from_name(name))
+    model = Decoder(preset(name))
     idx = torch.randint(0, 100, (2, 32))
     logits = model(idx)
     assert logits.shape == (2, 32, model.cfg.vocab_size)
@@ -69,14 +70,14 @@ def test_forward_backward_and_causality(name):
 
 def test_initial_loss_is_near_uniform():
     torch.manual_seed(0)
-    model = Decoder(ModelConfig.from_name("tiny"))
+    model = Decoder(preset("tiny"))
     idx, targets = torch.randint(0, 4096, (2, 4, 64))
     loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
     assert abs(loss.item() - math.log(4096)) < 0.3
 
 
 def test_families_differ_as_documented():
-    opt, llama = Decoder(ModelConfig.from_name("tiny")), Decoder(ModelConfig.from_name("tiny-llama"))
+    opt, llama = Decoder(preset("tiny")), Decoder(preset("tiny-llama"))
     assert isinstance(opt.norm, torch.nn.LayerNorm) and opt.pos_emb is not None
     assert type(llama.norm).__name__ == "RMSNorm" and llama.pos_emb is None
     assert opt.lm_head.weight is opt.tok_emb.weight  # tied
@@ -98,7 +99,7 @@ def test_scaled_residual_init():
 
 def test_meta_then_init_weights_materialises():
     with torch.device("meta"):
-        model = Decoder(ModelConfig.from_name("tiny-llama"))
+        model = Decoder(preset("tiny-llama"))
     model.to_empty(device="cpu")
     model.init_weights()
     assert torch.isfinite(model(torch.randint(0, 100, (1, 8)))).all()
@@ -129,11 +130,11 @@ def test_bad_shapes_name_the_key(fields, message):
 
 def test_unknown_preset():
     with pytest.raises(ValueError, match="unknown model preset 'opt-9b'.*available"):
-        ModelConfig.from_name("opt-9b")
+        preset("opt-9b")
 
 
 def test_sequence_longer_than_positions_is_refused():
-    model = Decoder(ModelConfig.from_name("tiny"))
+    model = Decoder(preset("tiny"))
     with pytest.raises(ValueError, match="max_seq_len"):
         model(torch.zeros(1, 129, dtype=torch.long))
 
@@ -161,11 +162,11 @@ def test_mlp_activations_compute_what_they_name():
 
 @pytest.mark.parametrize("chunk", [7, 50, 64])
 def test_chunked_head_loss_equals_cross_entropy(chunk):
-    """lmtrain.loss: the loss and both gradients of the chunked head equal F.cross_entropy on the full logits
+    """lmtrain.nn.loss: the loss and both gradients of the chunked head equal F.cross_entropy on the full logits
     (fp32), ignored targets (-100) included, for chunks that split the tokens unevenly, exactly or not at all."""
     import torch.nn.functional as F
 
-    from lmtrain.loss import chunked_linear_cross_entropy
+    from lmtrain.nn.loss import chunked_linear_cross_entropy
 
     torch.manual_seed(0)
     h = torch.randn(50, 16, requires_grad=True)
@@ -184,7 +185,7 @@ def test_chunked_head_loss_equals_cross_entropy(chunk):
 def test_chunked_head_loss_under_bf16_autocast_and_without_grad():
     import torch.nn.functional as F
 
-    from lmtrain.loss import chunked_linear_cross_entropy
+    from lmtrain.nn.loss import chunked_linear_cross_entropy
 
     torch.manual_seed(1)
     h = torch.randn(64, 32, requires_grad=True)
@@ -205,7 +206,7 @@ def test_chunked_head_loss_under_bf16_autocast_and_without_grad():
 def test_decoder_with_chunked_loss_has_the_plain_gradients():
     """A tiny decoder with tied embeddings: loss and every parameter's gradient equal with and without chunks."""
     torch.manual_seed(0)
-    model = Decoder(ModelConfig.from_name("tiny"))
+    model = Decoder(preset("tiny"))
     idx = torch.randint(0, model.cfg.vocab_size, (3, 20))
     tgt = torch.randint(0, model.cfg.vocab_size, (3, 20))
     plain = model(idx, tgt)
@@ -222,10 +223,10 @@ def test_decoder_with_chunked_loss_has_the_plain_gradients():
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="torch.compile on CPU needs a C compiler")
 def test_chunk_step_compiled_equals_eager_and_a_compiled_decoder_leaves_the_chunk_loop_out():
-    """The per-chunk loss and logit gradient, compiled as on a GPU (lmtrain.loss._chunk_fn), equals the eager one
+    """The per-chunk loss and logit gradient, compiled as on a GPU (lmtrain.nn.loss._chunk_fn), equals the eager one
     (ignored targets included); a compiled decoder with the chunked head stops its graph before the chunk loop (one
     break, see chunked_linear_cross_entropy) and has the eager loss and gradients."""
-    from lmtrain.loss import _chunk_loss_and_grad, _compiled_chunk_loss_and_grad
+    from lmtrain.nn.loss import _chunk_loss_and_grad, _compiled_chunk_loss_and_grad
 
     torch.manual_seed(0)
     logits = torch.randn(48, 300)
@@ -237,7 +238,7 @@ def test_chunk_step_compiled_equals_eager_and_a_compiled_decoder_leaves_the_chun
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
     assert grad[3].abs().max() == 0 and grad[0].sum().abs() < 1e-6  # ignored row zero; softmax minus one-hot sums to 0
 
-    model = Decoder(ModelConfig.from_name("tiny"))
+    model = Decoder(preset("tiny"))
     model.loss_chunk_tokens = 17
     idx = torch.randint(0, model.cfg.vocab_size, (2, 20))
     explained = torch._dynamo.explain(model)(idx, idx)

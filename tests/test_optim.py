@@ -7,13 +7,14 @@ import functools
 import pytest
 import torch
 
-from lmtrain.model import Decoder, ModelConfig
-from lmtrain.optim import WarmupDecay, build_optimizer, param_groups, warmup_decay
+from lmtrain.formats.presets import preset
+from lmtrain.nn.model import Decoder
+from lmtrain.nn.optim import WarmupDecay, build_optimizer, param_groups, warmup_decay
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
 def test_weight_decay_only_on_matrices(name):
-    model = Decoder(ModelConfig.from_name(name))
+    model = Decoder(preset(name))
     decay, no_decay = param_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     decayed = {names[id(p)] for p in decay["params"]}
@@ -27,7 +28,7 @@ def test_weight_decay_only_on_matrices(name):
 
 
 def test_build_optimizer_from_partial():
-    model = Decoder(ModelConfig.from_name("tiny"))
+    model = Decoder(preset("tiny"))
     factory = functools.partial(torch.optim.AdamW, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=None)
     opt = build_optimizer(factory, model)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmtrain.logs import metric
+from lmtrain.formats.metrics import metric
 from tests.conftest import ROOT, run_train_cli
 
 PLUGIN = ROOT / "examples" / "plugin"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from lmtrain.errors import InputError
-from lmtrain.logs import by_step
-from lmtrain.module import sdpa_backends
-from lmtrain.run import train
+from lmtrain.formats.metrics import by_step
+from lmtrain.training.module import sdpa_backends
+from lmtrain.training.run import train
 from tests.conftest import TINY, make_cfg
 
 
@@ -73,7 +73,7 @@ def test_step_statistics_are_read_one_step_late_unless_a_skip_needs_them_now(tmp
         probe = tmp_path / f"{action}.json"
         cfg = make_cfg(
             TINY + ["logger=csv", "trainer.max_steps=4", "callbacks=stability", "callbacks.lr_control.poll_every=100",
-                    f"callbacks.divergence.grad_spike.action={action}", "+callbacks.probe._target_=tests.plugins.PendingStats",
+                    f"callbacks.divergence.grad_spike.action={action}", "+lmtrain.callbacks.probe._target_=tests.plugins.PendingStats",
                     f"+callbacks.probe.path={probe}"],
             tmp_path / action, dataset_dir,
         )  # fmt: skip
@@ -90,7 +90,7 @@ def test_device_busy_time_counts_kernels_not_annotation_ranges():
 
     import torch
 
-    from callbacks.profiler import busy_fraction
+    from lmtrain.callbacks.profiler import busy_fraction
 
     def ev(start, end, annotation=False, device=torch.autograd.DeviceType.CUDA):
         return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), device_type=device, is_user_annotation=annotation)
@@ -122,7 +122,7 @@ def test_garbage_collection_runs_on_schedule_and_is_restored(tmp_path, dataset_d
     cfg = make_cfg(
         TINY + ["logger=csv", "trainer.max_steps=8", "callbacks=[none,gc]", "callbacks.gc.every_n_steps=2",
                 "callbacks.gc.freeze_after_steps=1", "callbacks.gc.full_every_n_steps=5",
-                "+callbacks.probe._target_=tests.plugins.GCState", f"+callbacks.probe.path={probe}"],
+                "+lmtrain.callbacks.probe._target_=tests.plugins.GCState", f"+callbacks.probe.path={probe}"],
         tmp_path, dataset_dir,
     )  # fmt: skip
     assert gc.isenabled()
@@ -138,7 +138,7 @@ def test_garbage_collection_runs_on_schedule_and_is_restored(tmp_path, dataset_d
 
 
 def test_garbage_collection_options_are_checked():
-    from callbacks.gc_control import GarbageCollection
+    from lmtrain.callbacks.gc_control import GarbageCollection
 
     for bad in ({"every_n_steps": 0}, {"generation": 3}, {"full_every_n_steps": 0}, {"freeze_after_steps": -1},
                 {"every_n_steps": "often"}, {"full_every_n_steps": 2.5}, {"freeze_after_steps": "x"}):  # fmt: skip
@@ -179,7 +179,7 @@ def test_peak_flops_come_from_lightnings_table_except_where_it_is_silent(monkeyp
     """The device name is what torch would report on that card (this machine has none): the lookup is what is tested."""
     import torch
 
-    from callbacks.throughput import detect_peak_flops
+    from lmtrain.callbacks.throughput import detect_peak_flops
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)

@@ -11,7 +11,7 @@ the handlers do with them:
   config, tests/test_train.py), the sweep (test_train), resume / ``resume=false`` / ``overwrite`` / ``ckpt_path``
   (tests/test_checkpoint.py), the plugin (tests/test_plugin.py), FSDP/HSDP under torchrun and SLURM
   (tests/test_fsdp.py).
-* ``python -m data.prepare``, ``lmtrain.plan``, ``lmtrain.control``, ``lmtrain.generate``, ``lmtrain.report`` and
+* ``python -m lmtrain.data.prepare``, ``lmtrain.plan``, ``lmtrain.control``, ``lmtrain.generate``, ``lmtrain.report`` and
   ``lmtrain.export``: run here, with the README's arguments, on a run named ``my-run`` trained here for 4 steps.
 * The two set-up lines: ``.ci/run`` runs the install and the test command; the bare ``python train.py`` is the
   config checked here and trained by the ``debug=fdr`` test.
@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmtrain.config import check_machine, validate_config
 from lmtrain.errors import InputError
+from lmtrain.training.config import check_machine, validate_config
 from tests.conftest import ROOT, TINY, make_cfg
 
 README = ROOT / "README.md"
@@ -70,16 +70,16 @@ def _train_args(command: str) -> list[str] | None:
 @pytest.fixture(scope="module")
 def readme_world(tmp_path_factory, corpus_jsonl, dataset_dir):
     """The README's custom corpus (its data.prepare line, inputs swapped for the test corpus) and a run named my-run."""
-    from lmtrain.run import train
+    from lmtrain.training.run import train
 
     root = tmp_path_factory.mktemp("readme")
     corpus = root / "corpus"
-    (command,) = [c for c in readme_commands() if c.startswith("python -m data.prepare")]
+    (command,) = [c for c in readme_commands() if c.startswith("python -m lmtrain.data.prepare")]
     argv = shlex.split(command)[3:]
     argv[argv.index("--input") + 1 : argv.index("--output")] = [str(corpus_jsonl)]
     argv[argv.index("--output") + 1] = str(corpus)
     argv += ["--val-fraction", "0.1"]  # the test corpus has 43 documents: the default 1% selects none
-    from data.prepare import main as prepare_main
+    from lmtrain.data.prepare import main as prepare_main
 
     assert prepare_main(argv) == 0
     cfg = make_cfg(

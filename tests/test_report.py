@@ -10,7 +10,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from lmtrain.run import train
+from lmtrain.training.run import train
 from tests.conftest import ROOT, TINY, make_cfg
 
 BLUE, GREEN = (0x1F, 0x77, 0xB4), (0x2C, 0xA0, 0x2C)  # matplotlib's tab:blue (train/loss, lr), tab:green (val/loss)
@@ -80,7 +80,7 @@ def test_text_samples_after_each_validation(tmp_path, dataset_dir):
     assert text.startswith("step 4, temperature 0,") and "--- prompt: 'def main('\ndef main(" in text
     assert len(text.split("def main(", 2)[-1]) > 0  # a continuation follows the prompt
 
-    from callbacks.samples import SampleText
+    from lmtrain.callbacks.samples import SampleText
     from lmtrain.errors import InputError
 
     try:

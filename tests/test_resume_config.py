@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 
-from lmtrain import logbook
-from lmtrain.logs import by_step
-from lmtrain.optim import WarmupDecay
-from lmtrain.run import train
+from lmtrain.formats import logbook
+from lmtrain.formats.metrics import by_step
+from lmtrain.nn.optim import WarmupDecay
+from lmtrain.training.run import train
 from tests.conftest import TINY, make_cfg
 
 BASE = TINY + [

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from data.datamodule import TokenDataModule
-from data.prepare import prepare
-from lmtrain.run import train
+from lmtrain.data.datamodule import TokenDataModule
+from lmtrain.data.prepare import prepare
+from lmtrain.training.run import train
 from tests.conftest import TINY, make_cfg
 
 SEQ, BATCH = 32, 4
@@ -102,10 +102,10 @@ def test_resume_through_lightning_mid_epoch_and_across_epoch_boundary(small_data
             f"data.seq_len={SEQ}", f"data.batch_size={BATCH}", f"data.num_workers={workers}", "seed=7",
             f"trainer.max_steps={max_steps}", f"scheduler.total_steps={total}", "trainer.val_check_interval=1000",
             "trainer.enable_checkpointing=true",
-            "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+            "+lmtrain.callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
             f"+callbacks.ckpt.dirpath={tmp_path / 'ckpt'}", "+callbacks.ckpt.every_n_train_steps=1",
             "+callbacks.ckpt.save_top_k=-1", "+callbacks.ckpt.filename='{step}'",
-            "+callbacks.rec._target_=tests.plugins.RecordBatches", f"+callbacks.rec.path={tmp_path / name}.pt",
+            "+lmtrain.callbacks.rec._target_=tests.plugins.RecordBatches", f"+callbacks.rec.path={tmp_path / name}.pt",
         ]  # fmt: skip
         if ckpt:
             overrides.append(f"ckpt_path='{ckpt}'")

@@ -12,10 +12,19 @@ import numpy as np
 import pytest
 import torch
 
-from data.corpus import CorpusError, python_stdlib_files
-from data.datamodule import BlockSampler, PackedBlocks
-from data.prepare import PrepareError, prepare, read_manifest
-from lmtrain.tokenizer import EOS_TEXT, TokenizerError, encoding_from_ranks, eos_id, load_ranks, load_tokenizer, save_ranks, train_bpe
+from lmtrain.data.corpus import CorpusError, python_stdlib_files
+from lmtrain.data.datamodule import BlockSampler, PackedBlocks
+from lmtrain.data.prepare import PrepareError, prepare, read_manifest
+from lmtrain.formats.tokenizer import (
+    EOS_TEXT,
+    TokenizerError,
+    encoding_from_ranks,
+    eos_id,
+    load_ranks,
+    load_tokenizer,
+    save_ranks,
+    train_bpe,
+)
 
 TRICKY = ["héllo wörld", "日本語のテキスト 🎉", f"literal {EOS_TEXT} text", "tabs\tand\r\nnewlines\n\n", "\x00\x7f", "x"]
 
@@ -162,7 +171,7 @@ def test_sampler_is_disjoint_complete_and_deterministic():
 
 _PEAK_RSS = """
 import resource, sys
-from data.prepare import prepare
+from lmtrain.data.prepare import prepare
 prepare([sys.argv[1]], sys.argv[2], tokenizer=sys.argv[3], val_fraction=0.01, workers=2, progress=False)
 hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1]  # this image's peak, kB
 print(hwm, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lmtrain.config import validate_config
+from lmtrain.training.config import validate_config
 from tests.conftest import ROOT, TINY, make_cfg, run_train_cli
 
 
@@ -44,7 +44,7 @@ def test_every_debug_option_is_valid_and_runs(tmp_path, dataset_dir, option):
 
 
 def test_a_bpe_smaller_than_asked_is_said(corpus_jsonl, tmp_path, capsys):
-    from data.prepare import prepare
+    from lmtrain.data.prepare import prepare
 
     manifest = prepare([corpus_jsonl], tmp_path / "ds", tokenizer="bpe:60000", val_fraction=0.1, workers=1, progress=False)
     assert manifest["vocab_size"] < 60000
@@ -54,7 +54,10 @@ def test_a_bpe_smaller_than_asked_is_said(corpus_jsonl, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["data=prepared"], "data.path is required and has no default: give data.path=... (a dataset made by python -m data.prepare)"),
+        (
+            ["data=prepared"],
+            "data.path is required and has no default: give data.path=... (a dataset made by python -m lmtrain.data.prepare)",
+        ),
         (["+run_nam=foo"], "unknown top-level key 'run_nam' (did you mean 'run_name'?)"),
         (["trainer=gpu"], "trainer.accelerator=gpu but this machine has no usable GPU"),
     ],
@@ -65,8 +68,8 @@ def test_what_used_to_escape_is_one_config_error(tmp_path, overrides, message):
     work, which train.py prints as one line with exit status 2 (tests/test_train.py)."""
     import torch
 
-    from lmtrain.config import ConfigError
-    from lmtrain.run import train
+    from lmtrain.training.config import ConfigError
+    from lmtrain.training.run import train
 
     if overrides == ["trainer=gpu"] and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmtrain.config import validate_config
-from lmtrain.logs import by_step, metric
-from lmtrain.model import num_params
-from lmtrain.run import train
+from lmtrain.formats.metrics import by_step, metric
+from lmtrain.nn.model import num_params
+from lmtrain.training.config import validate_config
+from lmtrain.training.run import train
 from tests.conftest import ROOT, TINY, make_cfg, run_train_cli
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
@@ -83,7 +83,7 @@ def test_gradients_freed_after_each_step_and_accumulation_unchanged(tiny_cfg, tm
         probe = tmp_path / f"{name}.json"
         cfg = tiny_cfg(
             *extra, "logger=csv", "trainer.limit_val_batches=0", f"run_name={name}",
-            "+callbacks.probe._target_=tests.plugins.GradientsAtBatchStart", f"+callbacks.probe.path={probe}",
+            "+lmtrain.callbacks.probe._target_=tests.plugins.GradientsAtBatchStart", f"+callbacks.probe.path={probe}",
         )  # fmt: skip
         train(cfg)
         seen[name], losses[name] = json.loads(probe.read_text()), metric(Path(cfg.run_dir), "train/loss")

@@ -12,14 +12,14 @@ import inspect
 import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from lmtrain import compat
+from lmtrain import data_cache_dir
 from lmtrain.errors import InputError
+from lmtrain.training import compat
 
 # The root config's keys (conf/train.yaml and its groups); anything else at the top is a typo (`+run_nam=x`).
 TOP_LEVEL = {
@@ -58,10 +58,9 @@ def default_run_id() -> str:
 
 if not OmegaConf.has_resolver("lmtrain_run_id"):
     OmegaConf.register_new_resolver("lmtrain_run_id", default_run_id, use_cache=True)
-# the checkout's root: the embedded corpus is prepared once under it, whichever directory train.py is run from
-ROOT = Path(__file__).resolve().parent.parent
-if not OmegaConf.has_resolver("lmtrain_root"):
-    OmegaConf.register_new_resolver("lmtrain_root", lambda: str(ROOT))
+# where the embedded corpus is prepared once, whichever directory the run starts from
+if not OmegaConf.has_resolver("lmtrain_data_cache"):
+    OmegaConf.register_new_resolver("lmtrain_data_cache", lambda: str(data_cache_dir()))
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -81,7 +80,7 @@ def _nodes(cfg: Any, path: str = "") -> Iterator[tuple[str, DictConfig]]:
 
 def _allowed_keys(target: Any) -> set[str] | None:
     """Constructor argument names of a target, or None when it takes ``**kwargs`` (then anything goes)."""
-    from lmtrain.model import Decoder, ModelConfig
+    from lmtrain.nn.model import Decoder, ModelConfig
 
     if target is Decoder:
         return {f for f in ModelConfig.__dataclass_fields__} | {"cfg"}
@@ -169,7 +168,7 @@ def _strategy_problems(cfg: DictConfig) -> list[str]:
     on_cpu = device_type(cfg.trainer.get("accelerator", "auto")) == "cpu"
     from lightning.pytorch.strategies import FSDPStrategy
 
-    from lmtrain.strategies import named
+    from lmtrain.training.strategies import named
 
     lightning_fsdp = (isinstance(target, type) and issubclass(target, FSDPStrategy)) or (target is named and st.get("name") == "fsdp")
     if lightning_fsdp and on_cpu:
@@ -187,7 +186,7 @@ def validate_config(cfg: DictConfig) -> None:
     """Raise ConfigError for the first problem in ``cfg`` (all problems are listed)."""
     problems: list[str] = []
     for key in sorted(OmegaConf.missing_keys(cfg)):
-        hint = " (a dataset made by python -m data.prepare)" if key == "data.path" else ""
+        hint = " (a dataset made by python -m lmtrain.data.prepare)" if key == "data.path" else ""
         problems.append(f"{key} is required and has no default: give {key}=...{hint}")
     for key in cfg.keys():
         if key not in TOP_LEVEL:
@@ -210,8 +209,8 @@ def validate_config(cfg: DictConfig) -> None:
                 problems.append(f"unknown key '{path}.{key}' for {node._target_}{_suggest(str(key), allowed)}; allowed: {sorted(allowed)}")
 
     model_cfg = None
-    if cfg.get("model") is not None and str(cfg.model.get("_target_", "")) == "lmtrain.model.Decoder":
-        from lmtrain.model import ModelConfig
+    if cfg.get("model") is not None and str(cfg.model.get("_target_", "")) == "lmtrain.nn.model.Decoder":
+        from lmtrain.nn.model import ModelConfig
 
         fields = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if not str(k).startswith("_")}
         fields = {k: v for k, v in fields.items() if k in ModelConfig.__dataclass_fields__}
@@ -264,7 +263,7 @@ def validate_config(cfg: DictConfig) -> None:
 
     sched = cfg.get("scheduler")
     if sched is not None and "warmup_steps" in sched and "total_steps" in sched:
-        from lmtrain.optim import DECAYS
+        from lmtrain.nn.optim import DECAYS
 
         if sched.get("decay", "cosine") not in DECAYS:
             problems.append(f"scheduler.decay='{sched.decay}' is not one of {list(DECAYS)}")

@@ -14,8 +14,8 @@ import torch
 
 # Private members of Lightning classes that lmtrain's subclasses use (class -> members), checked by tests/test_compat.py.
 SUBCLASS_PRIVATES = {
-    "lightning.pytorch.strategies.ModelParallelStrategy": ("_setup_distributed", "_device_mesh"),  # lmtrain.strategies
-    "lightning.pytorch.loggers.MLFlowLogger": ("_tracking_uri", "_experiment_name", "_initialized", "_run_id"),  # lmtrain.loggers
+    "lightning.pytorch.strategies.ModelParallelStrategy": ("_setup_distributed", "_device_mesh"),  # lmtrain.training.strategies
+    "lightning.pytorch.loggers.MLFlowLogger": ("_tracking_uri", "_experiment_name", "_initialized", "_run_id"),  # lmtrain.training.loggers
 }
 
 

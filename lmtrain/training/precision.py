@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lmtrain import compat
+from lmtrain.training import compat
 
 
 class Fp16MixedPrecision(MixedPrecision):
@@ -74,7 +74,7 @@ def build(precision: str, accelerator: str, scaler_factory) -> tuple[Any, list]:
     if str(precision) not in ("16-mixed", "16"):
         return precision, []
     scaler_factory = scaler_factory or torch.amp.GradScaler
-    from lmtrain.config import device_type
+    from lmtrain.training.config import device_type
 
     device = device_type(accelerator)
     return None, [Fp16MixedPrecision(device, scaler_factory(device=device))]

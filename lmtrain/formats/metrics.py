@@ -5,8 +5,6 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from lmtrain import compat
-
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, str]]:
     """Rows of a run's CSV log, as written by Lightning's CSVLogger."""
@@ -26,20 +24,3 @@ def by_step(run_dir: str | Path) -> dict[int, dict[str, str]]:
 def metric(run_dir: str | Path, key: str) -> list[float]:
     """One metric's logged values, in order."""
     return [float(r[key]) for r in read_metrics(run_dir) if r.get(key)]
-
-
-def log_direct(trainer, metrics: dict[str, float], step: int | None = None) -> None:
-    """Hand plain floats straight to the loggers, every ``trainer.log_every_n_steps`` steps, from rank zero.
-
-    ``LightningModule.log`` costs about a millisecond of host time per call (tensor conversion, result collection),
-    which on a fast GPU step is several percent of the step; per-step diagnostics that need neither the progress
-    bar nor ``callback_metrics`` go this way. ``step`` defaults to the step Lightning logs the current batch at.
-    """
-    if not trainer.is_global_zero or not trainer.loggers:
-        return
-    if step is None:
-        step = compat.logged_step(trainer)
-    if step % max(trainer.log_every_n_steps, 1):
-        return
-    for lg in trainer.loggers:
-        lg.log_metrics(metrics, step=step)

@@ -15,14 +15,15 @@ from hydra.utils import instantiate as _hydra_instantiate
 from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lmtrain import checkpoint as ck
-from lmtrain import console, corrections, logbook
-from lmtrain.checkpoint import CheckpointError, check_compatible, config_hash
-from lmtrain.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data
+from lmtrain import console
 from lmtrain.console import log
-from lmtrain.contracts import CheckpointStore, RequestsRollback, StopsTraining
 from lmtrain.errors import InputError, RunStopped
-from lmtrain.precision import build as build_precision
+from lmtrain.formats import checkpoint as ck
+from lmtrain.formats import corrections, logbook
+from lmtrain.formats.checkpoint import CheckpointError, check_compatible, config_hash
+from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data
+from lmtrain.training.contracts import CheckpointStore, RequestsRollback, StopsTraining
+from lmtrain.training.precision import build as build_precision
 
 # Lightning 2.6 advertises a cloud logger on every run without its own ("💡 Tip: ... litlogger"): not ours to print.
 logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: "litlogger" not in record.getMessage())
@@ -53,7 +54,7 @@ def meta_model(model_factory) -> torch.nn.Module:
 
 def describe_model(model: torch.nn.Module) -> str:
     """Parameter counts of a (meta-device) model."""
-    from lmtrain.model import Decoder, matmul_params, num_params
+    from lmtrain.nn.model import Decoder, matmul_params, num_params
 
     total = num_params(model)
     if isinstance(model, Decoder):
@@ -66,10 +67,10 @@ def describe_model(model: torch.nn.Module) -> str:
 
 
 def model_identity(model: torch.nn.Module, cfg: DictConfig) -> dict:
-    """What a checkpoint records about the model, and what a resume compares (lmtrain.checkpoint.check_compatible)."""
+    """What a checkpoint records about the model, and what a resume compares (lmtrain.formats.checkpoint.check_compatible)."""
     import dataclasses
 
-    from lmtrain.checkpoint import param_shapes
+    from lmtrain.formats.checkpoint import param_shapes
 
     mc = getattr(model, "cfg", None)
     return {
@@ -105,7 +106,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Run training for ``cfg``; return the final logged metrics as floats.
 
     A rollback requested by the divergence detector ends the attempt; the next attempt resumes from the
-    checkpoint it chose, with the learning-rate correction recorded (lmtrain.corrections). A guard that stopped
+    checkpoint it chose, with the learning-rate correction recorded (lmtrain.formats.corrections). A guard that stopped
     training (the detector's ``stop``, the disk guard) raises :class:`RunStopped`: the run did not finish.
     What the run says goes to the console and, once the attempt is accepted, to ``RUN_DIR/train.log``
     (lmtrain.console), with how it ended: the summary, the ``stopped:`` or ``error:`` line, or the traceback.
@@ -205,7 +206,7 @@ def _decide(cfg: DictConfig, rollback: dict | None) -> _Attempt:
         raise InputError(f"cannot create the run directory {run_dir} (run_dir / paths.runs): {exc.strerror or exc}") from exc
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     callbacks = instantiate_group(cfg.get("callbacks"))
-    checkpointer = next((c for c in callbacks if isinstance(c, CheckpointStore)), None)  # callbacks.checkpoint.Checkpointer
+    checkpointer = next((c for c in callbacks if isinstance(c, CheckpointStore)), None)  # lmtrain.callbacks.checkpoint.Checkpointer
     resume = resume_point(cfg, checkpointer.root if checkpointer is not None else None)
     if rollback is None:
         log.info(
@@ -342,7 +343,7 @@ def _fit(att: _Attempt, started: float):
             logbook.events.removeHandler(mirror)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     if getattr(module, "last_train_loss", None) is not None:
-        metrics["train/loss"] = module.last_train_loss  # read from the step statistics, not self.log (lmtrain.module)
+        metrics["train/loss"] = module.last_train_loss  # read from the step statistics, not self.log (lmtrain.training.module)
     return metrics, detector, stopped
 
 

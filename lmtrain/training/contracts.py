@@ -55,8 +55,8 @@ class SaveGuard:
 
 
 class CheckpointStore:
-    """What the run and the other callbacks may use of the run's checkpointer (callbacks.checkpoint.Checkpointer):
-    where the checkpoints are, what each records about the run (``run_info``, set by lmtrain.run), the health fields
+    """What the run and the other callbacks may use of the run's checkpointer (lmtrain.callbacks.checkpoint.Checkpointer):
+    where the checkpoints are, what each records about the run (``run_info``, set by lmtrain.training.run), the health fields
     saved with the next one, whether the final save is suppressed (a diverged state), the hooks that forward alerts
     (MLflow tags), and waiting for a save in flight."""
 

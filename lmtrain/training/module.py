@@ -11,17 +11,17 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lmtrain import compat, precision
-from lmtrain.contracts import StepChecker
 from lmtrain.errors import InputError
-from lmtrain.logs import log_direct
-from lmtrain.loss import cross_entropy
-from lmtrain.optim import build_optimizer
+from lmtrain.nn.loss import cross_entropy
+from lmtrain.nn.optim import build_optimizer
+from lmtrain.training import compat, precision
+from lmtrain.training.contracts import StepChecker
+from lmtrain.training.logs import log_direct
 
 
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (lmtrain.loss.cross_entropy). A model with a ``head_loss``
-    (lmtrain.model.Decoder) computes it in its own forward (which a sharded strategy compiles)."""
+    """Mean next-token cross-entropy (lmtrain.nn.loss.cross_entropy). A model with a ``head_loss``
+    (lmtrain.nn.model.Decoder) computes it in its own forward (which a sharded strategy compiles)."""
     if hasattr(model, "head_loss"):
         return model(inputs, targets)
     return cross_entropy(model(inputs), targets)  # any other (B, T) -> (B, T, V) network
@@ -94,7 +94,7 @@ class LMModule(L.LightningModule):
         sdpa_backend: attention kernel(s) for ``scaled_dot_product_attention``, in priority order: ``flash``,
             ``cudnn`` (cuDNN's fused attention, the fastest on Hopper GPUs in our measurements, see docs/BENCHMARKS.md),
             ``efficient`` or ``math``; a name or a list. None: PyTorch's own choice.
-        loss_chunk_tokens: compute the output head and loss this many tokens at a time (lmtrain.loss): the batch's
+        loss_chunk_tokens: compute the output head and loss this many tokens at a time (lmtrain.nn.loss): the batch's
             logits (3.3 GB in bf16 per 32k tokens of a 50k vocabulary, and as much again for their gradient) are never
             held whole. Measured under ``compile`` on an H100 the peak fell by only 0.8 GiB (docs/BENCHMARKS.md).
             None: all at once.
@@ -143,7 +143,7 @@ class LMModule(L.LightningModule):
         self.best_val: tuple[float, int] | None = None  # (lowest validation loss, its step): the end-of-run summary
 
     def configure_model(self) -> None:
-        """Build the model; under a sharding strategy (lmtrain.strategies) also shard it, once."""
+        """Build the model; under a sharding strategy (lmtrain.training.strategies) also shard it, once."""
         strategy = self._trainer.strategy if self._trainer is not None else None
         parallelize = getattr(strategy, "parallelize", None)
         if self.model is None:
@@ -159,7 +159,7 @@ class LMModule(L.LightningModule):
         if self.loss_chunk_tokens is not None:
             if not hasattr(self.model, "loss_chunk_tokens"):
                 raise InputError(
-                    f"module.loss_chunk_tokens: the model {type(self.model).__name__} has no chunked loss (lmtrain.model.Decoder has)"
+                    f"module.loss_chunk_tokens: the model {type(self.model).__name__} has no chunked loss (lmtrain.nn.model.Decoder has)"
                 )
             self.model.loss_chunk_tokens = self.loss_chunk_tokens  # before a strategy compiles head_loss
         if parallelize is not None and not getattr(self, "_parallelized", False):
@@ -281,7 +281,7 @@ class LMModule(L.LightningModule):
 
     def drop_update(self, optimizer: torch.optim.Optimizer) -> None:
         """Make this optimizer step a no-op: no parameter, moment or weight-decay update. Torch optimizers leave a
-        parameter without a gradient untouched; under fp16 the gradients were unscaled already (lmtrain.precision),
+        parameter without a gradient untouched; under fp16 the gradients were unscaled already (lmtrain.training.precision),
         so the scaler's step and update go on normally and the loss scale is not lowered for a skip it did not cause."""
         for group in optimizer.param_groups:
             for p in group["params"]:

@@ -9,7 +9,8 @@ Two families share one implementation:
 Weights are initialised as in GPT-2 / OPT (Megatron): normal(0, ``init_std``) everywhere, with the
 residual output projections scaled by ``1 / sqrt(2 * n_layers)``.
 
-Named sizes live in one registry: the yaml files under ``conf/model/`` (see :func:`ModelConfig.from_name`).
+Named sizes live in one registry, the yaml files under ``conf/model/``; this module takes them as data
+(``ModelConfig.from_dict``), and ``lmtrain.formats.presets`` reads them.
 """
 
 from __future__ import annotations
@@ -17,18 +18,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmtrain.loss import chunked_linear_cross_entropy, cross_entropy
+from lmtrain.nn.loss import chunked_linear_cross_entropy, cross_entropy
 
 FAMILIES = ("opt", "llama")
 # per family, its MLP activations (the first is the default): opt/GPT-2 MLP, or llama's gated SwiGLU
 ACTIVATIONS = {"opt": ("gelu", "gelu_tanh", "relu"), "llama": ("silu",)}
-PRESET_DIR = Path(__file__).resolve().parent.parent / "conf" / "model"
 
 
 @dataclass
@@ -106,23 +105,12 @@ class ModelConfig:
         return out
 
     @classmethod
-    def from_name(cls, name: str, **overrides) -> ModelConfig:
-        """Build a named preset from ``conf/model/<name>.yaml`` (the single registry of sizes)."""
-        import yaml  # PyYAML ships with omegaconf; imported lazily to keep the model torch-only
-
-        path = PRESET_DIR / f"{name}.yaml"
-        if not path.is_file():
-            raise ValueError(f"unknown model preset '{name}'; available: {available_presets()}")
-        fields = {k: v for k, v in yaml.safe_load(path.read_text()).items() if not k.startswith("_")}
-        fields.update(overrides)
-        return cls(**fields)
+    def from_dict(cls, fields: dict, **overrides) -> ModelConfig:
+        """From a preset's or a config's fields (keys starting with ``_``, such as Hydra's ``_target_``, ignored)."""
+        return cls(**{**{k: v for k, v in fields.items() if not str(k).startswith("_")}, **overrides})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def available_presets() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
 # -- building blocks ----------------------------------------------------------------------------
@@ -305,7 +293,7 @@ class Decoder(nn.Module):
         """Output head and mean cross-entropy, logits upcast to fp32. A method of its own so that a sharded
         strategy can compile it (its blocks are compiled one by one): compiled, the upcast, log-softmax and their
         backward are fused instead of materialising (B, T, V) fp32 tensors. With ``loss_chunk_tokens`` set
-        (``module.loss_chunk_tokens``), computed that many tokens at a time (lmtrain.loss)."""
+        (``module.loss_chunk_tokens``), computed that many tokens at a time (lmtrain.nn.loss)."""
         if self.loss_chunk_tokens:
             return chunked_linear_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.loss_chunk_tokens)
         return cross_entropy(self.lm_head(hidden), targets)

@@ -16,7 +16,7 @@ class PrepareError(InputError):
 def read_manifest(directory: str | Path) -> dict:
     path = Path(directory) / "manifest.json"
     if not path.is_file():
-        raise PrepareError(f"no prepared dataset at {directory} (manifest.json missing): run `python -m data.prepare`")
+        raise PrepareError(f"no prepared dataset at {directory} (manifest.json missing): run `python -m lmtrain.data.prepare`")
     try:
         manifest = json.loads(path.read_text())
         for key in ("dtype", "eos_id", "vocab_size", "tokenizer", "splits"):

@@ -1,6 +1,6 @@
 """Lightning's CSV and MLflow loggers, made to continue a resumed run without duplicated steps.
 
-``lmtrain.run`` calls ``resume_at(step)`` before training when it resumes from a checkpoint of optimizer step
+``lmtrain.training.run`` calls ``resume_at(step)`` before training when it resumes from a checkpoint of optimizer step
 ``step``. Steps logged after that checkpoint by the interrupted process are logged again by the resumed one
 (identically: the continuation is exact), so:
 

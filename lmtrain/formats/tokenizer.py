@@ -45,7 +45,7 @@ def load_tokenizer(spec: str, base_dir: str | Path | None = None) -> tiktoken.En
     """Load a tokenizer from a SPEC (see module docstring). Relative ranks paths resolve against base_dir."""
     spec = str(spec)
     if spec.startswith("bpe:"):
-        raise TokenizerError(f"tokenizer '{spec}' must be trained on a corpus: use `python -m data.prepare --tokenizer {spec}`")
+        raise TokenizerError(f"tokenizer '{spec}' must be trained on a corpus: use `python -m lmtrain.data.prepare --tokenizer {spec}`")
     if spec.endswith(".tiktoken") or "/" in spec:
         path = Path(spec)
         if not path.is_absolute() and base_dir is not None:

@@ -20,7 +20,7 @@ import os
 import time
 from pathlib import Path
 
-from lmtrain.logbook import read_jsonl
+from lmtrain.formats.logbook import read_jsonl
 
 FILE = "lr_corrections.jsonl"
 

@@ -9,7 +9,7 @@ sharded checkpoints (PyTorch distributed checkpoint, one file per rank). Options
   gradients in ``reduce_dtype`` (``MixedPrecisionPolicy``); the sharded master weights and optimizer state stay fp32.
   Under ``16-mixed``, parameters are gathered in fp16 and gradients reduced in fp32; the loss is scaled by
   ``torch.amp.GradScaler``, whose overflow check PyTorch reduces over the mesh for sharded (DTensor) gradients,
-  so every rank skips the same steps (lmtrain.precision);
+  so every rank skips the same steps (lmtrain.training.precision);
 * ``reduce_dtype``: ``float32`` (the default: gradients summed over ranks in fp32) or ``bfloat16`` (half the
   reduce-scatter traffic; each rank's bf16 gradient is rounded before the sum);
 * ``activation_checkpointing``: ``none``, ``selective`` (every other block) or ``full`` (every block);
@@ -31,8 +31,8 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
-from lmtrain import compat
 from lmtrain.errors import InputError
+from lmtrain.training import compat
 
 AC_MODES = ("none", "selective", "full")
 REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -52,7 +52,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @classmethod
     def config_problems(cls, options: dict, *, precision: str, on_cpu: bool, world_size: int, devices) -> list[str]:
-        """What these options cannot do in this run (lmtrain.config asks before any process starts; the options' own
+        """What these options cannot do in this run (lmtrain.training.config asks before any process starts; the options' own
         values are checked in ``__init__``, where the strategy is built)."""
         out = []
         if on_cpu and options.get("cpu_offload"):
@@ -114,7 +114,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         precision = str(getattr(self.precision_plugin, "precision", ""))
         if self.mixed_precision and precision == "bf16-mixed":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=self.reduce_dtype)
-        elif self.mixed_precision and precision == "16-mixed":  # fp16 compute, fp32 reduction; lmtrain.precision scales the loss
+        elif self.mixed_precision and precision == "16-mixed":  # fp16 compute, fp32 reduction; lmtrain.training.precision scales the loss
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
         if self.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -132,7 +132,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             fully_shard(block, **{**kwargs, "reshard_after_forward": kwargs["reshard_after_forward"] and i < len(blocks) - 1})
             blocks[i] = block
         if self.compile_blocks and callable(getattr(model, "head_loss", None)):
-            model.head_loss = torch.compile(model.head_loss)  # the output head and loss, fused (lmtrain.model.Decoder)
+            model.head_loss = torch.compile(model.head_loss)  # the output head and loss, fused (lmtrain.nn.model.Decoder)
         fully_shard(model, **kwargs)
         if self.global_rank == 0:
             mesh = kwargs["mesh"]

@@ -1,0 +1,60 @@
+"""``lmtrain COMMAND [ARGS]`` (or ``python -m lmtrain COMMAND``): one entry point for every tool.
+
+    lmtrain train [Hydra overrides]       train (the same as python train.py in a checkout)
+    lmtrain prepare --input ... --output  tokenize and pack a corpus into a dataset
+    lmtrain plan ...                      memory and throughput plan for a model on a cluster
+    lmtrain report RUN_DIR                plots and a summary of a run
+    lmtrain logbook RUN_DIR               the run's logbook as a timeline
+    lmtrain control RUN_DIR ...           learning-rate corrections and stops for a running run
+    lmtrain generate RUN_DIR --prompt ..  sample from a run's newest checkpoint
+    lmtrain export RUN_DIR --out DIR      a standalone model export (safetensors, config, tokenizer)
+
+``lmtrain COMMAND --help`` describes each. ``python -m lmtrain.COMMAND`` runs the same module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+COMMANDS = {
+    "train": "lmtrain.train",
+    "prepare": "lmtrain.data.prepare",
+    "plan": "lmtrain.plan",
+    "report": "lmtrain.report",
+    "logbook": "lmtrain.logbook",
+    "control": "lmtrain.control",
+    "generate": "lmtrain.generate",
+    "export": "lmtrain.export",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        near = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f"; did you mean '{near[0]}'?" if near else ""
+        print(f"error: unknown command '{name}'{hint} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name])
+    if name == "train":
+        # Hydra reads its overrides from sys.argv, and Lightning's launcher starts the other ranks of a multi-process
+        # run with ``python -m <__main__'s module> sys.argv[1:]``: both must see ``python -m lmtrain.train ARGS``
+        import __main__
+
+        __main__.__spec__ = importlib.util.find_spec(COMMANDS[name])
+        sys.argv = [module.__file__, *rest]
+        module.cli()
+        return 0
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,2 @@
+"""The files a run reads and writes: tokenizers, dataset manifests, checkpoint directories, learning-rate
+corrections, the logbook, metric logs and model presets. Imports neither Lightning nor Hydra."""

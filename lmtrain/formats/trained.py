@@ -1,0 +1,75 @@
+"""A trained run directory read back: its config, a checkpoint's model weights, and the run's tokenizer (used by
+``lmtrain.generate`` and ``lmtrain.export``). ``config.yaml`` is written resolved, so plain YAML reads it."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+
+from lmtrain.errors import InputError
+from lmtrain.formats import checkpoint as ck
+from lmtrain.formats.manifest import read_manifest
+from lmtrain.formats.tokenizer import eos_id, load_tokenizer
+from lmtrain.nn.model import Decoder, ModelConfig
+
+
+def read_config(run_dir: Path) -> dict:
+    """The run's resolved config (``RUN_DIR/config.yaml``) as plain data."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise InputError(f"{run_dir} is not a run directory (no config.yaml)")
+    try:
+        cfg = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise InputError(f"{path} is not readable YAML: {exc}") from exc
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict) or not isinstance(cfg.get("data"), dict):
+        raise InputError(f"{path} is not a run's config (no model and data sections)")
+    return cfg
+
+
+def load_model_state(ckpt: ck.Checkpoint) -> dict[str, torch.Tensor]:
+    """The model's parameters (``model.`` prefix removed) from a single-file or sharded checkpoint, on the CPU."""
+    if ckpt.meta.get("format") == "sharded":
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(ckpt.path, Path(tmp) / "full.pt")
+            state = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=False)
+    else:
+        state = torch.load(ckpt.load_path, map_location="cpu", mmap=True, weights_only=False)
+    sd = state["state_dict"]
+    return {k.removeprefix("model."): v for k, v in sd.items() if k.startswith("model.")}
+
+
+def load_run(run_dir: Path, checkpoint: str | None = None, device: str = "cpu"):
+    """(model in eval mode, tiktoken encoding, eos id, the checkpoint used) for a run directory."""
+    cfg = read_config(run_dir)
+    root = run_dir / "checkpoints"
+    if checkpoint:
+        meta, why = ck.verify(root / checkpoint)
+        if meta is None:
+            raise InputError(f"checkpoint {root / checkpoint} is not usable: {why}")
+        ckpt = ck.Checkpoint(int(meta["step"]), root / checkpoint, meta)
+    else:
+        ckpt = ck.newest(root)
+        if ckpt is None:
+            raise InputError(f"{run_dir} has no complete checkpoint under {root}: train with callbacks.checkpoint on first")
+    fields = {k: v for k, v in cfg["model"].items() if not str(k).startswith("_")}
+    model = Decoder(ModelConfig(**fields))
+    missing, unexpected = model.load_state_dict(load_model_state(ckpt), strict=False)
+    missing = [k for k in missing if not k.startswith("rope_")]  # buffers recomputed by the model
+    if missing or unexpected:
+        raise InputError(f"checkpoint {ckpt.path} does not match the run's model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    spec, data_path = run_tokenizer(cfg)
+    enc = load_tokenizer(spec, data_path)
+    return model.to(device).eval(), enc, eos_id(enc), ckpt
+
+
+def run_tokenizer(cfg: dict) -> tuple[str, Path]:
+    """(tokenizer spec, the dataset folder it is relative to) of a run, from its config and dataset manifest."""
+    data = cfg["data"]
+    data_path = Path(data["path"]) if data.get("path") else Path(data["sources"][0]["path"])
+    return str(read_manifest(data_path)["tokenizer"]), data_path
