@@ -1,10 +1,15 @@
-"""Profile a window of training steps with ``torch.profiler``: a trace for a viewer and a kernel summary.
+"""Profile a window of training steps: Lightning's ``PyTorchProfiler`` (``torch.profiler`` under a schedule, with
+Lightning's hooks as named ranges), plus what it lacks: how busy the device was, and the host's Python over the
+same window.
 
-Enable with ``callbacks=[default,profiler]`` (or add it to an experiment). Steps ``start_step`` to
-``start_step + steps - 1`` are recorded on rank zero (or every rank with ``all_ranks``); at the end of the window it
-writes ``RUN_DIR/profile/trace_rankN.json`` (chrome://tracing or Perfetto) and ``summary_rankN.txt``: the operators
-and kernels by device time, and how busy the device was: the union of its kernel intervals over the window's wall
-time. A device idle for a large share of the window means the host, not the GPU, sets the pace.
+Enable with ``callbacks=[default,profiler]`` (or add it to an experiment): the run hands it to the Trainer as its
+``profiler`` (lmtrain.training.run; a Lightning profiler, not a callback). Training steps ``start_step`` to
+``start_step + steps - 1`` (counted in optimizer steps) are recorded on rank zero (or every rank with
+``all_ranks``); at the end of the window it writes ``RUN_DIR/profile/trace_rankN.json`` (chrome://tracing or
+Perfetto) and ``summary_rankN.txt``: the time per step, the operators and kernels by device time, and how busy the
+device was: the union of its kernel intervals over the window. A device idle for a large share of the window means
+the host, not the GPU, sets the pace. With ``python`` the host's Python is profiled with cProfile over the window
+(``python_rankN.txt``); Lightning's ``AdvancedProfiler`` profiles every hook for the whole run instead.
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import lightning as L
 import torch
+from lightning.pytorch.profilers import PyTorchProfiler
+from torch.profiler import ProfilerAction
 
 from lmtrain.console import log
 
@@ -50,7 +56,7 @@ def summarize(prof, wall_us: float, steps: int, cuda: bool, label: str, row_limi
     return head, table
 
 
-class StepProfiler(L.Callback):
+class StepProfiler(PyTorchProfiler):
     """Args:
     start_step: first optimizer step recorded (after compilation and warm-up).
     steps: how many steps.
@@ -65,26 +71,40 @@ class StepProfiler(L.Callback):
             from lmtrain.errors import InputError
 
             raise InputError(f"callbacks.profiler: start_step={start_step} must be >= 0 and steps={steps} >= 1")
-        self.start_step, self.steps, self.row_limit, self.all_ranks = start_step, steps, row_limit, all_ranks
-        self.python = python
-        self._prof = None
+        # no per-module ranges: forward hooks on every module would slow every step of the run, not only the window
+        super().__init__(row_limit=row_limit, record_module_names=False, schedule=self._window, on_trace_ready=self._write)
+        self.start_step, self.steps, self.all_ranks, self.python = start_step, steps, all_ranks, python
         self._py = None
-        self._t0 = 0.0
+        self._t0: float | None = None
         self.summary_path: Path | None = None
 
-    def _sync(self, pl_module) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
+    # -- the window -----------------------------------------------------------------------------------
+    def _trainer(self):
+        return self._lightning_module.trainer if self._lightning_module is not None else None
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self._prof is not None or trainer.global_step != self.start_step or not (self.all_ranks or trainer.is_global_zero):
-            return
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if pl_module.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._sync(pl_module)
-        self._prof = torch.profiler.profile(activities=activities, record_shapes=False)
-        self._prof.__enter__()
+    def _window(self, num_step: int) -> ProfilerAction:
+        """Lightning's schedule wrapper counts training (and validation) step calls from 1; the window is in
+        optimizer steps, on training steps only, on the ranks asked for."""
+        trainer = self._trainer()
+        if trainer is None or self._schedule is None or self._schedule._current_action is None:
+            return ProfilerAction.NONE  # the constructor's probe call
+        if not (self.all_ranks or trainer.is_global_zero):
+            return ProfilerAction.NONE
+        if not self._schedule.is_training:  # a validation inside the window is recorded with it, else not at all
+            return ProfilerAction.RECORD if self._t0 is not None and not self._schedule._training_step_reached_end else ProfilerAction.NONE
+        accumulate = max(int(trainer.accumulate_grad_batches), 1)
+        first, end = self.start_step * accumulate, (self.start_step + self.steps) * accumulate
+        if num_step < first:  # the step numbered num_step is the next one to run
+            return ProfilerAction.NONE
+        if num_step == first and self._t0 is None:
+            self._start_window()
+        if num_step < end - 1:
+            return ProfilerAction.RECORD
+        return ProfilerAction.RECORD_AND_SAVE if num_step == end - 1 else ProfilerAction.NONE
+
+    def _start_window(self) -> None:
+        if self._device_type() == "cuda":
+            torch.cuda.synchronize()
         if self.python:
             import cProfile
 
@@ -92,20 +112,23 @@ class StepProfiler(L.Callback):
             self._py.enable()
         self._t0 = time.perf_counter()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._prof is None or trainer.global_step < self.start_step + self.steps:
-            return
-        self._sync(pl_module)
-        wall_us = (time.perf_counter() - self._t0) * 1e6
-        if self._py is not None:
-            self._py.disable()
-        prof, self._prof = self._prof, None
-        prof.__exit__(None, None, None)
-        rank = trainer.global_rank
-        label = f"steps {self.start_step}..{self.start_step + self.steps - 1} on rank {rank}"
-        head, table = summarize(prof, wall_us, self.steps, pl_module.device.type == "cuda", label, self.row_limit)
+    def _device_type(self) -> str:
+        return self._lightning_module.device.type if self._lightning_module is not None else "cpu"
+
+    # -- what Lightning's profiler lacks: device-busy time, the Python profile, one summary file per rank --
+    def _write(self, prof) -> None:
+        cuda = self._device_type() == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - (self._t0 or time.perf_counter())) * 1e6
         py, self._py = self._py, None
-        out = Path(trainer.default_root_dir) / "profile"  # the run directory
+        if py is not None:
+            py.disable()
+        trainer = self._trainer()
+        rank = trainer.global_rank if trainer is not None else 0
+        label = f"steps {self.start_step}..{self.start_step + self.steps - 1} on rank {rank}"
+        head, table = summarize(prof, wall_us, self.steps, cuda, label, self._row_limit)
+        out = Path(trainer.default_root_dir if trainer is not None else ".") / "profile"  # the run directory
         try:
             out.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(out / f"trace_rank{rank}.json"))
@@ -117,10 +140,15 @@ class StepProfiler(L.Callback):
 
                 buf = io.StringIO()
                 stats = pstats.Stats(py, stream=buf)
-                stats.sort_stats("tottime").print_stats(self.row_limit)
-                stats.sort_stats("cumulative").print_stats(self.row_limit)
+                stats.sort_stats("tottime").print_stats(self._row_limit)
+                stats.sort_stats("cumulative").print_stats(self._row_limit)
                 (out / f"python_rank{rank}.txt").write_text(buf.getvalue())
         except OSError as exc:  # a profile is not worth the run (a full disk is the disk guard's business)
             log.info(f"profile: {head}; could not write it to {out}: {exc.strerror or exc}")
             return
         log.info(f"profile: {head}; written to {out}")
+
+    def summary(self) -> str:
+        """Nothing more at the end of fit: the window's table is in ``summary_rankN.txt`` already."""
+        self._delete_profilers()
+        return ""

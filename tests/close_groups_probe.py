@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from train import _close_process_group  # noqa: E402
+from lmtrain.train import _close_process_group  # noqa: E402
 
 
 def threads() -> list[str]:

@@ -121,7 +121,7 @@ def test_prepare_on_a_full_disk_fails_clearly_and_keeps_the_old_dataset(corpus_j
 
 def test_resuming_with_another_data_seed_is_refused(tiny_cfg, tmp_path, dataset_dir):
     ckpt_args = [
-        "trainer.enable_checkpointing=true", "+lmtrain.callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+        "trainer.enable_checkpointing=true", "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
         f"+callbacks.ckpt.dirpath={tmp_path / 'ckpt'}", "+callbacks.ckpt.filename=last", "trainer.max_steps=2",
     ]  # fmt: skip
     train(tiny_cfg(*ckpt_args))

@@ -32,7 +32,7 @@ def test_ddp_one_run_directory_a_failing_rank_ends_the_launch_and_the_resume_is_
     assert sorted(_losses(ref_dir)) == list(range(8))
 
     t0 = time.monotonic()
-    boom = ["+lmtrain.callbacks.boom._target_=tests.plugins.FailAtStep", "+callbacks.boom.step=5", "+callbacks.boom.rank=1"]
+    boom = ["+callbacks.boom._target_=tests.plugins.FailAtStep", "+callbacks.boom.step=5", "+callbacks.boom.rank=1"]
     fail = run_train_cli(base + ["run_name=cut", *boom], tmp_path, timeout=240)
     assert fail.returncode != 0 and "injected failure at step 5 on rank 1" in fail.stderr, fail.stderr[-3000:]
     assert time.monotonic() - t0 < 120

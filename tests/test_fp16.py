@@ -144,9 +144,9 @@ def test_fp16_under_fsdp_on_two_ranks_skips_alike_and_rolls_back(tmp_path, datas
     args = [a for a in FP16 if not a.startswith(("trainer.devices", "logger"))] + [
         "strategy=fsdp", "trainer.devices=2", "logger=csv", f"paths.runs={tmp_path / 'runs'}", "run_name=f", f"data.path={dataset_dir}",
         "data.prepare=null", "fault=grad_overflow", "callbacks.fault.step=3", "callbacks.fault.count=2", "callbacks.fault.rank=1",
-        "+lmtrain.callbacks.nan._target_=lmtrain.callbacks.fault.FaultInjector", "+callbacks.nan.kind=nan_loss", "+callbacks.nan.step=10",
+        "+callbacks.nan._target_=lmtrain.callbacks.fault.FaultInjector", "+callbacks.nan.kind=nan_loss", "+callbacks.nan.step=10",
         f"+callbacks.nan.run_dir={tmp_path / 'runs' / 'f'}", "+callbacks.nan.rank=1",
-        "+lmtrain.callbacks.rec._target_=tests.plugins.RecordScale", f"+callbacks.rec.path={tmp_path / 'scale'}",
+        "+callbacks.rec._target_=tests.plugins.RecordScale", f"+callbacks.rec.path={tmp_path / 'scale'}",
     ]  # fmt: skip
     res = run_train_cli(args, tmp_path)
     assert res.returncode == 0, res.stderr[-4000:]

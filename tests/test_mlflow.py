@@ -92,7 +92,7 @@ def test_a_run_that_raises_is_marked_failed(mlflow_server, tiny_cfg, tmp_path):
     from mlflow.tracking import MlflowClient
 
     cfg = tiny_cfg("logger=mlflow", f"logger.mlflow.tracking_uri={mlflow_server}", "logger.mlflow.experiment_name=it", "run_name=crash",
-                   "trainer.max_steps=5", "+lmtrain.callbacks.boom._target_=tests.plugins.FailAtStep", "+callbacks.boom.step=2")  # fmt: skip
+                   "trainer.max_steps=5", "+callbacks.boom._target_=tests.plugins.FailAtStep", "+callbacks.boom.step=2")  # fmt: skip
     with pytest.raises(RuntimeError, match="injected failure at step 2"):
         train(cfg)
     client = MlflowClient(tracking_uri=mlflow_server)

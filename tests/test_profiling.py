@@ -59,6 +59,7 @@ def test_step_profiler_writes_a_trace_a_kernel_table_and_a_python_profile(tmp_pa
     trace = json.loads((out / "trace_rank0.json").read_text())
     names = {e.get("name", "") for e in trace["traceEvents"]}
     assert any("aten::mm" in n or "aten::addmm" in n for n in names)  # the model's matmuls were recorded
+    assert "[pl][profile][Strategy]SingleDeviceStrategy.training_step" in names  # by Lightning's PyTorchProfiler
     summary = (out / "summary_rank0.txt").read_text()
     assert summary.startswith("steps 2..3 on rank 0:") and "ms per step" in summary and "Name" in summary
     assert "function calls" in (out / "python_rank0.txt").read_text()
@@ -73,7 +74,7 @@ def test_step_statistics_are_read_one_step_late_unless_a_skip_needs_them_now(tmp
         probe = tmp_path / f"{action}.json"
         cfg = make_cfg(
             TINY + ["logger=csv", "trainer.max_steps=4", "callbacks=stability", "callbacks.lr_control.poll_every=100",
-                    f"callbacks.divergence.grad_spike.action={action}", "+lmtrain.callbacks.probe._target_=tests.plugins.PendingStats",
+                    f"callbacks.divergence.grad_spike.action={action}", "+callbacks.probe._target_=tests.plugins.PendingStats",
                     f"+callbacks.probe.path={probe}"],
             tmp_path / action, dataset_dir,
         )  # fmt: skip
@@ -122,7 +123,7 @@ def test_garbage_collection_runs_on_schedule_and_is_restored(tmp_path, dataset_d
     cfg = make_cfg(
         TINY + ["logger=csv", "trainer.max_steps=8", "callbacks=[none,gc]", "callbacks.gc.every_n_steps=2",
                 "callbacks.gc.freeze_after_steps=1", "callbacks.gc.full_every_n_steps=5",
-                "+lmtrain.callbacks.probe._target_=tests.plugins.GCState", f"+callbacks.probe.path={probe}"],
+                "+callbacks.probe._target_=tests.plugins.GCState", f"+callbacks.probe.path={probe}"],
         tmp_path, dataset_dir,
     )  # fmt: skip
     assert gc.isenabled()
@@ -186,3 +187,12 @@ def test_peak_flops_come_from_lightnings_table_except_where_it_is_silent(monkeyp
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     got = detect_peak_flops(precision)
     assert (got is None and peak is None) or got == pytest.approx(peak), (name, got)
+
+
+def test_the_step_profiler_beside_a_trainer_profiler_is_refused_before_anything_is_written(tmp_path, dataset_dir):
+    from lmtrain.errors import InputError
+
+    cfg = make_cfg(TINY + ["callbacks=[none,profiler]", "+trainer.profiler=simple"], tmp_path, dataset_dir)
+    with pytest.raises(InputError, match="more than one profiler"):
+        train(cfg)
+    assert not any(Path(cfg.run_dir).iterdir())  # the run directory is made, and stays empty

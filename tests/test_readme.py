@@ -1,6 +1,6 @@
-"""Every command line of the README, as a user copies it.
+"""Every command line of the README and of docs/, as a user copies it.
 
-The ``bash`` blocks of README.md are read, continuation lines joined and comments dropped; each command is claimed
+The ``bash`` blocks of README.md and docs/*.md (but docs/BENCHMARKS.md, whose commands need GPUs) are read, continuation lines joined and comments dropped; each command is claimed
 by exactly one handler below, and a command no handler claims fails the test (a new README line needs a test). What
 the handlers do with them:
 
@@ -13,6 +13,9 @@ the handlers do with them:
   (tests/test_fsdp.py).
 * ``python -m lmtrain.data.prepare``, ``lmtrain.plan``, ``lmtrain.control``, ``lmtrain.generate``, ``lmtrain.report`` and
   ``lmtrain.export``: run here, with the README's arguments, on a run named ``my-run`` trained here for 4 steps.
+* ``lmtrain train ARGS`` is ``python train.py ARGS`` and ``lmtrain TOOL ARGS`` is ``python -m lmtrain.TOOL ARGS``
+  (``prepare``: ``lmtrain.data.prepare``), handled as those; tests/test_install.py runs the installed ``lmtrain``
+  command itself.
 * The two set-up lines: ``.ci/run`` runs the install and the test command; the bare ``python train.py`` is the
   config checked here and trained by the ``debug=fdr`` test.
 """
@@ -33,12 +36,25 @@ from lmtrain.training.config import check_machine, validate_config
 from tests.conftest import ROOT, TINY, make_cfg
 
 README = ROOT / "README.md"
+PAGES = [README, *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "BENCHMARKS.md")]
+
+
+def as_python(command: str) -> str:
+    """``lmtrain train ...`` as ``python train.py ...``, ``lmtrain TOOL ...`` as ``python -m lmtrain.TOOL ...``."""
+    words = command.split(" ", 2)
+    if words[0] != "lmtrain" or len(words) < 2:
+        return command
+    rest = f" {words[2]}" if len(words) > 2 else ""
+    if words[1] == "train":
+        return f"python train.py{rest}"
+    return f"python -m lmtrain.{'data.prepare' if words[1] == 'prepare' else words[1]}{rest}"
 
 
 def readme_commands() -> list[str]:
-    """The command lines of the README's bash blocks: continuations joined, comments and placeholders kept as written."""
+    """The command lines of the README's and docs' bash blocks: continuations joined, comments dropped, placeholders
+    kept as written, ``lmtrain COMMAND`` written as its ``python`` form."""
     commands, block, pending = [], False, ""
-    for line in README.read_text().splitlines():
+    for line in (line for page in PAGES for line in page.read_text().splitlines()):
         if line.startswith("```"):
             block = line.strip() == "```bash" if not block else False
             continue
@@ -51,7 +67,7 @@ def readme_commands() -> list[str]:
         pending = ""
         text = re.sub(r"\s+#.*$", "", text) if not text.startswith("#") else ""
         if text:
-            commands.append(text)
+            commands.append(as_python(text))
     return commands
 
 
@@ -67,6 +83,16 @@ def _train_args(command: str) -> list[str] | None:
     return words[words.index("train.py") + 1 :]
 
 
+def prepare_as_written(command: str, corpus_jsonl: Path, out: Path) -> int:
+    """A ``data.prepare --input ... --output ...`` line run with its own options, on the test corpus, into ``out``."""
+    from lmtrain.data.prepare import main as prepare_main
+
+    argv = shlex.split(command)[3:]
+    argv[argv.index("--input") + 1 : argv.index("--output")] = [str(corpus_jsonl)]
+    argv[argv.index("--output") + 1] = str(out)
+    return prepare_main([*argv, "--val-fraction", "0.1"])  # the test corpus has 43 documents: the default 1% selects none
+
+
 @pytest.fixture(scope="module")
 def readme_world(tmp_path_factory, corpus_jsonl, dataset_dir):
     """The README's custom corpus (its data.prepare line, inputs swapped for the test corpus) and a run named my-run."""
@@ -74,14 +100,8 @@ def readme_world(tmp_path_factory, corpus_jsonl, dataset_dir):
 
     root = tmp_path_factory.mktemp("readme")
     corpus = root / "corpus"
-    (command,) = [c for c in readme_commands() if c.startswith("python -m lmtrain.data.prepare")]
-    argv = shlex.split(command)[3:]
-    argv[argv.index("--input") + 1 : argv.index("--output")] = [str(corpus_jsonl)]
-    argv[argv.index("--output") + 1] = str(corpus)
-    argv += ["--val-fraction", "0.1"]  # the test corpus has 43 documents: the default 1% selects none
-    from lmtrain.data.prepare import main as prepare_main
-
-    assert prepare_main(argv) == 0
+    command, *_ = [c for c in readme_commands() if c.startswith("python -m lmtrain.data.prepare --input")]
+    assert prepare_as_written(command, corpus_jsonl, corpus) == 0
     cfg = make_cfg(
         [a for a in TINY if a != "callbacks=none"]
         + [
@@ -120,7 +140,7 @@ def _compose(args: list[str], corpus: Path, tmp_path: Path) -> list:
     return [make_cfg(o, tmp_path) for o in runs]
 
 
-def test_every_readme_command_line_works(readme_world, tmp_path, monkeypatch, capsys):
+def test_every_readme_command_line_works(readme_world, corpus_jsonl, tmp_path, monkeypatch, capsys):
     root, corpus = readme_world
     monkeypatch.chdir(root)
     sys.path.insert(0, str(ROOT / "examples" / "plugin"))  # the plugin line's PYTHONPATH
@@ -151,8 +171,9 @@ def test_every_readme_command_line_works(readme_world, tmp_path, monkeypatch, ca
             if words[:2] != ["python", "-m"]:
                 continue
             tool, argv = words[2], words[3:]
-            if tool == "data.prepare":
-                claimed.append(command)  # run by the fixture
+            if tool == "lmtrain.data.prepare":
+                assert prepare_as_written(command, corpus_jsonl, tmp_path / f"prepared-{len(claimed)}") == 0, command
+                claimed.append(command)
                 continue
             argv = [a for a in argv if not (a.startswith("[") or a.endswith("]"))]  # optional arguments shown in brackets
             if tool == "lmtrain.report" and "--tracking-uri" in argv:

@@ -102,10 +102,10 @@ def test_resume_through_lightning_mid_epoch_and_across_epoch_boundary(small_data
             f"data.seq_len={SEQ}", f"data.batch_size={BATCH}", f"data.num_workers={workers}", "seed=7",
             f"trainer.max_steps={max_steps}", f"scheduler.total_steps={total}", "trainer.val_check_interval=1000",
             "trainer.enable_checkpointing=true",
-            "+lmtrain.callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+            "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
             f"+callbacks.ckpt.dirpath={tmp_path / 'ckpt'}", "+callbacks.ckpt.every_n_train_steps=1",
             "+callbacks.ckpt.save_top_k=-1", "+callbacks.ckpt.filename='{step}'",
-            "+lmtrain.callbacks.rec._target_=tests.plugins.RecordBatches", f"+callbacks.rec.path={tmp_path / name}.pt",
+            "+callbacks.rec._target_=tests.plugins.RecordBatches", f"+callbacks.rec.path={tmp_path / name}.pt",
         ]  # fmt: skip
         if ckpt:
             overrides.append(f"ckpt_path='{ckpt}'")

@@ -103,7 +103,7 @@ def test_warn_and_skip_actions(tmp_path, dataset_dir):
     """A spike with action skip: the step's update is dropped (parameters and optimizer state untouched)."""
     cfg = make_cfg(
         TINY + STABLE + ["fault=loss_spike", "callbacks.fault.step=10", "callbacks.divergence.loss_spike={action: skip}",
-                         "callbacks.divergence.grad_spike={action: warn}", "callbacks.divergence.loss_level={action: warn}", "+lmtrain.callbacks.rec._target_=tests.plugins.RecordLR",
+                         "callbacks.divergence.grad_spike={action: warn}", "callbacks.divergence.loss_level={action: warn}", "+callbacks.rec._target_=tests.plugins.RecordLR",
                          f"+callbacks.rec.path={tmp_path / 'lr'}"],
         tmp_path, dataset_dir,
     )  # fmt: skip
@@ -145,8 +145,8 @@ def test_nan_on_one_rank_and_an_operator_lr_change_apply_on_both_ranks(tmp_path,
     args = [a for a in TINY if not a.startswith("trainer.devices")] + STABLE + [
         "strategy=ddp", "trainer.devices=2", f"paths.runs={tmp_path / 'runs'}", "run_name=two", f"data.path={dataset_dir}",
         "data.prepare=null", "trainer.max_steps=10", "fault=nan_loss", "callbacks.fault.step=7", "callbacks.fault.rank=1",
-        "callbacks.divergence.nonfinite={action: skip}", "+lmtrain.callbacks.rec._target_=tests.plugins.RecordLR",
-        f"+callbacks.rec.path={tmp_path / 'lr'}", "+lmtrain.callbacks.op._target_=tests.plugins.OperatorAt", f"+callbacks.op.run_dir={run_dir}",
+        "callbacks.divergence.nonfinite={action: skip}", "+callbacks.rec._target_=tests.plugins.RecordLR",
+        f"+callbacks.rec.path={tmp_path / 'lr'}", "+callbacks.op._target_=tests.plugins.OperatorAt", f"+callbacks.op.run_dir={run_dir}",
         "+callbacks.op.step=5", "+callbacks.op.scale=0.25",
     ]  # fmt: skip
     res = run_train_cli(args, tmp_path)
@@ -255,8 +255,8 @@ def test_an_operators_absurd_learning_rate_is_rolled_back_and_revoked(tmp_path, 
     of step 8, which predates the correction, revokes it (the replay passes step 9 without it) and ends healthy."""
     run = tmp_path / "run"
     cfg = make_cfg(
-        TINY + STABLE + ["trainer.precision=bf16-mixed", "+lmtrain.callbacks.op._target_=tests.plugins.OperatorAt", f"+callbacks.op.run_dir={run}",
-                         "+callbacks.op.step=9", "+callbacks.op.value=5.0", "+lmtrain.callbacks.rec._target_=tests.plugins.RecordLR",
+        TINY + STABLE + ["trainer.precision=bf16-mixed", "+callbacks.op._target_=tests.plugins.OperatorAt", f"+callbacks.op.run_dir={run}",
+                         "+callbacks.op.step=9", "+callbacks.op.value=5.0", "+callbacks.rec._target_=tests.plugins.RecordLR",
                          f"+callbacks.rec.path={tmp_path / 'lr'}"],
         tmp_path, dataset_dir,
     )  # fmt: skip

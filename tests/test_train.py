@@ -83,7 +83,7 @@ def test_gradients_freed_after_each_step_and_accumulation_unchanged(tiny_cfg, tm
         probe = tmp_path / f"{name}.json"
         cfg = tiny_cfg(
             *extra, "logger=csv", "trainer.limit_val_batches=0", f"run_name={name}",
-            "+lmtrain.callbacks.probe._target_=tests.plugins.GradientsAtBatchStart", f"+callbacks.probe.path={probe}",
+            "+callbacks.probe._target_=tests.plugins.GradientsAtBatchStart", f"+callbacks.probe.path={probe}",
         )  # fmt: skip
         train(cfg)
         seen[name], losses[name] = json.loads(probe.read_text()), metric(Path(cfg.run_dir), "train/loss")

@@ -173,6 +173,7 @@ class _Attempt:
     callbacks: list
     checkpointer: CheckpointStore | None
     resume: ck.Checkpoint | None
+    profiler: Any = None  # a Lightning profiler from the callbacks group: the Trainer's
     module: Any = None
     datamodule: Any = None
     trainer: Any = None
@@ -206,6 +207,12 @@ def _decide(cfg: DictConfig, rollback: dict | None) -> _Attempt:
         raise InputError(f"cannot create the run directory {run_dir} (run_dir / paths.runs): {exc.strerror or exc}") from exc
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     callbacks = instantiate_group(cfg.get("callbacks"))
+    from lightning.pytorch.profilers import Profiler
+
+    profilers = [c for c in callbacks if isinstance(c, Profiler)]  # a Lightning profiler chosen in the callbacks group
+    if len(profilers) > 1 or (profilers and cfg.trainer.get("profiler")):
+        raise ConfigError("more than one profiler: keep one of trainer.profiler and the callbacks group's profiler")
+    callbacks = [c for c in callbacks if not isinstance(c, Profiler)]
     checkpointer = next((c for c in callbacks if isinstance(c, CheckpointStore)), None)  # lmtrain.callbacks.checkpoint.Checkpointer
     resume = resume_point(cfg, checkpointer.root if checkpointer is not None else None)
     if rollback is None:
@@ -213,7 +220,7 @@ def _decide(cfg: DictConfig, rollback: dict | None) -> _Attempt:
             f"run {cfg.run_name}: {run_dir.resolve()}"
             + (f" (continuing from step {resume.step})" if resume is not None and resume.step >= 0 else "")
         )
-    return _Attempt(cfg, rollback, run_dir, callbacks, checkpointer, resume)
+    return _Attempt(cfg, rollback, run_dir, callbacks, checkpointer, resume, profilers[0] if profilers else None)
 
 
 def _build(att: _Attempt) -> None:
@@ -264,6 +271,8 @@ def _build(att: _Attempt) -> None:
         skip = rollback["skip_batches"] if rollback is not None else corrections.data_skip(corrections.load(att.run_dir), resume.step)
         datamodule.skip_batches = skip
     extra = {"enable_checkpointing": True} if att.checkpointer is not None else {}  # ours replaces Lightning's ModelCheckpoint
+    if att.profiler is not None:  # chosen in the callbacks group (callbacks/profiler.py), given to the Trainer
+        extra["profiler"] = att.profiler
     precision, plugins = build_precision(
         cfg.trainer.precision, str(cfg.trainer.accelerator), instantiate(cfg.grad_scaler) if cfg.get("grad_scaler") else None
     )
