@@ -58,7 +58,11 @@ def test_the_wheel_puts_everything_under_lmtrain(installed):
         assert (site / "lmtrain" / path).is_file(), path
     probe = "import lmtrain, lmtrain.callbacks, lmtrain.data; print(lmtrain.__file__, lmtrain.callbacks.__file__, lmtrain.config_dir(), lmtrain.data_cache_dir())"
     out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=site.parent, capture_output=True, text=True, check=True).stdout.split()
-    assert out[:3] == [str(site / "lmtrain" / "__init__.py"), str(site / "lmtrain" / "callbacks" / "__init__.py"), str(site / "lmtrain" / "conf")]
+    assert out[:3] == [
+        str(site / "lmtrain" / "__init__.py"),
+        str(site / "lmtrain" / "callbacks" / "__init__.py"),
+        str(site / "lmtrain" / "conf"),
+    ]
     assert out[3] == str(site.parent / "cache" / "lmtrain")  # prepared datasets go to the user's cache, not site-packages
 
 
@@ -73,7 +77,7 @@ def test_the_installed_command_trains_on_two_ranks_and_its_tools_read_the_run(in
     ]  # fmt: skip
     res = subprocess.run(train, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert f"run {run.name}" in res.stderr + res.stdout and (run / "checkpoints" / "step-0000004").is_dir()
+    assert f": {run}" in res.stderr + res.stdout and (run / "checkpoints" / "step-0000004").is_dir()
     assert "4 steps, 2,048 tokens" in res.stderr + res.stdout  # 2 ranks x 4 sequences of 64 tokens x 4 steps
     assert not (ROOT / "runs" / run.name).exists() and str(site) in _loaded_from(env, tmp_path)
 
