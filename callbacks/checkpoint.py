@@ -56,16 +56,6 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([as_tensor(b) for b in state["cuda"]])
 
 
-def _is_sharded(strategy) -> bool:
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-
-    if isinstance(strategy, ModelParallelStrategy):
-        return bool(getattr(strategy, "_save_distributed_checkpoint", True))
-    if isinstance(strategy, FSDPStrategy):
-        return getattr(strategy, "_state_dict_type", "full") == "sharded"
-    return False
-
-
 class HostCopy:
     """Copies of a checkpoint's tensors in host memory, into buffers kept from one save to the next.
 
@@ -168,7 +158,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.suppress_final_save = False
         self._guards = [c for c in trainer.callbacks if isinstance(c, SaveGuard)]
-        self._sharded = _is_sharded(trainer.strategy)
+        self._sharded = compat.saves_sharded(trainer.strategy)
         if self.async_save and self._sharded:
             raise CheckpointError("callbacks.checkpoint.async_save is not supported with sharded strategies yet; set it to false")
         if trainer.is_global_zero:

@@ -72,3 +72,29 @@ def test_forget_mesh_groups_on_a_real_gloo_mesh(tmp_path):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_which_strategies_save_sharded_checkpoints():
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    assert compat.saves_sharded(ModelParallelStrategy()) and not compat.saves_sharded(
+        ModelParallelStrategy(save_distributed_checkpoint=False)
+    )
+    assert compat.saves_sharded(FSDPStrategy(state_dict_type="sharded")) and not compat.saves_sharded(FSDPStrategy())
+    assert not compat.saves_sharded(DDPStrategy())
+
+
+def test_checkpoint_wrapper_recomputes_the_same_block():
+    import torch
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.GELU())
+    wrapped = compat.checkpoint_wrapper(block)
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(1)
+    wrapped(x).sum().backward()  # the recomputation replays the dropout mask: the gradient is the plain block's
+    g = x.grad.clone()
+    x.grad = None
+    torch.manual_seed(1)
+    block(x).sum().backward()
+    assert torch.equal(g, x.grad) and type(wrapped).__name__ == "CheckpointWrapper"

@@ -69,3 +69,25 @@ def forget_mesh_groups() -> int:
             held += 1
             mesh._pg_registry.clear()
     return held
+
+
+def saves_sharded(strategy) -> bool:
+    """Whether the strategy writes a sharded (distributed) checkpoint: the ``save_distributed_checkpoint`` argument of
+    ``ModelParallelStrategy`` and the ``state_dict_type`` of ``FSDPStrategy``, kept only in private fields
+    (``_save_distributed_checkpoint``, ``_state_dict_type``)."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(strategy, ModelParallelStrategy):
+        return bool(strategy._save_distributed_checkpoint)
+    if isinstance(strategy, FSDPStrategy):
+        return strategy._state_dict_type == "sharded"
+    return False
+
+
+def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
+    """Activation checkpointing of one block, as FSDP2 composes with it: ``checkpoint_wrapper`` lives in the private
+    module ``torch.distributed.algorithms._checkpoint`` (torchtitan uses it the same way); the RNG state is kept so
+    that dropout replays identically."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
+
+    return wrap(module, preserve_rng_state=True)

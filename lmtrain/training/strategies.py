@@ -123,9 +123,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             raise StrategyError(f"{type(self).__name__} shards per block: the model {type(model).__name__} has no `blocks` list")
         for i, block in enumerate(blocks):
             if self.activation_checkpointing == "full" or (self.activation_checkpointing == "selective" and i % 2 == 0):
-                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-                block = checkpoint_wrapper(block, preserve_rng_state=True)
+                block = compat.checkpoint_wrapper(block)
             if self.compile_blocks:
                 block.compile()
             # the last block's parameters would be gathered again at once for the backward: keep them (as torchtitan)
