@@ -41,11 +41,12 @@ from lmtrain.training.run import train  # noqa: E402
 
 def trainer_tokens_per_sec(cfg, steps: int, warmup: int, out: Path, profile: int = 0) -> tuple[list[float], list[float], list[float]]:
     with open_dict(cfg):
-        cfg.trainer.max_steps = steps + profile  # profiled steps come after the timed ones: they do not slow them
+        # profiled steps come after the timed ones, and after the two steps the profiler starts up in: they do not slow them
+        cfg.trainer.max_steps = steps + 2 + profile if profile else steps
         if profile:
             cfg.callbacks["profiler"] = {
                 "_target_": "lmtrain.callbacks.profiler.StepProfiler",
-                "start_step": steps,
+                "start_step": steps + 2,
                 "steps": profile,
                 "python": True,
             }

@@ -62,6 +62,9 @@ def test_step_profiler_writes_a_trace_a_kernel_table_and_a_python_profile(tmp_pa
     assert "[pl][profile][Strategy]SingleDeviceStrategy.training_step" in names  # by Lightning's PyTorchProfiler
     summary = (out / "summary_rank0.txt").read_text()
     assert summary.startswith("steps 2..3 on rank 0:") and "ms per step" in summary and "Name" in summary
+    assert float(summary.split(": ")[1].split(" ms per step")[0]) > 0  # the window's wall time, from the trace itself
+    steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
+    assert len(steps) == 2  # exactly the window's two steps
     assert "function calls" in (out / "python_rank0.txt").read_text()
     rows = [r for r in by_step(Path(cfg.run_dir)).values() if "train/loss" in r]
     assert len(rows) == 5  # every step logged once: the lagged statistics of the last step are flushed at the end

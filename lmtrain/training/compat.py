@@ -16,6 +16,7 @@ import torch
 SUBCLASS_PRIVATES = {
     "lightning.pytorch.strategies.ModelParallelStrategy": ("_setup_distributed", "_device_mesh"),  # lmtrain.training.strategies
     "lightning.pytorch.loggers.MLFlowLogger": ("_tracking_uri", "_experiment_name", "_initialized", "_run_id"),  # lmtrain.training.loggers
+    "lightning.pytorch.profilers.PyTorchProfiler": ("_recording_map", "_delete_profilers"),  # lmtrain.callbacks.profiler
 }
 
 
