@@ -148,7 +148,7 @@ def test_resuming_with_another_data_seed_is_refused(tiny_cfg, tmp_path, dataset_
             ["callbacks=[none,progress_bar]", "callbacks.progress_bar.mode=fancy"],
             r"callbacks.progress_bar.mode='fancy': expected auto, bar or lines",
         ),
-        (["callbacks=[none,profiler]", "callbacks.profiler.steps=0"], r"callbacks.profiler: start_step=20 must be >= 0 and steps=0 >= 1"),
+        (["callbacks=[none,profiler]", "callbacks.profiler.steps=0"], r"callbacks.profiler: start_step=20 must be >= 1 and steps=0 >= 1"),
         (
             ["callbacks=[none,gc]", "callbacks.gc.every_n_steps=0"],
             r"callbacks.gc: every_n_steps=0 and full_every_n_steps=1000 must be >= 1",
