@@ -146,6 +146,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
         self.failures = 0
         self.last_saved_step: int | None = None
         self.last_stall_s = self.last_write_s = 0.0
+        self.stall_seconds = 0.0
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         self._rng_to_restore: list | None = None
@@ -259,7 +260,15 @@ class Checkpointer(Checkpoint, CheckpointStore):
         }
 
     def save(self, trainer) -> bool:
-        """Save a checkpoint of the current step; returns False if it was skipped or failed (training goes on)."""
+        """Save a checkpoint of the current step; returns False if it was skipped or failed (training goes on). The time
+        training waits here (a save still in flight, the guards, the copy or the whole write) adds to ``stall_seconds``."""
+        t0 = time.perf_counter()
+        try:
+            return self._save(trainer)
+        finally:
+            self.stall_seconds += time.perf_counter() - t0
+
+    def _save(self, trainer) -> bool:
         step = trainer.global_step
         self.wait()
         for guard in self._guards:

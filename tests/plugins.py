@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import lightning as L
 
+from lmtrain.training.contracts import SaveGuard
+
 
 class FailAtStep(L.Callback):
     """Raise at the start of optimizer step ``step`` (a crash inside training), on every rank or on ``rank`` only."""
@@ -150,3 +152,26 @@ class GradientsAtBatchStart(L.Callback):
 
         with open(self.path, "w") as f:
             json.dump(self.seen, f)
+
+
+class SleepIn(L.Callback):
+    """Sleeps ``seconds`` in one Lightning hook (``on_before_backward``: inside a step; ``on_validation_start``: in a
+    validation), to check where the goodput clock puts known time."""
+
+    def __init__(self, hook: str, seconds: float) -> None:
+        import time
+
+        setattr(self, hook, lambda *args, **kwargs: time.sleep(seconds))
+
+
+class SlowSave(L.Callback, SaveGuard):
+    """A save guard that takes ``seconds`` before every save: time training waits on the checkpointer."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def before_save(self, trainer, checkpointer, estimate: int) -> bool:
+        import time
+
+        time.sleep(self.seconds)
+        return True

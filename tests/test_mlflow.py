@@ -67,6 +67,8 @@ def test_metrics_params_and_config_reach_the_server(mlflow_server, tiny_cfg):
     assert [m.step for m in losses] == [0, 1, 2, 3, 4]
     for key in ("train/lr", "train/grad_norm", "perf/tokens_per_sec", "perf/mfu", "val/loss", "val/ppl"):
         assert client.get_metric_history(run.info.run_id, key), key
+    (goodput,) = client.get_metric_history(run.info.run_id, "goodput/fraction")  # once, at the last step
+    assert goodput.step == 5 and 0 < goodput.value < 1 and run.data.metrics["goodput/wall_s"] > 0
     assert run.data.params["model/d_model"] == "64"
     assert run.data.params["optimizer/lr"] == str(cfg.optimizer.lr)
     artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]

@@ -58,13 +58,14 @@ class CheckpointStore:
     """What the run and the other callbacks may use of the run's checkpointer (lmtrain.callbacks.checkpoint.Checkpointer):
     where the checkpoints are, what each records about the run (``run_info``, set by lmtrain.training.run), the health fields
     saved with the next one, whether the final save is suppressed (a diverged state), the hooks that forward alerts
-    (MLflow tags), and waiting for a save in flight."""
+    (MLflow tags), the time training waited on saves, and waiting for a save in flight."""
 
     root: Path
     run_info: dict
     health: dict
     suppress_final_save: bool = False
     alert_hooks: list
+    stall_seconds: float = 0.0  # host time training waited on saves so far (lmtrain.training.goodput)
 
     def wait(self) -> None:
         """Return once no save is in flight."""

@@ -1,0 +1,108 @@
+"""Goodput: the share of this invocation's wall-clock time spent in training steps, and what took the rest.
+
+The run adds one :class:`Goodput` to every attempt's Trainer, first among the callbacks (lmtrain.training.run). Host
+wall-clock time, from the
+start of ``lmtrain.training.run.train`` to the end of the last attempt's training:
+
+* training steps: each micro-batch from its ``on_train_batch_start`` to its ``on_train_batch_end`` (forward,
+  backward, optimizer step), except each attempt's first, which is
+* first steps: compilation and warm-up (a rollback's attempt builds and compiles again);
+* start-up: from each attempt's start to its ``on_train_start`` (config, data preparation, model, strategy,
+  checkpoint restore);
+* validation: ``on_validation_start`` to ``on_validation_end``;
+* checkpoint saves: the time training waited on the checkpointer (``CheckpointStore.stall_seconds``; an
+  asynchronous save counts only its copy to host memory);
+* other: the rest (waiting for data, logging, callbacks between steps, rollbacks' hand-over).
+
+At the end of training the figures are logged to the run's loggers (``goodput/*``, MLflow included) at the last step
+and the end-of-run summary has one line of them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+
+from lmtrain.training.contracts import CheckpointStore
+
+
+class Goodput(L.Callback):
+    def __init__(self, started: float) -> None:
+        self.started = started  # time.monotonic() at the start of the run
+        self.train_s = self.first_s = self.startup_s = self.val_s = self.saves_s = 0.0
+        self._attempt_start: float | None = None
+        self._batch_start: float | None = None
+        self._val_start: float | None = None
+        self._first_pending = True
+        self._saves_before = 0.0  # earlier attempts' checkpointers
+        self._checkpointer: CheckpointStore | None = None
+        self.ended: float | None = None
+
+    def begin_attempt(self) -> None:
+        """Called by the run as each attempt starts."""
+        self._attempt_start = time.monotonic()
+        self._first_pending = True
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self._attempt_start is not None:
+            self.startup_s += time.monotonic() - self._attempt_start
+            self._attempt_start = None
+        self._checkpointer = next((c for c in trainer.callbacks if isinstance(c, CheckpointStore)), None)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._batch_start = time.monotonic()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._batch_start is None:
+            return
+        dt, self._batch_start = time.monotonic() - self._batch_start, None
+        if self._first_pending:
+            self.first_s += dt
+            self._first_pending = False
+        else:
+            self.train_s += dt
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._val_start = time.monotonic()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._val_start is not None:
+            self.val_s += time.monotonic() - self._val_start
+            self._val_start = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.ended = time.monotonic()
+        if self._checkpointer is not None:
+            self._saves_before += self._checkpointer.stall_seconds
+            self._checkpointer = None
+        self.saves_s = self._saves_before
+        if trainer.is_global_zero:
+            figures = {f"goodput/{k}": v for k, v in self.figures().items()}
+            for lg in trainer.loggers:
+                lg.log_metrics(figures, step=trainer.global_step)
+
+    def figures(self) -> dict[str, float]:
+        """Seconds per part, the wall time, and ``fraction``: training steps over the wall time."""
+        wall = (self.ended if self.ended is not None else time.monotonic()) - self.started
+        parts = {
+            "train_s": self.train_s,
+            "first_steps_s": self.first_s,
+            "startup_s": self.startup_s,
+            "validation_s": self.val_s,
+            "checkpoint_s": self.saves_s,
+        }
+        return {
+            "fraction": self.train_s / wall if wall > 0 else 0.0,
+            "wall_s": wall,
+            **parts,
+            "other_s": max(wall - sum(parts.values()), 0.0),
+        }
+
+    def line(self) -> str:
+        f = self.figures()
+        return (
+            f"{f['fraction']:.1%} of {f['wall_s']:.1f} s in training steps ({f['train_s']:.1f} s); start-up {f['startup_s']:.1f} s, "
+            f"first steps {f['first_steps_s']:.1f} s (compilation, warm-up), validation {f['validation_s']:.1f} s, "
+            f"checkpoint saves {f['checkpoint_s']:.1f} s, other {f['other_s']:.1f} s"
+        )
