@@ -8,6 +8,7 @@ from collections import deque
 import lightning as L
 import torch
 
+from lmtrain.errors import InputError
 from lmtrain.training.contracts import ReportsThroughput
 from lmtrain.training.logs import log_direct
 
@@ -51,6 +52,8 @@ class Throughput(L.Callback, ReportsThroughput):
     """
 
     def __init__(self, peak_tflops: float | None = None, log_mfu: bool = True, smoothing_steps: int = 20) -> None:
+        if isinstance(smoothing_steps, bool) or not isinstance(smoothing_steps, int) or smoothing_steps < 1:
+            raise InputError(f"callbacks.throughput.smoothing_steps={smoothing_steps!r}: give a whole number of steps >= 1")
         self.peak_tflops = peak_tflops
         self.log_mfu = log_mfu
         self._flops_per_token: float | None = None
@@ -60,7 +63,7 @@ class Throughput(L.Callback, ReportsThroughput):
         self._last_step = -1
         self.last_tokens_per_sec: float | None = None
         self.smoothed_tokens_per_sec: float | None = None
-        self._window: deque[tuple[float, float]] = deque(maxlen=max(1, int(smoothing_steps)))  # (tokens, seconds) per step
+        self._window: deque[tuple[float, float]] = deque(maxlen=smoothing_steps)  # (tokens, seconds) per step
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._peak = self.peak_tflops * 1e12 if self.peak_tflops else detect_peak_flops(trainer.precision)

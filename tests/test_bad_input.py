@@ -148,6 +148,10 @@ def test_resuming_with_another_data_seed_is_refused(tiny_cfg, tmp_path, dataset_
             ["callbacks=[none,progress_bar]", "callbacks.progress_bar.mode=fancy"],
             r"callbacks.progress_bar.mode='fancy': expected auto, bar or lines",
         ),
+        (
+            ["callbacks=[none,throughput]", "callbacks.throughput.smoothing_steps=0"],
+            r"callbacks.throughput.smoothing_steps=0: give a whole number",
+        ),
         (["callbacks=[none,profiler]", "callbacks.profiler.steps=0"], r"callbacks.profiler: start_step=20 must be >= 1 and steps=0 >= 1"),
         (
             ["callbacks=[none,gc]", "callbacks.gc.every_n_steps=0"],
