@@ -70,8 +70,13 @@ class RunLogFile(logging.Handler):
         try:
             self._fh.write(self.format(record) + "\n")
             self._fh.flush()
-        except Exception:  # noqa: BLE001 - a full disk must not end training here (the disk guard reports it)
-            self.handleError(record)
+        except OSError as exc:  # a full disk must not end training here (the disk guard reports it): one line, then no more
+            path = self.path
+            try:
+                self.close_file()
+            except OSError:  # the buffered rest cannot be written either
+                self._fh, self.path = None, None
+            sys.stderr.write(f"[lmtrain] cannot write {path}: {exc.strerror or exc}; train.log stops here, the console goes on\n")
 
     def open(self, path: Path, header: str) -> None:
         if self.path == path and self._fh is not None:

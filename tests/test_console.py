@@ -58,3 +58,19 @@ def test_summary_log_file_and_a_bar_that_counts_steps_across_a_resume(tmp_path, 
     assert draws and {t for _, t in draws} == {8} and moved[0] == 6 and moved[-1] == 8, (draws, out)
     log = (run_dir / "train.log").read_text()
     assert log.count("==== run con") == 2 and re.findall(r"lmtrain.progress: step (\d+)/8", log) == ["8"], log[-2000:]
+
+
+def test_a_train_log_that_cannot_be_written_is_one_line_and_the_run_goes_on(capsys):
+    """/dev/full: every write fails with ENOSPC, as on a full disk."""
+    import logging
+    from pathlib import Path
+
+    from lmtrain.console import RunLogFile
+
+    handler = RunLogFile()
+    handler.open(Path("/dev/full"), "run x")
+    for i in range(3):
+        handler.emit(logging.LogRecord("lmtrain", logging.INFO, __file__, 1, f"message {i}", None, None))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write /dev/full: No space left on device; train.log stops here" in err, err
+    assert handler.path is None  # closed: nothing more is tried
