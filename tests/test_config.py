@@ -26,7 +26,8 @@ def test_default_config_is_valid(tmp_path):
         (["trainer.max_steps=-1"], r"trainer.max_steps=-1 must be a positive integer"),
         (
             ["global_batch_size=12", "trainer.devices=1", "trainer.accelerator=cpu"],
-            r"global_batch_size=12 is not a multiple of data.batch_size \(8\)",
+            r"global_batch_size=12 is not a multiple of data.batch_size \(8\) x world size \(1\) = 8; it divides at world size 1, "
+            r"data.batch_size one of \[1, 2, 3, 4, 6, 12\]",
         ),
         (["scheduler.warmup_steps=1000"], r"scheduler.warmup_steps=1000 must be in 0..scheduler.total_steps=250"),
         (["scheduler.decay=exponential"], r"scheduler.decay='exponential' is not one of"),

@@ -254,6 +254,7 @@ def validate_config(cfg: DictConfig) -> None:
             if not isinstance(gbs, int) or gbs <= 0 or gbs % per_step:
                 problems.append(
                     f"global_batch_size={gbs} is not a multiple of data.batch_size ({data.batch_size}) x world size ({ws}) = {per_step}"
+                    + (_batch_alternatives(gbs, data.batch_size, ws) if isinstance(gbs, int) and gbs > 0 else "")
                 )
             elif gbs != per_step * accum and accum != 1:
                 problems.append(
@@ -306,6 +307,20 @@ def check_machine(cfg: DictConfig) -> None:
                 f"trainer.accelerator={accelerator} but this machine has no usable GPU (torch.cuda.is_available() is false): "
                 "use trainer=default (CPU), or run on a GPU machine"
             )
+
+
+def _divisors(n: int, limit: int = 4096) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def _batch_alternatives(gbs: int, batch: int, ws: int) -> str:
+    """What would divide: micro-batch sizes at this world size, world sizes at this micro-batch size."""
+    said = []
+    if gbs % ws == 0:
+        said.append(f"at world size {ws}, data.batch_size one of {_divisors(gbs // ws)[:12]}")
+    if gbs % batch == 0:
+        said.append(f"with data.batch_size={batch}, a world size (devices x nodes) of {_divisors(gbs // batch)[:12]}")
+    return ("; it divides " + " or ".join(said)) if said else f"; neither world size {ws} nor data.batch_size={batch} divides it"
 
 
 def apply_global_batch_size(cfg: DictConfig) -> None:
