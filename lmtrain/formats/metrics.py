@@ -7,9 +7,21 @@ from pathlib import Path
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, str]]:
-    """Rows of a run's CSV log, as written by Lightning's CSVLogger."""
-    with open(Path(run_dir) / "csv" / "metrics.csv") as fh:
-        return list(csv.DictReader(fh))
+    """Rows of a run's CSV log, as written by Lightning's CSVLogger (which rewrites the whole file with one header
+    when a new column appears). A row with another number of fields than the header is damage: ValueError."""
+    with open(Path(run_dir) / "csv" / "metrics.csv", newline="") as fh:
+        reader = csv.reader(fh)
+        header = next(reader, None)
+        if header is None:
+            return []
+        rows = []
+        for row in reader:
+            if not row:
+                continue
+            if len(row) != len(header):
+                raise ValueError(f"line {reader.line_num} has {len(row)} fields, the header {len(header)}")
+            rows.append(dict(zip(header, row)))
+        return rows
 
 
 def by_step(run_dir: str | Path) -> dict[int, dict[str, str]]:
