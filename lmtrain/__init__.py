@@ -29,17 +29,19 @@ __version__ = "0.1.0"
 _HERE = Path(__file__).resolve().parent
 _CHECKOUT = _HERE.parent
 MAPPED = ("callbacks", "data")  # repository folders installed as lmtrain.<name>
+# used from a checkout (not installed): the mapped folders sit beside lmtrain/, not inside it
+IN_CHECKOUT = not (_HERE / MAPPED[0]).is_dir() and (_CHECKOUT / MAPPED[0] / "__init__.py").is_file()
 
 
 def config_dir() -> Path:
     """The Hydra config tree: ``lmtrain/conf`` when installed, the repository's ``conf/`` in a checkout."""
-    return _HERE / "conf" if (_HERE / "conf").is_dir() else _CHECKOUT / "conf"
+    return _CHECKOUT / "conf" if IN_CHECKOUT else _HERE / "conf"
 
 
 def data_cache_dir() -> Path:
     """Where prepared datasets go by default: the checkout's ``data/cache``; for an installed lmtrain, the user's
     cache (``$XDG_CACHE_HOME/lmtrain``, else ``~/.cache/lmtrain``), never site-packages."""
-    if (_CHECKOUT / MAPPED[0] / "__init__.py").is_file() and not (_HERE / MAPPED[0]).is_dir():
+    if IN_CHECKOUT:
         return _CHECKOUT / "data" / "cache"
     import os
 
@@ -58,5 +60,5 @@ class _CheckoutFolders(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[str(init.parent)])
 
 
-if not (_HERE / MAPPED[0]).is_dir() and (_CHECKOUT / MAPPED[0] / "__init__.py").is_file():
+if IN_CHECKOUT:
     sys.meta_path.append(_CheckoutFolders())

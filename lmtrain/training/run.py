@@ -113,12 +113,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     (lmtrain.console), with how it ended: the summary, the ``stopped:`` or ``error:`` line, or the traceback.
     """
     console.begin_run()
-    started = time.monotonic()
-    clock = Goodput(started)  # where this invocation's time goes, across attempts (lmtrain.training.goodput)
+    clock = Goodput(time.monotonic())  # the run's start, and where its time goes across attempts (lmtrain.training.goodput)
     rollback = None
     try:
         while True:
-            metrics, detector, stopped = _attempt(cfg, rollback, started, clock)
+            metrics, detector, stopped = _attempt(cfg, rollback, clock)
             if stopped:
                 raise RunStopped(stopped)
             rollback = detector.rollback_request if detector is not None else None
@@ -184,7 +183,7 @@ class _Attempt:
     mlflow: list = field(default_factory=list)  # where each MLflow run is (rank zero): said at the start and the end
 
 
-def _attempt(cfg: DictConfig, rollback: dict | None, started: float, clock: Goodput):
+def _attempt(cfg: DictConfig, rollback: dict | None, clock: Goodput):
     """One ``trainer.fit``; returns (final metrics, the divergence detector or None, why a guard stopped it or None).
     In order: what is decided from the config alone (nothing written but the run directory), what is built and checked
     (data prepared, model identity and data stream against the checkpoint), the acceptance (only now is anything of the
@@ -194,7 +193,7 @@ def _attempt(cfg: DictConfig, rollback: dict | None, started: float, clock: Good
     att.callbacks.insert(0, clock)  # first: its start hooks run before the other callbacks'
     _build(att)
     _accept(att)
-    return _fit(att, started, clock)
+    return _fit(att, clock)
 
 
 def _decide(cfg: DictConfig, rollback: dict | None) -> _Attempt:
@@ -331,7 +330,7 @@ def _accept(att: _Attempt) -> None:
         logbook.append(run_dir, "start", f"training from scratch, run {cfg.run_name}")
 
 
-def _fit(att: _Attempt, started: float, clock: Goodput):
+def _fit(att: _Attempt, clock: Goodput):
     """``trainer.fit``, then how it ended: a guard's stop, a rollback request, or the end (logbook entry, summary)."""
     cfg, run_dir, trainer, module, resume = att.cfg, att.run_dir, att.trainer, att.module, att.resume
     try:
@@ -350,7 +349,7 @@ def _fit(att: _Attempt, started: float, clock: Goodput):
             step = trainer.global_step
             tokens = step * module.tokens_per_step() if hasattr(module, "tokens_per_step") else 0
             logbook.append(run_dir, "end", f"training ended at step {step} ({tokens:,} tokens)", step=step, tokens=tokens)
-            _summary(cfg, trainer, module, att, tokens, started, clock)
+            _summary(cfg, trainer, module, att, tokens, clock)
     finally:
         for mirror in att.mirrors:
             logbook.events.removeHandler(mirror)
@@ -444,7 +443,7 @@ def _mlflow_locations(trainer) -> list[str]:
     return [lg.where() for lg in trainer.loggers if hasattr(lg, "where") and trainer.is_global_zero]
 
 
-def _summary(cfg: DictConfig, trainer, module, att: _Attempt, tokens: int, started: float, clock: Goodput) -> None:
+def _summary(cfg: DictConfig, trainer, module, att: _Attempt, tokens: int, clock: Goodput) -> None:
     """The end-of-run summary (rank zero): steps, tokens, final losses, checkpoints, wall time, where things are."""
     step, run_dir, checkpointer = trainer.global_step, att.run_dir, att.checkpointer
     losses = []
@@ -452,7 +451,7 @@ def _summary(cfg: DictConfig, trainer, module, att: _Attempt, tokens: int, start
         losses.append(f"train loss {module.last_train_loss:.4f} (last step)")
     if "val/loss" in trainer.callback_metrics:
         losses.append(f"val loss {float(trainer.callback_metrics['val/loss']):.4f}")
-    lines = [f"finished run {cfg.run_name} in {console.duration(time.monotonic() - started)}: {step:,} step{'' if step == 1 else 's'}, {tokens:,} tokens"
+    lines = [f"finished run {cfg.run_name} in {console.duration(time.monotonic() - clock.started)}: {step:,} step{'' if step == 1 else 's'}, {tokens:,} tokens"
              + (f"; {', '.join(losses)}" if losses else "")]  # fmt: skip
     lines.append(f"  goodput        {clock.line()}")
     lines.append(f"  run directory  {run_dir.resolve()} (train.log, logbook.jsonl, config.yaml)")
