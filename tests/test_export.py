@@ -95,3 +95,20 @@ def test_export_that_cannot_be_written_is_one_message_and_keeps_the_previous_exp
     (tmp_path / "afile").write_text("x")
     res = _export(run, "--out", str(tmp_path / "afile" / "sub"))
     assert res.returncode == 2 and "cannot write the export to" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_run_whose_config_is_damaged_is_one_message_for_export_and_generate(tmp_path):
+    """lmtrain.formats.trained.read_config: config.yaml that is not YAML, or not a run's config, names the file."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for text, said in (
+        ("model: [unclosed\n", "is not readable YAML"),
+        ("just a string\n", "is not a run's config (no model and data sections)"),
+    ):
+        (run / "config.yaml").write_text(text)
+        for cmd in ([sys.executable, "-m", "lmtrain.export", str(run), "--out", str(tmp_path / "x")],
+                    [sys.executable, "-m", "lmtrain.generate", str(run), "--prompt", "a"]):  # fmt: skip
+            res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+            assert res.returncode == 2 and f"{run / 'config.yaml'} {said}" in res.stderr and "Traceback" not in res.stderr, res.stderr
+            assert res.stderr.count("\n") == 1
+        assert not (tmp_path / "x").exists() and (run / "config.yaml").read_text() == text  # nothing written, nothing changed

@@ -23,8 +23,10 @@ def read_config(run_dir: Path) -> dict:
         raise InputError(f"{run_dir} is not a run directory (no config.yaml)")
     try:
         cfg = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise InputError(f"{path} is not readable YAML: {exc}") from exc
+    except yaml.YAMLError as exc:  # one line: the problem and where (PyYAML's own text spans several)
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise InputError(f"{path} is not readable YAML: {getattr(exc, 'problem', None) or type(exc).__name__}{where}") from exc
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict) or not isinstance(cfg.get("data"), dict):
         raise InputError(f"{path} is not a run's config (no model and data sections)")
     return cfg
