@@ -252,6 +252,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
             "epoch": trainer.current_epoch,
             "tokens_seen": tokens,
             "world_size": trainer.world_size,
+            "global_batch": dm.batch_size * trainer.world_size * trainer.accumulate_grad_batches if tokens is not None else None,
             "format": "sharded" if self._sharded else "single",
             "strategy": type(trainer.strategy).__name__,
             "wall_time": self._wall_before + time.time() - self._t_start,
@@ -308,7 +309,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
             io = trainer.strategy.checkpoint_io
             from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-            if type(io) is TorchCheckpointIO:  # stream straight to the file (Lightning's buffers it in memory first)
+            if type(io).save_checkpoint is TorchCheckpointIO.save_checkpoint:  # stream straight to the file (Lightning's buffers it)
                 with open(path, "wb") as fh:
                     torch.save(checkpoint, fh)
                     fh.flush()

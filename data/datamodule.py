@@ -133,10 +133,17 @@ class BlockSampler(Sampler[int]):
     repeats and a source with a large weight is simply read more often. Unweighted (one source), an epoch is one
     pass over a fresh permutation.
 
-    Every rank gets the same number of samples, ``epoch // world_size`` rounded down to whole batches of
-    ``batch_size`` (the remainder is dropped), so ranks never wait for each other at an epoch's end and
-    "all indices handed out" means "epoch finished". The order depends only on (seed, epoch, world size,
-    sizes, weights). ``shuffle=False`` gives the sources' blocks in order (validation).
+    The epoch's order is one global sequence that depends only on (seed, epoch, sizes, weights), never on the
+    number of ranks. Rank ``r`` of ``W`` reads its elements ``r, r+W, r+2W, ...``, so the ranks together consume
+    the sequence front to back, ``W`` samples at a time, and one optimizer step (``W`` ranks x ``accumulate``
+    micro-batches of ``batch_size``) always takes the next ``global batch`` samples of it, whatever ``W`` is. The
+    position saved with a checkpoint is therefore global (samples of the sequence consumed so far), and a run
+    resumed on another number of ranks continues from it: every sample not yet read in the epoch is read once.
+
+    Every rank gets the same number of samples, rounded down to whole optimizer steps (``batch_size x accumulate``
+    per rank), so an epoch never ends inside an accumulation and ranks never wait for each other at its end;
+    "all indices handed out" means "epoch finished". ``shuffle=False`` gives the sources' blocks in order
+    (validation).
     """
 
     def __init__(
@@ -148,6 +155,7 @@ class BlockSampler(Sampler[int]):
         seed: int = 0,
         batch_size: int = 1,
         weights: list[float] | None = None,
+        accumulate: int = 1,
     ) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} not in [0, {num_replicas})")
@@ -156,18 +164,38 @@ class BlockSampler(Sampler[int]):
         if len(self.weights) != len(self.sizes) or any(not w > 0 for w in self.weights):
             raise ValueError(f"weights {self.weights} must be positive, one per source {self.sizes}")
         self.num_blocks = sum(self.sizes)
-        self.num_replicas, self.rank, self.batch_size = num_replicas, rank, batch_size
+        self.num_replicas, self.rank, self.batch_size, self.accumulate = num_replicas, rank, batch_size, max(int(accumulate), 1)
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
         self.counts = mixture_counts(self.num_blocks, self.weights)  # samples per source per epoch
-        self.yielded = 0  # indices handed out in the current epoch
-        self._resume_at = 0  # where the next iteration starts (non-zero only after load_state_dict)
-        self.skip_on_load = 0  # samples to skip past a restored position (a rollback's skipped data window)
+        self.start = 0  # global position where this epoch's iteration started (non-zero after a resume)
+        self.yielded = 0  # indices this rank handed out since ``start``
+        self._resume: tuple[int, int] | None = None  # (epoch, start) set by load_state_dict for the next iteration
+        self.skip_on_load = 0  # samples per rank to skip past a restored position (a rollback's skipped data window)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    @property
+    def unit(self) -> int:
+        """Samples per rank per optimizer step: the epoch is cut into whole steps."""
+        return self.batch_size * self.accumulate
+
+    def _remaining(self, start: int) -> int:
+        """Samples per rank from global position ``start`` to the epoch's end (whole steps, equal on every rank)."""
+        return max(0, self.num_blocks - start) // (self.num_replicas * self.unit) * self.unit
+
     def __len__(self) -> int:
-        return self.num_blocks // self.num_replicas // self.batch_size * self.batch_size
+        return self._remaining(0)
+
+    @property
+    def position(self) -> int:
+        """Samples of the epoch's global order consumed by all ranks together."""
+        return self.start + self.yielded * self.num_replicas
+
+    def done_in_epoch(self) -> int:
+        """Samples per rank that count as read in the current epoch (``len(self)`` minus what is left from ``start``):
+        what a run on this many ranks would have read at this point, for the training loop's counters."""
+        return len(self) - self._remaining(self.start)
 
     def _permutation(self, n: int, *key: int) -> np.ndarray:
         return np.random.default_rng([self.seed, *key]).permutation(n)
@@ -198,37 +226,53 @@ class BlockSampler(Sampler[int]):
                 order[source == k] = offsets[k] + self._source_blocks(k, epoch * int(c), int(c))
         return order
 
-    def indices(self, epoch: int) -> np.ndarray:
-        """This rank's sample order for ``epoch``."""
-        return self.epoch_order(epoch)[self.rank : len(self) * self.num_replicas : self.num_replicas]
+    def indices(self, epoch: int, start: int = 0) -> np.ndarray:
+        """This rank's sample order for ``epoch`` from global position ``start``."""
+        n, w = self._remaining(start), self.num_replicas
+        return self.epoch_order(epoch)[start + self.rank : start + n * w : w]
 
     def __iter__(self):
-        order = self.indices(self.epoch)
-        start, self._resume_at = self._resume_at, 0
-        self.yielded = start
-        for idx in order[start:]:
+        if self._resume is not None:
+            (self.epoch, self.start), self._resume = self._resume, None
+        else:
+            self.start = 0
+        self.yielded = 0
+        for idx in self.indices(self.epoch, self.start):
             self.yielded += 1
             yield int(idx)
 
     # Stateful (torchdata calls these): the epoch and position travel with the loader's state. Lightning creates
     # the resumed iterator before it calls set_epoch, so the epoch must come from here.
     def _identity(self) -> dict:
-        return {"seed": self.seed, "sizes": self.sizes, "weights": self.weights, "num_replicas": self.num_replicas}
+        return {"seed": self.seed, "sizes": self.sizes, "weights": self.weights}
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "yielded": self.yielded, **self._identity()}
+        geometry = {"num_replicas": self.num_replicas, "batch_size": self.batch_size, "accumulate": self.accumulate}
+        return {"epoch": self.epoch, "position": self.position, **geometry, **self._identity()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def resume_point(self, state: dict) -> tuple[int, int]:
+        """(epoch, global start) at which a run with this sampler's ranks continues from a saved ``state``: the saved
+        position (older checkpoints kept a per-rank count) plus a rollback's skip, moved to the next epoch when this
+        many ranks have no whole step left in the saved one."""
         mine = self._identity()
         theirs = {k: state.get(k) for k in mine}
         if mine != theirs:
             raise InputError(
-                f"the checkpoint's data stream was {theirs}, this run's is {mine}: the dataset, data.seq_len, data.seed, "
-                "the mixture weights or the number of ranks changed, so the saved position means nothing here"
+                f"the checkpoint's data stream was {theirs}, this run's is {mine}: the dataset, data.seq_len, data.seed "
+                "or the mixture weights changed, so the saved position means nothing here"
             )
-        self.epoch, self._resume_at = state["epoch"], state["yielded"] + self.skip_on_load
-        while self._resume_at >= len(self) > 0:  # past the epoch's last batch (saved there, or skipped past it)
-            self.epoch, self._resume_at = self.epoch + 1, self._resume_at - len(self)
+        position = state["position"] if "position" in state else state["yielded"] * state["num_replicas"]
+        epoch, start = int(state["epoch"]), int(position)
+        if self._remaining(start) == 0:  # saved at this many ranks' end of the epoch (what is left is no whole step)
+            epoch, start = epoch + 1, 0
+        start += self.skip_on_load * self.num_replicas
+        while self._remaining(start) == 0 and len(self) > 0:  # past the epoch's last step (saved there, or skipped past it)
+            epoch, start = epoch + 1, max(0, start - len(self) * self.num_replicas)
+        return epoch, start
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume = self.resume_point(state)
+        self.epoch, self.start, self.yielded = *self._resume, 0
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -310,19 +354,20 @@ class TokenDataModule(L.LightningDataModule):
                 )
 
     # -- checkpointed identity of the stream ----------------------------------------------------
-    def stream_identity(self, world_size: int | None = None) -> dict:
-        """What a saved data position depends on: the dataset(s), seq_len, seed, mixture weights and ranks. Saved in
-        the checkpoint (the loader state, and meta.json through lmtrain.training.run) and compared on resume."""
-        world = self._world()[0] if world_size is None else world_size
+    def stream_identity(self) -> dict:
+        """What a saved data position means something for: the dataset(s), seq_len, seed and mixture weights (not the
+        number of ranks: the position is global, see BlockSampler). Saved in the checkpoint (the loader state, and
+        meta.json through lmtrain.training.run) and compared on resume."""
         fps = [read_manifest(p).get("fingerprint") for p in self.paths]
-        ident = {"dataset": fps[0] if len(fps) == 1 else fps, "data.seq_len": self.seq_len, "data.seed": self.seed, "world_size": world}
+        ident = {"dataset": fps[0] if len(fps) == 1 else fps, "data.seq_len": self.seq_len, "data.seed": self.seed}
         if len(fps) > 1:
             ident["weights"] = self.weights
         return ident
 
-    def check_stream(self, saved: dict, world_size: int | None = None) -> None:
-        """Refuse a checkpoint whose saved data position belongs to another stream, naming what changed."""
-        mine = self.stream_identity(world_size)
+    def check_stream(self, saved: dict) -> None:
+        """Refuse a checkpoint whose saved data position belongs to another stream, naming what changed (a
+        ``world_size`` that older checkpoints recorded here is no longer part of it)."""
+        mine = self.stream_identity()
         changed = [f"{k}: {saved.get(k)!r} -> {mine[k]!r}" for k in mine if saved.get(k) != mine[k]]
         if changed:
             raise InputError(
@@ -355,18 +400,47 @@ class TokenDataModule(L.LightningDataModule):
             return 1, 0
         return trainer.world_size, trainer.global_rank
 
-    def train_dataloader(self) -> DataLoader:
+    def _train_sampler(self) -> BlockSampler:
         world, rank = self._world()
+        accumulate = int(getattr(self.trainer, "accumulate_grad_batches", 1) or 1) if self.trainer is not None else 1
         sampler = BlockSampler(
-            self.train_set.sizes, world, rank, shuffle=True, seed=self.seed, batch_size=self.batch_size, weights=self.weights
-        )
+            self.train_set.sizes, world, rank, shuffle=True, seed=self.seed, batch_size=self.batch_size, weights=self.weights,
+            accumulate=accumulate,
+        )  # fmt: skip
         sampler.skip_on_load = self.skip_batches * self.batch_size
         if len(sampler) == 0:
             raise PrepareError(
-                f"dataset {self.path} has {len(self.train_set)} train blocks of seq_len={self.seq_len}: fewer than "
-                f"data.batch_size={self.batch_size} per rank across {world} rank(s)"
+                f"dataset {self.path} has {len(self.train_set)} train blocks of seq_len={self.seq_len}: fewer than one "
+                f"optimizer step (data.batch_size={self.batch_size} x {accumulate} micro-batch(es)) per rank across {world} rank(s)"
             )
-        return self._loader(self.train_set, sampler, self.batch_size, drop_last=True, stateful=True)
+        return sampler
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, self._train_sampler(), self.batch_size, drop_last=True, stateful=True)
+
+    def adapt_checkpoint(self, checkpoint: dict, trainer) -> dict | None:
+        """Before Lightning restores its loops: when the checkpoint was saved with another number of ranks, micro-batch
+        size or accumulation, set the training loop's batch counters to what a run of this layout would have at the
+        saved global data position, so that accumulation boundaries, the epoch's end and validation fall where they
+        would in such a run. Returns the saved layout when it changed (None otherwise)."""
+        from lmtrain.training import compat
+
+        loaders = compat.loader_states(checkpoint)
+        saved = compat.sampler_state(loaders[0]) if loaders else None
+        if saved is None or self.train_set is None:
+            return None
+        sampler = self._train_sampler()
+        mine = {"num_replicas": sampler.num_replicas, "batch_size": sampler.batch_size, "accumulate": sampler.accumulate}
+        theirs = {k: saved.get(k, v) for k, v in mine.items()}  # older checkpoints: ranks only
+        if theirs == mine:
+            return None
+        epoch, sampler.start = sampler.resume_point(saved)
+        moved_on = epoch > int(saved["epoch"])  # this layout has no whole step left in the saved epoch: it ends there
+        in_epoch = len(sampler) if moved_on else sampler.done_in_epoch()
+        compat.set_epoch_progress(
+            checkpoint, in_epoch // self.batch_size, int(checkpoint.get("global_step", 0)) * sampler.accumulate, last=moved_on
+        )
+        return theirs
 
     def val_dataloader(self) -> DataLoader:
         world, rank = self._world()
@@ -375,7 +449,7 @@ class TokenDataModule(L.LightningDataModule):
         return self._loader(self.val_set, sampler, self.val_batch_size, drop_last=False)
 
     def _loader(self, dataset, sampler, batch_size: int, drop_last: bool, stateful: bool = False) -> DataLoader:
-        cls = StatefulDataLoader if stateful else DataLoader
+        cls = ResumableLoader if stateful else DataLoader
         return cls(
             dataset,
             batch_size=batch_size,
@@ -385,6 +459,26 @@ class TokenDataModule(L.LightningDataModule):
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
         )
+
+
+class ResumableLoader(StatefulDataLoader):
+    """torchdata's ``StatefulDataLoader``, restored from the :class:`BlockSampler` position alone.
+
+    The sampler's saved state says everything about where the stream stands (epoch, global position), so a
+    restored loader starts a fresh iteration at that position instead of replaying torchdata's own iterator state,
+    which is tied to the saved number of loader workers. A checkpoint therefore resumes with any ``num_workers``
+    and any number of ranks.
+    """
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        from lmtrain.training import compat
+
+        saved = compat.sampler_state(state_dict)
+        if saved is None or not isinstance(self.sampler, BlockSampler):
+            super().load_state_dict(state_dict)
+            return
+        self.sampler.load_state_dict(saved)
+        super().load_state_dict({})  # a fresh iterator, which starts where the sampler now stands
 
 
 def _resolve_sources(path: str | None, sources) -> tuple[list[Path], list[float] | None]:

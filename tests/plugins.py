@@ -175,3 +175,19 @@ class SlowSave(L.Callback, SaveGuard):
 
         time.sleep(self.seconds)
         return True
+
+
+class RecordSamples(L.Callback):
+    """Write every micro-batch's input rows this rank trained on, with the optimizer step they went into, to
+    ``{path}.rank{R}.pt`` when training ends: ``[(step, rows), ...]``."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.rows = path, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.rows.append((trainer.global_step, batch[0].clone()))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import torch
+
+        torch.save(self.rows, f"{self.path}.rank{trainer.global_rank}.pt")

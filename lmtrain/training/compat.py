@@ -92,3 +92,48 @@ def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
 
     return wrap(module, preserve_rng_state=True)
+
+
+def loader_states(checkpoint: dict) -> list:
+    """The train loaders' saved states in a Lightning checkpoint (``loops.fit_loop.state_dict.combined_loader``: the
+    fit loop keeps them in its private state), one per loader; empty when there are none."""
+    fit = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    return list((fit.get("state_dict") or {}).get("combined_loader") or [])
+
+
+def sampler_state(loader_state: dict) -> dict | None:
+    """The sampler's own state inside a torchdata ``StatefulDataLoader`` state: at ``_sampler_iter_state.sampler_state``
+    without loader workers, under ``_snapshot._main_snapshot`` with them (torchdata's private layout)."""
+    if not isinstance(loader_state, dict):
+        return None
+    main = (loader_state.get("_snapshot") or {}).get("_main_snapshot") or loader_state
+    it = main.get("_sampler_iter_state") if isinstance(main, dict) else None
+    return it.get("sampler_state") if isinstance(it, dict) else None
+
+
+def set_epoch_progress(checkpoint: dict, in_epoch: int, total: int, last: bool) -> None:
+    """Set the fit loop's saved batch counters (``epoch_loop.batch_progress``: micro-batches of this rank in the current
+    epoch and since the start) to ``in_epoch`` and ``total``, keeping each field's offset from ``ready`` (a checkpoint
+    taken at a batch's end has ``completed`` one behind). Lightning derives accumulation boundaries, the epoch's end and
+    validation from them; a resume on another number of ranks sets them to that layout's (data.datamodule)."""
+    progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    for key, value in (("current", in_epoch), ("total", total)):
+        fields = progress[key]
+        ready = fields["ready"]
+        for name in fields:
+            fields[name] = max(0, value - (ready - fields[name]))
+    progress["is_last_batch"] = bool(last)
+
+
+def read_distributed_checkpoint(path) -> dict:
+    """A whole distributed checkpoint read into this process, without a process group or a model to load into: the
+    state rebuilt from the checkpoint's own metadata (``_EmptyStateDictLoadPlanner`` and ``_load_state_dict`` of
+    ``torch.distributed.checkpoint``, what torch's public ``dcp_to_torch_save`` does before writing a file; the public
+    ``load`` fills a copy of the dict it is given, so an empty dict stays empty)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state

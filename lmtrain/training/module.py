@@ -314,6 +314,9 @@ class LMModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         best = checkpoint.get("lmtrain_best_val")
         self.best_val = (float(best[0]), int(best[1])) if best else None
+        adapt = getattr(self.trainer.datamodule, "adapt_checkpoint", None)  # lmtrain.data.datamodule: a resume on other ranks
+        if adapt is not None:
+            adapt(checkpoint, self.trainer)
 
     # -- optimisation -----------------------------------------------------------------------------
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:

@@ -21,6 +21,7 @@ from lmtrain.errors import InputError, RunStopped
 from lmtrain.formats import checkpoint as ck
 from lmtrain.formats import corrections, logbook
 from lmtrain.formats.checkpoint import CheckpointError, check_compatible, config_hash
+from lmtrain.training import compat
 from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data
 from lmtrain.training.contracts import CheckpointStore, RequestsRollback, StopsTraining
 from lmtrain.training.goodput import Goodput
@@ -283,7 +284,11 @@ def _build(att: _Attempt) -> None:
         extra.update(precision=precision, plugins=[*(instantiate(p) for p in cfg.trainer.get("plugins") or []), *plugins])
     att.trainer = trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy, **extra)
     if resume is not None and "data_stream" in resume.meta and hasattr(datamodule, "check_stream"):
-        datamodule.check_stream(resume.meta["data_stream"], trainer.world_size)  # refused before anything is written
+        datamodule.check_stream(resume.meta["data_stream"])  # refused before anything is written
+    if resume is not None and resume.meta.get("format") == "sharded" and not compat.saves_sharded(trainer.strategy):
+        from lmtrain.training.reshard import ShardedCheckpointReader
+
+        trainer.strategy.checkpoint_io = ShardedCheckpointReader()  # fsdp/hsdp -> single/ddp (lmtrain.training.reshard)
 
 
 def _accept(att: _Attempt) -> None:
@@ -311,7 +316,7 @@ def _accept(att: _Attempt) -> None:
             "mlflow_run_id": _mlflow_run_id(trainer),
         }
         if hasattr(att.datamodule, "stream_identity"):
-            att.checkpointer.run_info["data_stream"] = att.datamodule.stream_identity(trainer.world_size)
+            att.checkpointer.run_info["data_stream"] = att.datamodule.stream_identity()
         att.checkpointer.alert_hooks = [_mlflow_tagger(lg) for lg in trainer.loggers if isinstance(lg, MLFlowLogger)]
     att.mirrors = [
         logbook.Mirror(_mlflow_logbook_mirror(lg)) for lg in trainer.loggers if isinstance(lg, MLFlowLogger) and trainer.is_global_zero
@@ -321,7 +326,7 @@ def _accept(att: _Attempt) -> None:
     if not trainer.is_global_zero or rollback is not None:
         return  # a rollback's own entry says where it went
     if resume is not None:
-        logbook.append(run_dir, "resume", f"resumed from {resume.path.name}", step=resume.step)
+        logbook.append(run_dir, "resume", f"resumed from {resume.path.name}{_layout_change(resume, trainer, cfg)}", step=resume.step)
         if changes:
             shown = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items())
             log.info(f"config changed since the last attempt (accepted): {shown}")
@@ -357,6 +362,23 @@ def _fit(att: _Attempt, clock: Goodput):
     if getattr(module, "last_train_loss", None) is not None:
         metrics["train/loss"] = module.last_train_loss  # read from the step statistics, not self.log (lmtrain.training.module)
     return metrics, detector, stopped
+
+
+def _layout_change(resume: ck.Checkpoint, trainer, cfg: DictConfig) -> str:
+    """`` on M ranks, saved on N`` when the resumed checkpoint was saved on another number of ranks (and the global
+    batch each step takes, when that changed too); empty otherwise."""
+    saved_world, world = resume.meta.get("world_size"), trainer.world_size
+    if saved_world is None or saved_world == world:
+        return ""
+    text = f" on {world} rank{'s' if world != 1 else ''}, saved on {saved_world}"
+    batch = int(cfg.data.batch_size) * world * int(trainer.accumulate_grad_batches)
+    saved_batch = resume.meta.get("global_batch")
+    if saved_batch and saved_batch != batch:
+        text += f"; the global batch changes from {saved_batch} to {batch} sequences (set global_batch_size={saved_batch} to keep it)"
+    elif saved_batch:
+        text += f" (global batch {batch}: {trainer.accumulate_grad_batches} micro-batch(es) of {cfg.data.batch_size} per rank)"
+    log.info(f"resuming{text}")
+    return text
 
 
 # keys that differ between attempts of one run by design: not a change of the run's config

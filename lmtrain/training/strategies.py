@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -150,6 +151,16 @@ class FSDP2Strategy(ModelParallelStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
+        """A sharded checkpoint on any number of ranks (distributed checkpoint reshards it), or a single-file one
+        (``single``/``ddp``) loaded into the shards (lmtrain.training.reshard)."""
+        path = Path(self.broadcast(checkpoint_path))
+        if path.is_file():
+            from lmtrain.training.reshard import load_full_into_sharded
+
+            return load_full_into_sharded(path, self.lightning_module, self.optimizers)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
 
 class HSDPStrategy(FSDP2Strategy):
