@@ -6,9 +6,14 @@ the RNG states of every rank, which Lightning itself does not save; they are res
 batch after a resume (restoring them earlier is undone by the loader's own setup).
 
 Single-process and DDP runs write one file from rank zero; sharded strategies (FSDP2 through
-``ModelParallelStrategy``) write a PyTorch distributed checkpoint, every rank its own part. With
-``async_save`` a single-file save copies the state to host memory (the only stall), then a background thread
-writes, verifies and publishes it; the next save waits for the previous one.
+``ModelParallelStrategy``) write a PyTorch distributed checkpoint, every rank its own part. Asynchronous saves
+(``async_save``, by default wherever the host has the memory for the copy) copy the state to host memory (the
+only stall: pinned buffers kept from one save to the next), then write it in the background: a single file from
+rank zero's thread, or every rank's shards through distributed checkpoint's ``async_save`` (its collectives on a
+gloo group of their own, so they never interleave with training's). Rank zero commits, verifies and prunes when
+the write is done, as a synchronous save does; the next save (and the end of training) waits for the previous one
+first, so the disk guard measures the disk with every earlier checkpoint fully written, and every rank learns
+there whether it succeeded.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Checkpoint
+from torch.distributed.tensor import DTensor
 
 from lmtrain.console import log
 from lmtrain.formats import checkpoint as ck
@@ -89,6 +95,9 @@ class HostCopy:
         return buf
 
     def _copy(self, obj, pin: bool):
+        if isinstance(obj, DTensor):  # a shard of a sharded (FSDP2) state: copy this rank's part, keep its layout
+            local = self._copy(obj.to_local(), pin)
+            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride())
         if isinstance(obj, torch.Tensor):
             t = obj.detach()
             key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
@@ -104,6 +113,21 @@ class HostCopy:
         return obj
 
 
+class _Staged:
+    """Distributed checkpoint's stager for a state already copied to host memory (:class:`HostCopy`): nothing to do."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict) -> dict:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Checkpointer(Checkpoint, CheckpointStore):
     """Save ``step-NNNNNNN`` checkpoints under ``dirpath`` every ``every_n_steps`` optimizer steps and at the end.
 
@@ -112,7 +136,8 @@ class Checkpointer(Checkpoint, CheckpointStore):
         every_n_steps: save interval in optimizer steps (0: only at the end).
         keep_last: complete checkpoints kept (at least 2: the newest may still be in flight).
         keep_every: also keep every checkpoint whose step is a multiple of this, permanently (None: none).
-        async_save: write single-file checkpoints in a background thread after a host copy.
+        async_save: ``auto`` (asynchronous when the host has at least twice the copy's size available, else
+            synchronous, said once), ``true`` or ``false``.
         save_on_train_end: save when training ends (max_steps reached or a clean stop).
         max_consecutive_failures: stop the run with an error after this many failed saves in a row.
     """
@@ -123,7 +148,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
         every_n_steps: int = 500,
         keep_last: int = 3,
         keep_every: int | None = None,
-        async_save: bool = False,
+        async_save: bool | str = "auto",
         save_on_train_end: bool = True,
         max_consecutive_failures: int = 3,
     ) -> None:
@@ -134,6 +159,8 @@ class Checkpointer(Checkpoint, CheckpointStore):
                 f"callbacks.checkpoint: every_n_steps={every_n_steps} must be >= 0, keep_every={keep_every} null or > 0, "
                 f"max_consecutive_failures={max_consecutive_failures} >= 1"
             )
+        if async_save not in (True, False, "auto"):
+            raise CheckpointError(f"callbacks.checkpoint.async_save={async_save!r}: use auto, true or false")
         self.root = Path(dirpath)
         self.every_n_steps, self.keep_last, self.keep_every = every_n_steps, keep_last, keep_every
         self.async_save, self.save_on_train_end = async_save, save_on_train_end
@@ -145,7 +172,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
         self._guards: list[SaveGuard] = []
         self.failures = 0
         self.last_saved_step: int | None = None
-        self.last_stall_s = self.last_write_s = 0.0
+        self.last_stall_s = self.last_write_s = self.last_collect_s = 0.0
         self.stall_seconds = 0.0
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
@@ -154,14 +181,18 @@ class Checkpointer(Checkpoint, CheckpointStore):
         self._t_start = time.time()
         self._sharded = False
         self._host_copy = HostCopy()
+        self._async: bool | None = None  # decided at the first save (``auto`` needs the checkpoint's size)
+        self._group = None  # the gloo group of asynchronous sharded saves
+        self._async_step: int | None = None  # an asynchronous sharded save not yet settled across ranks
+        self._async_ok = False
 
     # -- lifecycle ---------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.suppress_final_save = False
         self._guards = [c for c in trainer.callbacks if isinstance(c, SaveGuard)]
         self._sharded = compat.saves_sharded(trainer.strategy)
-        if self.async_save and self._sharded:
-            raise CheckpointError("callbacks.checkpoint.async_save is not supported with sharded strategies yet; set it to false")
+        if self._sharded and self.async_save is not False and self._group is None:
+            self._group = torch.distributed.new_group(backend="gloo")  # collective: every rank builds it, here
         if trainer.is_global_zero:
             self.root.mkdir(parents=True, exist_ok=True)
             for d in ck.remove_partials(self.root):
@@ -200,6 +231,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
         ):
             self.save(trainer)  # training ended some other way (an epoch limit): still keep the final state
         self.wait()
+        self._settle(trainer)
         for guard in self._guards:
             guard.flush_metrics(trainer)  # the last save's figures, now that it is complete
 
@@ -223,6 +255,11 @@ class Checkpointer(Checkpoint, CheckpointStore):
     def load_state_dict(self, state: dict) -> None:
         self._rng_to_restore = state.get("rng")
         self._wall_before = float(state.get("wall_time", 0.0))
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        # the resumed step is saved already: with accumulation, the micro-batches of the next step end at that same
+        # global step, and must not save it again (mid-accumulation, over the good checkpoint)
+        self.last_saved_step = checkpoint.get("global_step")
 
     # -- saving ------------------------------------------------------------------------------
     def estimate_bytes(self, trainer) -> int:
@@ -272,6 +309,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
     def _save(self, trainer) -> bool:
         step = trainer.global_step
         self.wait()
+        self._settle(trainer)
         for guard in self._guards:
             if not guard.before_save(trainer, self, self.estimate_bytes(trainer)):
                 return False
@@ -280,14 +318,18 @@ class Checkpointer(Checkpoint, CheckpointStore):
             for lg in trainer.loggers:  # rows up to this step are on disk whenever this checkpoint is
                 lg.save()
         partial, final = self.root / ck.partial_name(step), self.root / ck.step_name(step)
+        t_collect = time.perf_counter()
         checkpoint = compat.dump_checkpoint(trainer)  # collective: every rank
+        self.last_collect_s = time.perf_counter() - t_collect
         meta = self._meta(trainer, step)
         self.last_saved_step = step
         if self._sharded:
+            if self._asynchronous(trainer):
+                return self._save_sharded_async(trainer, checkpoint, partial, final, meta, t0)
             return self._save_sharded(trainer, checkpoint, partial, final, meta, t0)
         if not trainer.is_global_zero:
             return True
-        if self.async_save:
+        if self._asynchronous(trainer):
             snapshot = self._host_copy(checkpoint)
             self.last_stall_s = time.perf_counter() - t0
             self._thread = threading.Thread(
@@ -361,6 +403,88 @@ class Checkpointer(Checkpoint, CheckpointStore):
             self.failures = 0
         return True
 
+    def _asynchronous(self, trainer) -> bool:
+        """Whether saves are asynchronous: ``async_save``, with ``auto`` decided at the first save from this host's
+        available memory and the size of the copy its ranks would hold (said once, on rank zero). Called by every
+        rank of a sharded save, by rank zero alone for a single file."""
+        if self._async is None:
+            if self.async_save != "auto":
+                self._async = bool(self.async_save)
+            else:
+                local = max(1, trainer.world_size // max(1, trainer.num_nodes)) if self._sharded else 1
+                copy = self.estimate_bytes(trainer) * local // (trainer.world_size if self._sharded else 1)
+                available = host_available_bytes()
+                fits = available is not None and available >= 2 * copy
+                # sharded: every rank saves, so all decide together; single file: only rank zero gets here
+                self._async = bool(trainer.strategy.reduce_boolean_decision(fits, all=True)) if self._sharded else fits
+                if trainer.is_global_zero:
+                    how = "asynchronous" if self._async else "synchronous"
+                    log.info(
+                        f"checkpoints: {how} (callbacks.checkpoint.async_save=auto; a host copy of {copy / 1e9:.2f} GB per node, "
+                        f"{(available or 0) / 1e9:.1f} GB available)"
+                    )
+        return self._async
+
+    def _save_sharded_async(self, trainer, checkpoint: dict, partial: Path, final: Path, meta: dict, t0: float) -> bool:
+        """Every rank stages its shards in host memory and writes them in the background (distributed checkpoint's
+        ``async_save``); rank zero commits when the write is complete. Failures are settled across ranks at the next
+        save or the end of training (:meth:`_settle`)."""
+        import torch.distributed.checkpoint as dcp
+
+        from lmtrain.training.reshard import METADATA_FILE, sharded_layout
+
+        step = meta["step"]
+        self._async_step, self._async_ok = step, False
+        error = None
+        try:
+            if trainer.is_global_zero:
+                partial.mkdir(parents=True, exist_ok=True)
+            trainer.strategy.barrier("lmtrain-ckpt-mkdir")
+            self._stage("save_start", step, partial)
+            tensors, rest = sharded_layout(checkpoint)
+            if trainer.is_global_zero:
+                torch.save(rest, partial / METADATA_FILE)
+        except OSError as exc:
+            error = exc
+        if not trainer.strategy.reduce_boolean_decision(error is None, all=True):  # all ranks write, or none
+            if trainer.is_global_zero:
+                self._failed(step, partial, error or OSError("another rank could not start its save"))
+            return False
+        staged = self._host_copy(tensors)  # this rank's shards into pinned buffers kept between saves
+        future = dcp.async_save(staged, checkpoint_id=partial, process_group=self._group, async_stager=_Staged())
+        self.last_stall_s = time.perf_counter() - t0
+        rank_zero = trainer.is_global_zero
+
+        def finish() -> None:
+            try:
+                future.result()  # every rank's shards and the checkpoint's .metadata are written
+                if rank_zero:
+                    self._stage("before_commit", step, partial)
+                    self._commit(partial, final, meta)
+            except BaseException as exc:  # noqa: BLE001
+                if rank_zero:
+                    self._failed(step, partial, exc)
+                return
+            self.last_write_s = time.perf_counter() - t0
+            self._async_ok = True
+            if rank_zero:
+                self._succeeded(trainer, final, meta)
+
+        self._thread = threading.Thread(target=finish, name=f"lmtrain-save-{step}", daemon=True)
+        self._thread.start()
+        return True
+
+    def _settle(self, trainer) -> None:
+        """After :meth:`wait`, at a point every rank reaches together: whether the last asynchronous sharded save was
+        committed, as rank zero saw it, counted the same on every rank."""
+        if self._async_step is None:
+            return
+        self._async_step = None
+        ok = trainer.strategy.broadcast(self._async_ok, src=0)
+        if not trainer.is_global_zero:
+            self.failures = 0 if ok else self.failures + 1
+        self._raise_if_too_many()
+
     def _commit(self, partial: Path, final: Path, meta: dict) -> None:
         ck.commit(partial, final, meta)
         self._stage("after_commit", meta["step"], final)
@@ -418,6 +542,18 @@ class Checkpointer(Checkpoint, CheckpointStore):
     def _stage(self, stage: str, step: int, path: Path) -> None:
         for guard in self._guards:
             guard.at_save_stage(stage, step, path)
+
+
+def host_available_bytes() -> int | None:
+    """Memory this host can still give (``MemAvailable`` of /proc/meminfo), None where that is not known."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def alert(checkpointer: Checkpointer, kind: str, message: str) -> None:

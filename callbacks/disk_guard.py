@@ -8,7 +8,8 @@ a margin with the free space at the checkpoint root:
 * before every save: not enough -> delete older checkpoints (never the newest complete one, never the
   permanent ``keep_every`` ones) and check again; still not enough -> alert (stderr, run logbook, MLflow tag)
   and stop training cleanly: the newest complete checkpoint is the last good state;
-* after every save: log ``ckpt/size_gb``, ``ckpt/free_gb``, ``ckpt/write_s`` and ``ckpt/stall_s``.
+* after every save: log ``ckpt/size_gb``, ``ckpt/free_gb``, ``ckpt/write_s``, ``ckpt/stall_s`` and ``ckpt/collect_s``
+  (gathering the state, part of the stall).
 
 Failed saves (ENOSPC and the like) are alerted by the checkpointer itself, which stops the run after
 ``max_consecutive_failures``.
@@ -112,6 +113,7 @@ class DiskGuard(L.Callback, StopsTraining, SaveGuard):
             "ckpt/free_gb": free_bytes(ckptr.root) / GB,
             "ckpt/write_s": ckptr.last_write_s,
             "ckpt/stall_s": ckptr.last_stall_s,
+            "ckpt/collect_s": ckptr.last_collect_s,
         }
         self._pending.append((int(ck.NAME_RE.match(final.name).group(1)), figures))  # may run in the saving thread
 

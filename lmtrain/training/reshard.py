@@ -61,6 +61,16 @@ def load_full_into_sharded(path: Path, module: torch.nn.Module, optimizers: list
     return checkpoint
 
 
+def sharded_layout(checkpoint: dict) -> tuple[dict, dict]:
+    """A Lightning checkpoint dict split as ``ModelParallelStrategy`` writes it: (the distributed part, ``state_dict``
+    and ``optimizer_<i>``; the rest, saved by rank zero as ``meta.pt``). ``read_sharded`` and Lightning's
+    ``load_checkpoint`` read it back."""
+    rest = dict(checkpoint)
+    tensors = {"state_dict": rest.pop("state_dict")}
+    tensors.update({f"optimizer_{i}": state for i, state in enumerate(rest.pop("optimizer_states", []))})
+    return tensors, rest
+
+
 def read_sharded(path: Path) -> dict:
     """A sharded checkpoint directory as the dict a single-file Lightning checkpoint holds (in this process's memory)."""
     state = compat.read_distributed_checkpoint(path)

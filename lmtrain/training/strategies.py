@@ -152,6 +152,23 @@ class FSDP2Strategy(ModelParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
+    def lightning_module_state_dict(self) -> dict:
+        """This rank's shards of the model, where they are (Lightning's copies them to host memory first, tensor by
+        tensor, which held training 8 s per save of 1.3B on 2 H100s): a synchronous save writes them as they are, an
+        asynchronous one copies them once into its pinned buffers (lmtrain.callbacks.checkpoint)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model)
+
+    def optimizer_state(self, optimizer) -> dict:
+        """This rank's shards of the optimizer state, keyed by parameter name, where they are (see above)."""
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        return get_optimizer_state_dict(self.model, optimizer)
+
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
         """A sharded checkpoint on any number of ranks (distributed checkpoint reshards it), or a single-file one
         (``single``/``ddp``) loaded into the shards (lmtrain.training.reshard)."""
