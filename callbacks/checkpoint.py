@@ -267,9 +267,11 @@ class Checkpointer(Checkpoint, CheckpointStore):
         if self.last_saved_step is not None:
             last = self.root / ck.step_name(self.last_saved_step)
             try:
-                return sum(ck.dir_files(last).values())
+                size = sum(ck.dir_files(last).values())
             except OSError:
-                pass
+                size = 0
+            if size:  # (0: that checkpoint was pruned or moved aside)
+                return size
         params = sum(p.numel() * p.element_size() for p in trainer.lightning_module.parameters())
         opt_state = 0
         for opt in trainer.optimizers:
@@ -313,6 +315,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
         for guard in self._guards:
             if not guard.before_save(trainer, self, self.estimate_bytes(trainer)):
                 return False
+        asynchronous = self._asynchronous(trainer)  # decided (once) while the last checkpoint is the newest on disk
         t0 = time.perf_counter()
         if trainer.is_global_zero:
             for lg in trainer.loggers:  # rows up to this step are on disk whenever this checkpoint is
@@ -324,12 +327,12 @@ class Checkpointer(Checkpoint, CheckpointStore):
         meta = self._meta(trainer, step)
         self.last_saved_step = step
         if self._sharded:
-            if self._asynchronous(trainer):
+            if asynchronous:
                 return self._save_sharded_async(trainer, checkpoint, partial, final, meta, t0)
             return self._save_sharded(trainer, checkpoint, partial, final, meta, t0)
         if not trainer.is_global_zero:
             return True
-        if self._asynchronous(trainer):
+        if asynchronous:
             snapshot = self._host_copy(checkpoint)
             self.last_stall_s = time.perf_counter() - t0
             self._thread = threading.Thread(
@@ -406,7 +409,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
     def _asynchronous(self, trainer) -> bool:
         """Whether saves are asynchronous: ``async_save``, with ``auto`` decided at the first save from this host's
         available memory and the size of the copy its ranks would hold (said once, on rank zero). Called by every
-        rank of a sharded save, by rank zero alone for a single file."""
+        rank at every save (a collective the first time, for a sharded save)."""
         if self._async is None:
             if self.async_save != "auto":
                 self._async = bool(self.async_save)
@@ -420,8 +423,8 @@ class Checkpointer(Checkpoint, CheckpointStore):
                 if trainer.is_global_zero:
                     how = "asynchronous" if self._async else "synchronous"
                     log.info(
-                        f"checkpoints: {how} (callbacks.checkpoint.async_save=auto; a host copy of {copy / 1e9:.2f} GB per node, "
-                        f"{(available or 0) / 1e9:.1f} GB available)"
+                        f"checkpoints: {how} (callbacks.checkpoint.async_save=auto; a host copy of {_size(copy)} per node, "
+                        f"{_size(available or 0)} available)"
                     )
         return self._async
 
@@ -542,6 +545,10 @@ class Checkpointer(Checkpoint, CheckpointStore):
     def _stage(self, stage: str, step: int, path: Path) -> None:
         for guard in self._guards:
             guard.at_save_stage(stage, step, path)
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e7 else f"{n / 1e6:.1f} MB"
 
 
 def host_available_bytes() -> int | None:

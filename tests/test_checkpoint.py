@@ -140,6 +140,24 @@ def test_resume_false_refuses_existing_checkpoints_unless_overwrite(tmp_path, da
     assert [c.step for c in ck.scan(root)] == [3]
 
 
+def test_async_save_auto_saves_synchronously_where_the_host_lacks_the_memory(tmp_path, dataset_dir, monkeypatch, caplog):
+    """``auto`` asks the host for twice the copy: with less available (here: what /proc/meminfo would say on a host
+    with 1 MB left) the saves are synchronous, said once, and complete; a value other than auto/true/false is refused."""
+    import logging
+
+    from lmtrain.callbacks import checkpoint as ckpt_module
+    from lmtrain.errors import InputError
+
+    monkeypatch.setattr(ckpt_module, "host_available_bytes", lambda: 10**6)
+    with caplog.at_level(logging.INFO, logger="lmtrain"):
+        train(_with_run_dir(_cfg(tmp_path, dataset_dir, "trainer.max_steps=8"), tmp_path))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoints:")]
+    assert len(said) == 1 and said[0].startswith("checkpoints: synchronous (callbacks.checkpoint.async_save=auto"), said
+    assert [c.step for c in ck.scan(tmp_path / "runs" / "r" / "checkpoints")] == [4, 8]
+    with pytest.raises(InputError, match="async_save='maybe': use auto, true or false"):
+        train(_with_run_dir(_cfg(tmp_path, dataset_dir, "callbacks.checkpoint.async_save=maybe"), tmp_path))
+
+
 def _with_run_dir(cfg, tmp_path):
     cfg.run_dir = str(tmp_path / "runs" / "r")
     return cfg

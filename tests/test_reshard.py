@@ -156,9 +156,9 @@ def _steps(tmp_path, name, world):
 @pytest.mark.distributed
 def test_one_run_through_five_layouts_matches_an_uninterrupted_run(tmp_path, short_dataset):
     """fsdp on 4 ranks -> fsdp on 2 -> one process -> ddp on 2 -> fsdp on 4 (across the epoch's end) -> hsdp 2 x 2,
-    global batch 8 throughout: every step's samples and loss are the uninterrupted one-process run's (fp32 on CPU:
-    losses to 1e-5, what reduction order changes), epoch 0 read once, the logbook names each change; then what a
-    resume cannot change is refused."""
+    global batch 8 throughout, every checkpoint saved asynchronously (the default here): every step's samples and
+    loss are the uninterrupted one-process run's (fp32 on CPU: losses to 1e-5, what reduction order changes), epoch 0
+    read once, the logbook names each change; then what a resume cannot change is refused."""
     from lmtrain.training.run import train
 
     data = [f"data.path={short_dataset}", "data.prepare=null"]
@@ -183,6 +183,7 @@ def test_one_run_through_five_layouts_matches_an_uninterrupted_run(tmp_path, sho
         res = run_train_cli(args, tmp_path)
         assert res.returncode == 0, res.stderr[-4000:]
         assert says is None or says in res.stderr
+        assert "checkpoints: asynchronous (callbacks.checkpoint.async_save=auto" in res.stderr  # sharded and single file
         world = int(next((a.split("=")[1] for a in layout if a.startswith("trainer.devices=")), 1))
         got.update(_steps(tmp_path, f"part{i}", world))
         saved = ck.newest(run / "checkpoints")
@@ -205,6 +206,8 @@ def test_one_run_through_five_layouts_matches_an_uninterrupted_run(tmp_path, sho
     epoch0 = [r for s in range(per_epoch) for r in got[s]]
     assert len(set(epoch0)) == len(epoch0) == per_epoch * 8
     entries = [json.loads(line) for line in (run / "logbook.jsonl").read_text().splitlines()]
+    saved = [e["step"] for e in entries if e["kind"] == "checkpoint"]
+    assert saved == [4, 8, 12, 16, 20, STEPS]  # once each: a resumed step is not saved again by the next step's micro-batches
     moves = [e["message"] for e in entries if e["kind"] == "resume"]
     assert moves[0].startswith("resumed from step-0000004 on 2 ranks, saved on 4 (global batch 8: 2 micro-batch(es) of 2 per rank)")
     assert [m.split(" (")[0] for m in moves[1:]] == [
