@@ -67,6 +67,19 @@ def dataset_dir(corpus_jsonl, tmp_path_factory) -> Path:
     return out
 
 
+def short_dataset(tmp_path_factory, corpus_jsonl: Path, chars: int) -> Path:
+    """A dataset of the corpus's first 8 documents cut to ``chars`` characters each (a 300-token BPE, no validation
+    split): small enough that an epoch is a few dozen batches."""
+    from lmtrain.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp(f"short{chars}")
+    docs = [json.loads(line)["text"] for line in corpus_jsonl.read_text(encoding="utf-8").splitlines()]
+    src = root / "short.jsonl"
+    src.write_text("".join(json.dumps({"text": d[:chars]}) + "\n" for d in docs[:8] if d), encoding="utf-8")
+    prepare([src], root / "ds", tokenizer="bpe:300", val_fraction=0.0, progress=False)
+    return root / "ds"
+
+
 def make_cfg(
     overrides: list[str], tmp_path: Path, dataset: Path | None = None, config_name: str = "train", config_dir: Path | None = None
 ) -> DictConfig:

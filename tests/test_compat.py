@@ -98,3 +98,48 @@ def test_checkpoint_wrapper_recomputes_the_same_block():
     torch.manual_seed(1)
     block(x).sum().backward()
     assert torch.equal(g, x.grad) and type(wrapped).__name__ == "CheckpointWrapper"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_loader_state_inside_a_real_lightning_checkpoint(tmp_path, workers):
+    """loader_states / sampler_state find our sampler's position in torchdata's layout (with and without workers) as
+    Lightning saves it, and set_epoch_progress sets the fit loop's batch counters Lightning then restores."""
+    from lightning.pytorch.demos.boring_classes import RandomDataset
+
+    from lmtrain.data.datamodule import BlockSampler, ResumableLoader
+
+    class Model(BoringModel):
+        def train_dataloader(self):
+            return ResumableLoader(RandomDataset(32, 64), batch_size=2, sampler=BlockSampler(64, batch_size=2), num_workers=workers)
+
+    class AtStep5(L.Callback):  # where our checkpointer takes it: at the end of a training batch
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if trainer.global_step == 5:
+                self.checkpoint = compat.dump_checkpoint(trainer)
+
+    grab = AtStep5()
+    trainer = L.Trainer(
+        max_steps=8, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path, limit_val_batches=0, use_distributed_sampler=False, callbacks=[grab],
+    )  # fmt: skip
+    trainer.fit(Model())
+    checkpoint = grab.checkpoint
+    (loader,) = compat.loader_states(checkpoint)
+    state = compat.sampler_state(loader)
+    assert state["epoch"] == 0 and state["position"] == 10 and state["num_replicas"] == 1
+    compat.set_epoch_progress(checkpoint, 3, 7, last=False)
+    progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    assert progress["current"]["ready"] == 3 and progress["total"]["ready"] == 7 and not progress["is_last_batch"]
+    assert progress["current"]["completed"] == 2  # one behind ready, as saved (the batch's end, before Lightning counts it)
+
+
+def test_read_distributed_checkpoint_without_a_process_group(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"state_dict": {"w": torch.arange(6.0).reshape(2, 3)}, "optimizer_0": {"state": {"w": {"step": torch.tensor(3.0)}},
+                                                                                 "param_groups": [{"lr": 0.1, "params": ["w"]}]}}  # fmt: skip
+    dcp.save(state, checkpoint_id=tmp_path / "c", no_dist=True)
+    got = compat.read_distributed_checkpoint(tmp_path / "c")
+    assert torch.equal(got["state_dict"]["w"], state["state_dict"]["w"])
+    assert got["optimizer_0"]["param_groups"] == [{"lr": 0.1, "params": ["w"]}]
+    assert float(got["optimizer_0"]["state"]["w"]["step"]) == 3.0

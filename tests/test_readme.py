@@ -10,7 +10,7 @@ the handlers do with them:
   pass ``check_machine``. ``--cfg job`` runs for real. Trained end to end elsewhere: ``debug=fdr`` (the default
   config, tests/test_train.py), the sweep (test_train), resume / ``resume=false`` / ``overwrite`` / ``ckpt_path``
   (tests/test_checkpoint.py), the plugin (tests/test_plugin.py), FSDP/HSDP under torchrun and SLURM
-  (tests/test_fsdp.py).
+  (tests/test_fsdp.py), resumes on other layouts (tests/test_reshard.py).
 * ``python -m lmtrain.data.prepare``, ``lmtrain.plan``, ``lmtrain.control``, ``lmtrain.generate``, ``lmtrain.report`` and
   ``lmtrain.export``: run here, with the README's arguments, on a run named ``my-run`` trained here for 4 steps.
 * ``lmtrain train ARGS`` is ``python train.py ARGS`` and ``lmtrain TOOL ARGS`` is ``python -m lmtrain.TOOL ARGS``

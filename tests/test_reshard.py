@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lmtrain.data.datamodule import BlockSampler, TokenDataModule
-from lmtrain.data.prepare import prepare
 from lmtrain.formats import checkpoint as ck
 from tests.conftest import TINY, make_cfg, run_train_cli
+from tests.conftest import short_dataset as prepare_short
 from tests.test_checkpoint import _losses
 
 # -- the sampler alone: (ranks, micro-batch, accumulation) layouts of one global batch -------------------------------
@@ -89,13 +89,8 @@ def test_an_older_checkpoints_per_rank_position_is_read_as_a_global_one():
 
 @pytest.fixture(scope="module")
 def short_dataset(tmp_path_factory, corpus_jsonl):
-    """A dataset of about 150 blocks of 32 tokens: an epoch is 18 steps of a global batch of 8."""
-    root = tmp_path_factory.mktemp("short")
-    docs = [json.loads(line)["text"] for line in corpus_jsonl.read_text(encoding="utf-8").splitlines()]
-    src = root / "short.jsonl"
-    src.write_text("".join(json.dumps({"text": d[:900]}) + "\n" for d in docs[:8] if d), encoding="utf-8")
-    prepare([src], root / "ds", tokenizer="bpe:300", val_fraction=0.0, progress=False)
-    return root / "ds"
+    """About 150 blocks of 32 tokens: an epoch is 18 steps of a global batch of 8."""
+    return prepare_short(tmp_path_factory, corpus_jsonl, 900)
 
 
 def test_loader_state_moves_between_worker_counts_and_rank_counts(short_dataset):

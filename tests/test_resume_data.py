@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from lmtrain.data.datamodule import TokenDataModule
-from lmtrain.data.prepare import prepare
 from lmtrain.training.run import train
-from tests.conftest import TINY, make_cfg
+from tests.conftest import TINY, make_cfg, short_dataset
 
 SEQ, BATCH = 32, 4
 
 
 @pytest.fixture(scope="module")
 def small_dataset(tmp_path_factory, corpus_jsonl):
-    """A dataset small enough that an epoch is a few dozen batches."""
-    root = tmp_path_factory.mktemp("small")
-    docs = [json.loads(line)["text"] for line in corpus_jsonl.read_text(encoding="utf-8").splitlines()]
-    src = root / "small.jsonl"
-    src.write_text("".join(json.dumps({"text": d[:1500]}) + "\n" for d in docs[:8] if d), encoding="utf-8")
-    prepare([src], root / "ds", tokenizer="bpe:300", val_fraction=0.0, progress=False)
-    return root / "ds"
+    return short_dataset(tmp_path_factory, corpus_jsonl, 1500)
 
 
 def _loader(path, workers):
