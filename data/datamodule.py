@@ -24,6 +24,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from lmtrain.data.prepare import CHECKSUM, PrepareError, prepare, read_manifest, shard_checksum
 from lmtrain.errors import InputError
 from lmtrain.formats.tokenizer import load_tokenizer, tokenizer_identity
+from lmtrain.nn.model import document_ids
 
 VERIFY_ON_OPEN_BYTES = 1 << 30  # a split this small has its shard checksums checked when opened; larger: --verify
 
@@ -31,9 +32,10 @@ VERIFY_ON_OPEN_BYTES = 1 << 30  # a split this small has its shard checksums che
 class PackedBlocks(Dataset):
     """Blocks of ``seq_len + 1`` tokens over one split's shards, read through ``numpy.memmap``."""
 
-    def __init__(self, directory: str | Path, split: str, seq_len: int) -> None:
+    def __init__(self, directory: str | Path, split: str, seq_len: int, document_mask: bool = False) -> None:
         self.directory = Path(directory)
         manifest = read_manifest(self.directory)
+        self.separator = int(manifest["eos_id"]) if document_mask else None  # set: each block also gives its document ids
         if split not in manifest["splits"]:
             raise PrepareError(f"dataset {directory} has no '{split}' split")
         self.dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
@@ -75,12 +77,14 @@ class PackedBlocks(Dataset):
             shard += 1
         return out
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
         ids = self._read(i * self.seq_len, self.seq_len + 1)
         if ids.max(initial=0) >= self.vocab_size:  # a damaged shard: on a GPU the embedding would die in a device assert
             raise PrepareError(self._bad_id(i * self.seq_len, ids))
         block = torch.from_numpy(ids)
-        return block[:-1], block[1:]  # (T,), (T,)
+        if self.separator is None:
+            return block[:-1], block[1:]  # (T,), (T,)
+        return block[:-1], block[1:], document_ids(block[:-1], self.separator)  # and each input token's document (T,)
 
     def _bad_id(self, start: int, ids: np.ndarray) -> str:
         pos = start + int(np.argmax(ids >= self.vocab_size))
@@ -108,7 +112,7 @@ class MixedBlocks(Dataset):
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
         k = int(np.searchsorted(self.offsets, i, side="right") - 1)
         return self.parts[k][i - int(self.offsets[k])]
 
@@ -291,6 +295,9 @@ class TokenDataModule(L.LightningDataModule):
         prepare: if set and ``path`` holds no dataset, build it first with ``data.prepare.prepare(**prepare)``
             (how the quickstart makes its data on first use).
         val_batch_size: micro-batch size for validation (default: ``batch_size``).
+        document_mask: batches also carry each token's document within its sequence (the separator counts with the
+            document it ends), and the model keeps attention inside each document and restarts positions at each
+            document's start (lmtrain.nn.model.document_mask); training and validation alike.
     """
 
     def __init__(
@@ -304,8 +311,10 @@ class TokenDataModule(L.LightningDataModule):
         val_batch_size: int | None = None,
         pin_memory: bool = True,
         sources: list[dict] | None = None,
+        document_mask: bool = False,
     ) -> None:
         super().__init__()
+        self.document_mask = bool(document_mask)
         self.paths, self.weights = _resolve_sources(path, sources)
         self.path = self.paths[0]
         self.seq_len, self.batch_size, self.num_workers, self.seed = seq_len, batch_size, num_workers, seed
@@ -387,12 +396,12 @@ class TokenDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
             self._check_sources_agree()
-            train = [PackedBlocks(p, "train", self.seq_len) for p in self.paths]
+            train = [PackedBlocks(p, "train", self.seq_len, self.document_mask) for p in self.paths]
             for p, part in zip(self.paths, train):
                 if len(part) == 0:
                     raise PrepareError(f"dataset {p} has {part.num_tokens} train tokens: not one block of data.seq_len={self.seq_len}")
             self.train_set = MixedBlocks(train)
-            self.val_set = MixedBlocks([PackedBlocks(p, "val", self.seq_len) for p in self.paths])
+            self.val_set = MixedBlocks([PackedBlocks(p, "val", self.seq_len, self.document_mask) for p in self.paths])
 
     def _world(self) -> tuple[int, int]:
         trainer = self.trainer

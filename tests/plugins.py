@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning as L
+import torch
 
 from lmtrain.training.contracts import SaveGuard
 
@@ -191,3 +192,14 @@ class RecordSamples(L.Callback):
         import torch
 
         torch.save(self.rows, f"{self.path}.rank{trainer.global_rank}.pt")
+
+
+class BagOfWords(torch.nn.Module):
+    """A (B, T) -> (B, T, V) network that is not lmtrain's Decoder (no document ids, no positions)."""
+
+    def __init__(self, vocab_size: int = 4096, width: int = 16) -> None:
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(vocab_size, width), torch.nn.Linear(width, vocab_size)
+
+    def forward(self, idx):
+        return self.out(self.emb(idx))

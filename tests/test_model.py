@@ -252,3 +252,33 @@ def test_chunk_step_compiled_equals_eager_and_a_compiled_decoder_leaves_the_chun
     assert compiled.item() == pytest.approx(eager.item(), rel=1e-5)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
+def test_a_packed_sequence_with_document_masking_computes_what_each_document_computes_alone(name):
+    """Three documents packed in one sequence (the third cut by the sequence's end), each ending in the separator:
+    with document ids, every token's logits equal those of its document run alone from position 0 (fp32, CPU), for
+    learned positions (OPT) and rotary ones (Llama); without them the later documents see the earlier ones."""
+    from lmtrain.nn.model import document_ids, document_mask, document_positions
+
+    torch.manual_seed(0)
+    model = Decoder(preset(name)).eval()
+    SEP = 0
+    docs = [torch.randint(1, 4096, (n,)) for n in (9, 14, 20)]
+    packed = torch.cat([torch.cat([d, torch.tensor([SEP])]) for d in docs])[:40].unsqueeze(0)  # (1, 40): the last one cut
+    doc = document_ids(packed, SEP)
+    assert doc[0, :10].tolist() == [0] * 10 and doc[0, 10:25].tolist() == [1] * 15 and doc[0, 25:].tolist() == [2] * 15
+    assert document_positions(doc)[0, 8:12].tolist() == [8, 9, 0, 1]  # the separator is its document's last token
+    mask = document_mask(doc)[0, 0]
+    assert mask[12, 11] and not mask[12, 9] and not mask[11, 12]  # own document, causal
+    with torch.no_grad():
+        got = model(packed, doc=doc)[0]
+        plain = model(packed)[0]
+        start = 0
+        for d in docs:
+            alone = torch.cat([d, torch.tensor([SEP])])[: 40 - start]
+            want = model(alone.unsqueeze(0))[0]
+            torch.testing.assert_close(got[start : start + len(alone)], want, atol=1e-5, rtol=1e-5)
+            start += len(alone)
+        torch.testing.assert_close(got[:10], plain[:10], atol=1e-5, rtol=1e-5)  # the first document: nothing before it
+        assert not torch.allclose(got[10:], plain[10:], atol=1e-3)

@@ -137,10 +137,35 @@ def rope_cache(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, H, T, hd); cos/sin: (T, hd)
+    # x: (B, H, T, hd); cos/sin: (T, hd), or (B, 1, T, hd) for positions that restart per document
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
+
+
+def document_ids(idx: torch.Tensor, separator: int) -> torch.Tensor:
+    """Each token's document within its sequence (B, T): the number of separators before it. The separator counts
+    with the document it ends; a sequence's first tokens (the end of a document begun in an earlier block) are
+    document 0."""
+    sep = (idx == separator).to(torch.int32)
+    return torch.cumsum(sep, dim=-1) - sep
+
+
+def document_positions(doc: torch.Tensor) -> torch.Tensor:
+    """Position of each token within its document (B, T): 0 at each document's first token."""
+    T = doc.shape[-1]
+    ar = torch.arange(T, device=doc.device).expand_as(doc)
+    first = torch.ones_like(doc, dtype=torch.bool)
+    first[..., 1:] = doc[..., 1:] != doc[..., :-1]
+    start = torch.where(first, ar, torch.zeros_like(ar)).cummax(dim=-1).values
+    return ar - start
+
+
+def document_mask(doc: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) boolean attention mask: a token attends to itself and the earlier tokens of its own document."""
+    T = doc.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    return (causal & (doc.unsqueeze(-1) == doc.unsqueeze(-2))).unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -153,20 +178,23 @@ class Attention(nn.Module):
         self.proj.residual_out = True  # scaled init
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``rope``: the (cos, sin) rows of each position; ``mask``: (B, 1, T, T), True where a query may attend a key
+        (document masking, :func:`document_mask`), else plain causal attention."""
         B, T, _ = x.shape  # (B, T, C)
         q, k, v = self.qkv(x).split([self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
         v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         if rope is not None:
-            cos, sin = rope[0][:T], rope[1][:T]
+            cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(
             q,
             k,
             v,
-            is_causal=True,
+            attn_mask=mask,
+            is_causal=mask is None,
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.kv_heads != self.n_heads,
         )  # (B, H, T, hd)
@@ -211,8 +239,10 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), rope))
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), rope, mask))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
@@ -263,28 +293,39 @@ class Decoder(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
-        """Final normalised hidden state before the output head, (B, T, emb_dim)."""
+    def hidden_states(self, idx: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+        """Final normalised hidden state before the output head, (B, T, emb_dim). ``doc`` (B, T): each token's document
+        within its sequence (:func:`document_ids`); given, attention stays inside each document and positions restart
+        at each document's first token, so a packed sequence computes what its documents compute alone."""
         B, T = idx.shape
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        positions = torch.arange(T, device=idx.device) if doc is None else document_positions(doc)  # (T,) or (B, T)
+        mask = None if doc is None else document_mask(doc)
         x = self.tok_emb(idx)  # (B, T, E)
         if self.proj_in is not None:
             x = self.proj_in(x)  # (B, T, C)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(T, device=idx.device))
+            x = x + self.pos_emb(positions)
         x = self.drop(x)
-        rope = (self.rope_cos, self.rope_sin) if self.cfg.family == "llama" else None
+        rope = None
+        if self.cfg.family == "llama":
+            rope = (
+                (self.rope_cos[:T], self.rope_sin[:T])
+                if doc is None
+                else (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
+            )
         for block in self.blocks:
-            x = block(x, rope)
+            x = block(x, rope, mask)
         x = self.norm(x)
         if self.proj_out is not None:
             x = self.proj_out(x)
         return x
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Next-token logits (B, T, V); with ``targets`` (B, T), the mean cross-entropy loss instead."""
-        hidden = self.hidden_states(idx)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, doc: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits (B, T, V); with ``targets`` (B, T), the mean cross-entropy loss instead; ``doc``: see
+        :meth:`hidden_states`."""
+        hidden = self.hidden_states(idx, doc)
         if targets is None:
             return self.lm_head(hidden)  # (B, T, V)
         return self.head_loss(hidden, targets)

@@ -19,11 +19,16 @@ from lmtrain.training.contracts import StepChecker
 from lmtrain.training.logs import log_direct
 
 
-def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy (lmtrain.nn.loss.cross_entropy). A model with a ``head_loss``
-    (lmtrain.nn.model.Decoder) computes it in its own forward (which a sharded strategy compiles)."""
+    (lmtrain.nn.model.Decoder) computes it in its own forward (which a sharded strategy compiles); ``doc``: each
+    token's document, for attention masked at document boundaries (``data.document_mask``)."""
     if hasattr(model, "head_loss"):
-        return model(inputs, targets)
+        return model(inputs, targets) if doc is None else model(inputs, targets, doc)
+    if doc is not None:
+        raise ValueError(
+            f"data.document_mask=true needs a model that takes document ids (lmtrain.nn.model.Decoder), not {type(model).__name__}"
+        )
     return cross_entropy(model(inputs), targets)  # any other (B, T) -> (B, T, V) network
 
 
@@ -174,11 +179,11 @@ class LMModule(L.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
-    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
         if self._sdpa is None:
-            return self._loss_fn(self.model, inputs, targets)
+            return self._loss_fn(self.model, inputs, targets, doc)
         with sdpa_kernel(self._sdpa, set_priority=True):
-            return self._loss_fn(self.model, inputs, targets)
+            return self._loss_fn(self.model, inputs, targets, doc)
 
     # -- training ---------------------------------------------------------------------------------
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
@@ -186,9 +191,9 @@ class LMModule(L.LightningModule):
             n = self.trainer.fit_loop.epoch_loop.total_batch_idx  # restored with the loops on resume
             torch.manual_seed(batch_seed(self.seed, n, self.global_rank))
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        inputs, targets = batch  # (B, T), (B, T)
-        loss = self.loss(inputs, targets)
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        inputs, targets, *doc = batch  # (B, T), (B, T), and with data.document_mask each token's document (B, T)
+        loss = self.loss(inputs, targets, *doc)
         self._train_losses.append(loss.detach())
         return loss
 
@@ -293,8 +298,8 @@ class LMModule(L.LightningModule):
         self._val_count = torch.zeros((), device=self.device, dtype=torch.float64)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        inputs, targets = batch
-        loss = self.loss(inputs, targets)
+        inputs, targets, *doc = batch
+        loss = self.loss(inputs, targets, *doc)
         self._val_sum += loss.detach().double() * targets.numel()
         self._val_count += targets.numel()
 

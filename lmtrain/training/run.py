@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -246,6 +247,11 @@ def _build(att: _Attempt) -> None:
 
     shape = meta_model(model_factory)
     log.info(describe_model(shape))
+    if getattr(datamodule, "document_mask", False) and "doc" not in inspect.signature(shape.forward).parameters:
+        raise ConfigError(
+            f"data.document_mask=true: the model {type(shape).__name__} ({cfg.model.get('_target_')}) takes no document ids; "
+            "lmtrain.nn.model.Decoder (every shipped model) does"
+        )
     att.identity = model_identity(shape, cfg)
     del shape
     if resume is not None:
