@@ -287,7 +287,9 @@ class TokenDataModule(L.LightningDataModule):
         sources: instead of ``path``, a mixture: ``[{path: A, weight: 0.7}, {path: B, weight: 0.3}]``. Every
             source must use the same tokenizer (prepare the others with ``--tokenizer A/tokenizer.tiktoken``).
             Each epoch draws exactly ``weight / sum(weights)`` of its samples from each source, in a seeded
-            order (see :class:`BlockSampler`); validation uses every source's validation split, in order.
+            order (see :class:`BlockSampler`). Validation runs over each source's validation split on its own,
+            reported as ``val/loss/<name>`` (``name:`` in the entry, else the dataset folder's name), and over all
+            of them together as ``val/loss``.
         seq_len: tokens per training example (blocks hold ``seq_len + 1``).
         batch_size: micro-batch size per device.
         num_workers: loader worker processes per rank.
@@ -295,6 +297,9 @@ class TokenDataModule(L.LightningDataModule):
         prepare: if set and ``path`` holds no dataset, build it first with ``data.prepare.prepare(**prepare)``
             (how the quickstart makes its data on first use).
         val_batch_size: micro-batch size for validation (default: ``batch_size``).
+        extra_val: further held-out datasets, ``[{name: N, path: DIR}, ...]``, prepared with the training data's
+            tokenizer: each validated on its own (its ``val`` split, or its ``train`` split where it has no validation
+            tokens) and reported as ``val/loss/N``, outside the combined ``val/loss``.
         document_mask: batches also carry each token's document within its sequence (the separator counts with the
             document it ends), and the model keeps attention inside each document and restarts positions at each
             document's start (lmtrain.nn.model.document_mask); training and validation alike.
@@ -312,10 +317,15 @@ class TokenDataModule(L.LightningDataModule):
         pin_memory: bool = True,
         sources: list[dict] | None = None,
         document_mask: bool = False,
+        extra_val: list[dict] | None = None,
     ) -> None:
         super().__init__()
         self.document_mask = bool(document_mask)
-        self.paths, self.weights = _resolve_sources(path, sources)
+        self.paths, self.weights, names = _resolve_sources(path, sources)
+        extra_paths, extra_names = _resolve_extra_val(extra_val, names)
+        self.val_paths = self.paths + extra_paths
+        self.val_names = names + extra_names  # one validation loader each (when more than one): val/loss/<name>
+        self.val_combined = [True] * len(self.paths) + [False] * len(extra_paths)  # which make up val/loss
         self.path = self.paths[0]
         self.seq_len, self.batch_size, self.num_workers, self.seed = seq_len, batch_size, num_workers, seed
         self.prepare_args = dict(prepare) if prepare else None
@@ -347,10 +357,10 @@ class TokenDataModule(L.LightningDataModule):
         return load_tokenizer(self.manifest["tokenizer"], self.path)
 
     def _check_sources_agree(self) -> None:
-        if len(self.paths) == 1:
+        if len(self.val_paths) == 1:
             return
         first = None
-        for p in self.paths:
+        for p in self.val_paths:
             m = read_manifest(p)
             ident = {"vocab_size": m["vocab_size"], "eos_id": m["eos_id"], "tokenizer": tokenizer_identity(m["tokenizer"], p)}
             if first is None:
@@ -358,7 +368,7 @@ class TokenDataModule(L.LightningDataModule):
             elif ident != first[1]:
                 diff = [f"{k}: {first[1][k]} vs {ident[k]}" for k in ident if ident[k] != first[1][k]]
                 raise PrepareError(
-                    f"mixture sources {first[0]} and {p} use different tokenizers ({'; '.join(diff)}): prepare every "
+                    f"datasets {first[0]} and {p} (data.sources / data.extra_val) use different tokenizers ({'; '.join(diff)}): prepare every "
                     f"source with the same one, e.g. `python -m lmtrain.data.prepare ... --tokenizer {first[0] / 'tokenizer.tiktoken'}`"
                 )
 
@@ -401,7 +411,11 @@ class TokenDataModule(L.LightningDataModule):
                 if len(part) == 0:
                     raise PrepareError(f"dataset {p} has {part.num_tokens} train tokens: not one block of data.seq_len={self.seq_len}")
             self.train_set = MixedBlocks(train)
-            self.val_set = MixedBlocks([PackedBlocks(p, "val", self.seq_len, self.document_mask) for p in self.paths])
+            self.val_sets = [PackedBlocks(p, "val", self.seq_len, self.document_mask) for p in self.paths]
+            for p in self.val_paths[len(self.paths) :]:  # a held-out set: its validation split, else all of it
+                held = PackedBlocks(p, "val", self.seq_len, self.document_mask) if _has_tokens(p, "val") else None
+                self.val_sets.append(held if held is not None and len(held) else PackedBlocks(p, "train", self.seq_len, self.document_mask))
+            self.val_set = MixedBlocks(self.val_sets[: len(self.paths)])
 
     def _world(self) -> tuple[int, int]:
         trainer = self.trainer
@@ -451,11 +465,16 @@ class TokenDataModule(L.LightningDataModule):
         )
         return theirs
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        """One loader over the validation blocks, or one per named set (each source of a mixture, each extra held-out
+        set; lmtrain.training.module reports each). Fixed and identical across runs: in order, the same blocks for
+        the same world size."""
         world, rank = self._world()
-        # fixed and identical across runs: no shuffle, the same blocks for the same world size
-        sampler = BlockSampler(self.val_set.sizes, world, rank, shuffle=False)
-        return self._loader(self.val_set, sampler, self.val_batch_size, drop_last=False)
+        loaders = [
+            self._loader(part, BlockSampler(len(part), world, rank, shuffle=False), self.val_batch_size, drop_last=False)
+            for part in self.val_sets
+        ]
+        return loaders[0] if len(loaders) == 1 else loaders
 
     def _loader(self, dataset, sampler, batch_size: int, drop_last: bool, stateful: bool = False) -> DataLoader:
         cls = ResumableLoader if stateful else DataLoader
@@ -490,21 +509,50 @@ class ResumableLoader(StatefulDataLoader):
         super().load_state_dict({})  # a fresh iterator, which starts where the sampler now stands
 
 
-def _resolve_sources(path: str | None, sources) -> tuple[list[Path], list[float] | None]:
-    """(paths, weights) from ``data.path`` or ``data.sources``; weights is None for a single dataset."""
+def _resolve_sources(path: str | None, sources) -> tuple[list[Path], list[float] | None, list[str]]:
+    """(paths, weights, names) from ``data.path`` or ``data.sources``; weights is None for a single dataset."""
     if (path is None) == (sources is None or len(sources) == 0):
         raise PrepareError("give exactly one of data.path=DIR and data.sources=[{path: DIR, weight: W}, ...]")
     if path is not None:
-        return [Path(path)], None
-    paths, weights = [], []
+        return [Path(path)], None, [Path(path).name]
+    paths, weights, names = [], [], []
     for i, s in enumerate(sources):
-        if not hasattr(s, "keys") or set(s.keys()) - {"path", "weight"} or "path" not in s:
-            raise PrepareError(f"data.sources[{i}] = {s!r}: expected {{path: DIR, weight: W}}")
+        if not hasattr(s, "keys") or set(s.keys()) - {"path", "weight", "name"} or "path" not in s:
+            raise PrepareError(f"data.sources[{i}] = {s!r}: expected {{path: DIR, weight: W}} (and optionally name: N)")
         w = s.get("weight", 1.0)
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
             raise PrepareError(f"data.sources[{i}].weight = {w!r}: must be a positive number")
         paths.append(Path(s["path"]))
         weights.append(float(w))
+        names.append(_val_name(s.get("name"), Path(s["path"]), f"data.sources[{i}]"))
     if len(set(paths)) != len(paths):
         raise PrepareError(f"data.sources lists a dataset twice: {[str(p) for p in paths]} (raise its weight instead)")
-    return paths, weights
+    if len(set(names)) != len(names):
+        raise PrepareError(f"data.sources: two sources are named alike ({names}): give each a distinct name: N")
+    return paths, weights, names
+
+
+def _resolve_extra_val(extra, taken: list[str]) -> tuple[list[Path], list[str]]:
+    """(paths, names) of ``data.extra_val``: held-out sets, each named (default: its folder's name), names unique."""
+    paths, names = [], []
+    for i, s in enumerate(extra or []):
+        if not hasattr(s, "keys") or set(s.keys()) - {"path", "name"} or "path" not in s:
+            raise PrepareError(f"data.extra_val[{i}] = {s!r}: expected {{name: N, path: DIR}}")
+        paths.append(Path(s["path"]))
+        names.append(_val_name(s.get("name"), Path(s["path"]), f"data.extra_val[{i}]"))
+    clash = sorted({n for n in names if names.count(n) > 1 or n in taken})
+    if clash:
+        raise PrepareError(f"data.extra_val: the name(s) {clash} are taken (by a source or another set): give each set a distinct name: N")
+    return paths, names
+
+
+def _val_name(name, path: Path, where: str) -> str:
+    name = str(name) if name is not None else path.name
+    if not name or not all(c.isalnum() or c in "-_." for c in name):
+        raise PrepareError(f"{where}.name = {name!r}: use letters, digits, '-', '_' or '.' (it becomes the metric val/loss/<name>)")
+    return name
+
+
+def _has_tokens(directory: Path, split: str) -> bool:
+    split_info = read_manifest(directory)["splits"].get(split)
+    return bool(split_info) and sum(s["num_tokens"] for s in split_info["shards"]) > 0

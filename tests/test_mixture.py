@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 
 import numpy as np
@@ -80,8 +81,11 @@ def test_batches_come_from_both_sources_in_proportion(two_sources):
     n = len(dm.train_set)
     assert len(rows) == n // BATCH * BATCH
     assert abs(from_a - round(0.75 * n)) <= BATCH  # exact per epoch up to the dropped partial batch
-    val = [tuple(r.tolist()) for x, _ in dm.val_dataloader() for r in x]
-    assert len(val) == len(dm.val_set) and val == [tuple(r.tolist()) for x, _ in _dm(two_sources).val_dataloader() for r in x]
+    loaders = dm.val_dataloader()  # one per source, in order: each validated and reported on its own
+    assert dm.val_names == ["A", "B"] and len(loaders) == 2
+    val = [tuple(r.tolist()) for loader in loaders for x, _ in loader for r in x]
+    again = [tuple(r.tolist()) for loader in _dm(two_sources).val_dataloader() for x, _ in loader for r in x]
+    assert len(val) == len(dm.val_set) and val == again
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -122,6 +126,10 @@ def test_sources_with_different_tokenizers_are_refused(two_sources):
         ({"sources": [{"path": "y", "weight": 0}]}, r"weight = 0: must be a positive"),
         ({"sources": [{"path": "y", "wieght": 1}]}, r"data.sources\[0\]"),
         ({"sources": [{"path": "y"}, {"path": "y"}]}, "twice"),
+        ({"sources": [{"path": "a/y"}, {"path": "b/y"}]}, r"named alike \(\['y', 'y'\]\)"),
+        ({"sources": [{"path": "y", "name": "a b"}]}, r"name = 'a b': use letters"),
+        ({"path": "y", "extra_val": [{"path": "z", "name": "y"}]}, r"the name\(s\) \['y'\] are taken"),
+        ({"path": "y", "extra_val": [{"dir": "z"}]}, r"data.extra_val\[0\].*expected \{name: N, path: DIR\}"),
     ],
 )
 def test_bad_mixture_specs(kw, message):
@@ -130,9 +138,36 @@ def test_bad_mixture_specs(kw, message):
 
 
 def test_train_on_a_mixture_from_the_command_line_config(two_sources, tmp_path):
-    srcs = f"[{{path: {two_sources / 'A'}, weight: 2}}, {{path: {two_sources / 'B'}, weight: 1}}]"
-    cfg = make_cfg(
-        TINY + ["data=mixture", f"data.sources={srcs}", f"data.seq_len={SEQ}", "data.num_workers=0", "model.vocab_size=300"], tmp_path
-    )
-    train(cfg)
-    assert (tmp_path / "run" / "config.yaml").is_file()
+    """Validation per source (named in the config, or by folder) and on an extra held-out set, each logged and drawn;
+    the combined val/loss is the sources' token-weighted mean (the held-out set outside it); identical across runs.
+    An extra set prepared with another tokenizer is refused before training."""
+    from lmtrain.formats.metrics import by_step
+    from lmtrain.training.plots import from_csv, write_plots
+
+    srcs = f"[{{path: {two_sources / 'A'}, weight: 2, name: web}}, {{path: {two_sources / 'B'}, weight: 1}}]"
+    extra = f"[{{name: held, path: {two_sources / 'A'}}}]"
+    base = TINY + ["data=mixture", f"data.sources={srcs}", f"data.extra_val={extra}", f"data.seq_len={SEQ}", "data.num_workers=0",
+                   "model.vocab_size=300", "logger=csv", "trainer.limit_val_batches=3"]  # fmt: skip
+    rows = []
+    for run in ("one", "two"):
+        train(make_cfg(base + [f"run_dir={tmp_path / run}"], tmp_path))
+        rows.append({s: r for s, r in by_step(tmp_path / run).items() if "val/loss" in r})
+    assert rows[0] == rows[1] and sorted(rows[0]) == [1, 3]  # validation after steps 2 and 4, identical across runs
+    last = rows[0][3]
+    for name in ("web", "B", "held"):
+        assert float(last[f"val/ppl/{name}"]) == pytest.approx(math.exp(float(last[f"val/loss/{name}"])), rel=1e-5)
+    dm = TokenDataModule(sources=[{"path": str(two_sources / "A")}, {"path": str(two_sources / "B")}], seq_len=SEQ, batch_size=4)
+    dm.setup("fit")
+    tokens = [min(len(part), 3 * 4) * SEQ for part in dm.val_sets]  # each set: up to 3 batches of 4 blocks
+    mean = sum(float(last[f"val/loss/{n}"]) * t for n, t in zip(("web", "B"), tokens)) / sum(tokens)
+    assert float(last["val/loss"]) == pytest.approx(mean, rel=1e-5)
+    assert float(last["val/loss/held"]) == pytest.approx(float(last["val/loss/web"]), rel=1e-6)  # the same blocks as source A
+    from PIL import Image
+
+    counts = json.loads(Image.open(write_plots(tmp_path / "one", from_csv(tmp_path / "one"))[0]).text["lmtrain"])
+    assert counts["val/loss/web"] == counts["val/loss/B"] == counts["val/loss/held"] == 2
+
+    bad = f"[{{name: other, path: {two_sources / 'C'}}}]"
+    with pytest.raises(PrepareError, match="use different tokenizers"):
+        train(make_cfg(base + [f"data.extra_val={bad}", f"run_dir={tmp_path / 'bad'}"], tmp_path))
+    assert not (tmp_path / "bad" / "config.yaml").exists()

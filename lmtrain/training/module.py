@@ -138,8 +138,7 @@ class LMModule(L.LightningModule):
         self.seed = seed
         self.compile = compile
         self._loss_fn = lm_loss
-        self._val_sum = torch.zeros(())
-        self._val_count = torch.zeros(())
+        self._val_sums = torch.zeros(1, 2)  # per validation set: (sum of loss x tokens, tokens)
         self._train_losses: list[torch.Tensor] = []
         self._act_sq: list[torch.Tensor] = []
         self._act_hook = None
@@ -293,23 +292,39 @@ class LMModule(L.LightningModule):
                 p.grad = None
 
     # -- validation -------------------------------------------------------------------------------
-    def on_validation_epoch_start(self) -> None:
-        self._val_sum = torch.zeros((), device=self.device, dtype=torch.float64)
-        self._val_count = torch.zeros((), device=self.device, dtype=torch.float64)
+    def _val_sets(self) -> tuple[list[str], list[bool]]:
+        """The data module's named validation sets and which of them make up ``val/loss`` (lmtrain.data.datamodule:
+        each source of a mixture, each extra held-out set); one unnamed set otherwise."""
+        dm = self.trainer.datamodule
+        names = list(getattr(dm, "val_names", None) or [])
+        combined = list(getattr(dm, "val_combined", None) or [True] * len(names))
+        return (names, combined) if len(names) > 1 else ([], [True])
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = torch.zeros(len(self._val_sets()[1]), 2, device=self.device, dtype=torch.float64)
+
+    def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int, dataloader_idx: int = 0) -> None:
         inputs, targets, *doc = batch
         loss = self.loss(inputs, targets, *doc)
-        self._val_sum += loss.detach().double() * targets.numel()
-        self._val_count += targets.numel()
+        self._val_sums[dataloader_idx, 0] += loss.detach().double() * targets.numel()
+        self._val_sums[dataloader_idx, 1] += targets.numel()
+
+    def _log_val(self, key: str, total: torch.Tensor, **kwargs) -> torch.Tensor:
+        loss = (total[0] / total[1]).float()
+        self.log(f"val/loss{key}", loss, sync_dist=False, rank_zero_only=True, **kwargs)
+        self.log(f"val/ppl{key}", torch.exp(loss).clamp(max=math.exp(50)), sync_dist=False, rank_zero_only=True)
+        return loss
 
     def on_validation_epoch_end(self) -> None:
-        total = self.trainer.strategy.reduce(torch.stack([self._val_sum, self._val_count]), reduce_op="sum")
+        totals = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum")  # (sets, 2), the same on every rank
+        names, combined = self._val_sets()
+        for name, total in zip(names, totals):
+            if total[1] > 0:
+                self._log_val(f"/{name}", total)
+        total = totals[torch.tensor(combined, device=totals.device)].sum(0)
         if total[1] == 0:
             return
-        val_loss = (total[0] / total[1]).float()
-        self.log("val/loss", val_loss, prog_bar=True, sync_dist=False, rank_zero_only=True)
-        self.log("val/ppl", torch.exp(val_loss).clamp(max=math.exp(50)), sync_dist=False, rank_zero_only=True)
+        val_loss = self._log_val("", total, prog_bar=True)
         if not self.trainer.sanity_checking and (self.best_val is None or float(val_loss) < self.best_val[0]):
             self.best_val = (float(val_loss), self.trainer.global_step)
 

@@ -12,6 +12,7 @@ from lmtrain.errors import InputError
 from lmtrain.formats import corrections, logbook
 
 SERIES = ("train/loss", "val/loss", "train/lr", "train/loss_scale", "train/skipped_steps")  # the last two: fp16 runs
+PER_SET = "val/loss/"  # and each validation set's own loss (a mixture's sources, extra held-out sets): val/loss/<name>
 
 
 def from_csv(run_dir: Path) -> dict[str, dict[int, float]] | None:
@@ -21,7 +22,8 @@ def from_csv(run_dir: Path) -> dict[str, dict[int, float]] | None:
     if not (run_dir / "csv" / "metrics.csv").is_file():
         return None
     rows = by_step(run_dir)  # a later row for the same step wins
-    return {key: {step: float(row[key]) for step, row in rows.items() if key in row} for key in SERIES}
+    keys = [*SERIES, *sorted({k for row in rows.values() for k in row if k.startswith(PER_SET)})]
+    return {key: {step: float(row[key]) for step, row in rows.items() if key in row} for key in keys}
 
 
 def from_mlflow(
@@ -46,7 +48,7 @@ def from_mlflow(
             return None
         run_id = runs[0].info.run_id
     out: dict[str, dict[int, float]] = {}
-    for key in SERIES:
+    for key in [*SERIES, *sorted(k for k in client.get_run(run_id).data.metrics if k.startswith(PER_SET))]:
         history = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.timestamp, m.step))
         out[key] = {m.step: m.value for m in history}
     return out
@@ -111,9 +113,14 @@ def write_plots(run_dir: Path, metrics: dict[str, dict[int, float]]) -> list[Pat
         ax.plot([s for s, _ in train], [v for _, v in train], color="tab:blue", linewidth=1, label="train/loss")
     if val:
         ax.plot([s for s, _ in val], [v for _, v in val], color="tab:green", marker="o", linewidth=1.5, label="val/loss")
+    counts = {"train/loss": len(train), "val/loss": len(val)}
+    for key in sorted(k for k in metrics if k.startswith(PER_SET)):  # each validation set: dashed, its own colour
+        points = sorted(metrics[key].items())
+        ax.plot([s for s, _ in points], [v for _, v in points], marker=".", linestyle="--", linewidth=1, label=key)
+        counts[key] = len(points)
     ax.set_ylabel("cross-entropy (nats/token)")
     _mark(ax, events)
-    _save(fig, ax, out / "loss.png", {"train/loss": len(train), "val/loss": len(val), "markers": len(events)})
+    _save(fig, ax, out / "loss.png", {**counts, "markers": len(events)})
     written.append(out / "loss.png")
 
     fig, ax = _figure(f"learning rate applied: {Path(run_dir).name}")
