@@ -1,6 +1,6 @@
 """Export a run's checkpoint as one consolidated safetensors file with its model config and tokenizer.
 
-    python -m lmtrain.export RUN_DIR --out DIR [--checkpoint step-0000500] [--dtype float32|bfloat16|float16] [--force]
+    python -m lmtrain.export RUN_DIR --out DIR [--format lmtrain|hf] [--checkpoint step-0000500] [--dtype float32|bfloat16|float16] [--force]
 
 Reads the newest complete checkpoint (or the named one), single-file or sharded (a sharded checkpoint is
 consolidated in memory: no distributed launch), and writes
@@ -12,6 +12,11 @@ consolidated in memory: no distributed launch), and writes
   name).
 
 :func:`load` rebuilds the model from these with PyTorch, safetensors and tiktoken alone (no Lightning, no Hydra).
+
+``--format hf`` writes what Hugging Face ``transformers`` loads instead (lmtrain.formats.hf):
+``AutoModelForCausalLM.from_pretrained(DIR)`` gives ``OPTForCausalLM`` or ``LlamaForCausalLM`` computing the same
+logits, ``AutoTokenizer.from_pretrained(DIR)`` the same token ids (``config.json``, ``model.safetensors``,
+``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``).
 An existing non-empty ``DIR`` is refused unless ``--force``; the files appear together (written to a temporary
 folder beside ``DIR``, then renamed).
 """
@@ -31,20 +36,28 @@ from lmtrain.errors import InputError
 
 FORMAT = "lmtrain-export/1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FORMATS = ("lmtrain", "hf")
 
 
-def export(run_dir: Path, out: Path, checkpoint: str | None = None, dtype: str = "float32", force: bool = False) -> dict:
+def export(
+    run_dir: Path, out: Path, checkpoint: str | None = None, dtype: str = "float32", force: bool = False, fmt: str = "lmtrain"
+) -> dict:
     """Write the export (see the module docstring); returns its config.json content."""
     from safetensors.torch import save_file
 
+    from lmtrain.formats import hf
     from lmtrain.formats.trained import load_run, read_config, run_tokenizer
 
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r}: use one of {list(DTYPES)}")
+    if fmt not in FORMATS:
+        raise InputError(f"--format {fmt!r}: use one of {list(FORMATS)}")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise InputError(f"{out} exists and is not empty: choose another --out or pass --force to replace it")
     model, enc, eos, ckpt = load_run(Path(run_dir), checkpoint, "cpu")  # a bad run directory: refused before writing
+    if fmt == "hf":
+        hf_config = hf.config(model.cfg, eos, dtype)  # what transformers cannot express: refused before writing
     try:  # where the files go: checked before the weights are converted
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -85,10 +98,13 @@ def export(run_dir: Path, out: Path, checkpoint: str | None = None, dtype: str =
     old = None
     try:
         tmp.chmod(0o755)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": FORMAT, "step": str(ckpt.step)})
-        if spec.endswith(".tiktoken"):
-            shutil.copyfile(ranks, tmp / "tokenizer.tiktoken")
-        (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+        if fmt == "hf":
+            _write_hf(tmp, model, ranks if spec.endswith(".tiktoken") else None, eos, dtype, hf_config, meta)
+        else:
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": FORMAT, "step": str(ckpt.step)})
+            if spec.endswith(".tiktoken"):
+                shutil.copyfile(ranks, tmp / "tokenizer.tiktoken")
+            (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
         for f in tmp.iterdir():
             f.chmod(0o644)
         if out.exists():  # --force: the previous export is set aside until the new one is in place
@@ -107,6 +123,30 @@ def export(run_dir: Path, out: Path, checkpoint: str | None = None, dtype: str =
     if old is not None:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
     return meta
+
+
+def _write_hf(tmp: Path, model, ranks_file: Path | None, eos: int, dtype: str, hf_config: dict, meta: dict) -> None:
+    """The Hugging Face files (lmtrain.formats.hf) into ``tmp``; ``meta`` (where the weights came from) is kept as
+    ``lmtrain.json`` beside them."""
+    from safetensors.torch import save_file
+
+    from lmtrain.formats import hf
+    from lmtrain.formats.tokenizer import EOS_TEXT, GPT2_PATTERN, load_ranks
+
+    if ranks_file is None:
+        raise InputError(
+            f"--format hf: the run's tokenizer is the named encoding {meta['tokenizer']!r}; only a ranks file (bpe:N, .tiktoken) converts yet"
+        )
+
+    state = {k: v.detach() for k, v in model.state_dict().items() if not k.startswith("rope_")}
+    weights = {k: v.to(DTYPES[dtype]) for k, v in hf.state_dict(state, model.cfg).items()}
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(hf.dumps(hf_config))
+    generation = {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}
+    (tmp / "generation_config.json").write_text(hf.dumps(generation))
+    (tmp / "tokenizer.json").write_text(hf.tokenizer_json(load_ranks(ranks_file), GPT2_PATTERN, {EOS_TEXT: eos}))
+    (tmp / "tokenizer_config.json").write_text(hf.dumps(hf.tokenizer_config(EOS_TEXT)))
+    (tmp / "lmtrain.json").write_text(hf.dumps({**meta, "format": "hf"}))
 
 
 def load(export_dir: str | Path, device: str = "cpu", dtype: str | None = None):
@@ -145,10 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="the folder to write")
     p.add_argument("--checkpoint", default=None, help="a step-N directory name (default: the newest complete one)")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--format", default="lmtrain", choices=list(FORMATS), help="lmtrain (default) or hf (Hugging Face transformers)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     args = p.parse_args(argv)
     try:
-        meta = export(Path(args.run_dir), Path(args.out), args.checkpoint, args.dtype, args.force)
+        meta = export(Path(args.run_dir), Path(args.out), args.checkpoint, args.dtype, args.force, args.format)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

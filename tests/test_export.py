@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from lmtrain.training.run import train
@@ -112,3 +113,40 @@ def test_a_run_whose_config_is_damaged_is_one_message_for_export_and_generate(tm
             assert res.returncode == 2 and f"{run / 'config.yaml'} {said}" in res.stderr and "Traceback" not in res.stderr, res.stderr
             assert res.stderr.count("\n") == 1
         assert not (tmp_path / "x").exists() and (run / "config.yaml").read_text() == text  # nothing written, nothing changed
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-llama"])
+def test_hf_export_loads_in_transformers_with_the_same_logits_and_token_ids(tmp_path, dataset_dir, corpus_jsonl, model):
+    """``--format hf``: transformers' AutoModelForCausalLM (OPTForCausalLM / LlamaForCausalLM) gives our logits to 1e-4
+    on real tokens, and AutoTokenizer our ids on every document of the corpus the run was prepared from."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lmtrain.formats.trained import load_run
+
+    extra = ["model.tie_embeddings=false"] if model == "tiny-llama" else []  # both head layouts: OPT tied, Llama untied
+    train(make_cfg(TINY + [f"model={model}", *extra, "callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0", "trainer.max_steps=3"],
+                   tmp_path, dataset_dir))  # fmt: skip
+    run, out = tmp_path / "run", tmp_path / "hf"
+    res = _export(run, "--out", str(out), "--format", "hf")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "generation_config.json", "lmtrain.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]  # fmt: skip
+    theirs = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(theirs).__name__ == ("OPTForCausalLM" if model == "tiny" else "LlamaForCausalLM")
+    ours, enc, _, _ = load_run(run)
+    texts = [json.loads(line)["text"] for line in corpus_jsonl.read_text(encoding="utf-8").splitlines()]
+    ids = torch.tensor([enc.encode_ordinary(texts[0])[:64], enc.encode_ordinary(texts[1])[:64]])
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids), atol=1e-4, rtol=1e-4)
+    tok = AutoTokenizer.from_pretrained(out)
+    for text in texts:
+        assert tok(text)["input_ids"] == enc.encode_ordinary(text), text[:80]
+    assert tok.eos_token_id == enc.encode_single_token("<|endoftext|>") and tok.decode(enc.encode_ordinary(texts[1])) == texts[1]
+
+
+def test_hf_export_refuses_what_transformers_cannot_express(tmp_path, dataset_dir):
+    train(make_cfg(TINY + ["model.norm_eps=1e-6", "callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0", "trainer.max_steps=1"],
+                   tmp_path, dataset_dir))  # fmt: skip
+    res = _export(tmp_path / "run", "--out", str(tmp_path / "hf"), "--format", "hf")
+    assert res.returncode == 2 and "OPTForCausalLM's layer norms use eps 1e-05; this model uses model.norm_eps=1e-06" in res.stderr
+    assert not (tmp_path / "hf").exists()

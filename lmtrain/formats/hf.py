@@ -1,0 +1,154 @@
+"""The Hugging Face layout of a trained decoder: ``config.json``, weights under their ``transformers`` names, and the
+tokenizer as ``tokenizer.json`` (``lmtrain export --format hf``).
+
+An OPT-family model becomes ``OPTForCausalLM`` (learned positions with OPT's offset of 2, pre-norm layers, the
+optional embedding projection); a Llama-family one ``LlamaForCausalLM`` (rotary positions in the same half-split
+convention, grouped-query attention, SwiGLU). Our fused projections are split into the separate ones ``transformers``
+keeps (``qkv`` -> ``q_proj``/``k_proj``/``v_proj``; Llama's ``gate_up`` -> ``gate_proj``/``up_proj``). What those
+classes cannot express is refused, naming it. ``transformers`` itself is not needed to write this: only to read it.
+
+The tokenizer: our byte-level BPE ranks (tiktoken's format) as a ``tokenizers`` BPE model whose merges reproduce
+tiktoken's (each token's merge is the split of it into two known tokens, ordered by the tokens' ranks), the same
+pre-tokenization pattern, and the separator as a special token; it encodes text to the same ids.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from lmtrain.errors import InputError
+
+OPT_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
+
+
+def config(model_cfg, eos: int, dtype: str) -> dict:
+    """``config.json`` for ``transformers`` (refuses what its class cannot express)."""
+    c = model_cfg
+    common = {
+        "vocab_size": c.vocab_size, "hidden_size": c.d_model, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "max_position_embeddings": c.max_seq_len, "tie_word_embeddings": c.tie_embeddings,
+        "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos, "torch_dtype": dtype, "dtype": dtype,
+        "use_cache": True, "initializer_range": c.init_std,
+    }  # fmt: skip
+    if c.family == "opt":
+        if c.act not in OPT_ACTIVATIONS:
+            raise InputError(f"--format hf: OPTForCausalLM has no activation {c.act!r} (it has {sorted(OPT_ACTIVATIONS)})")
+        if abs(c.norm_eps - 1e-5) > 1e-12:
+            raise InputError(f"--format hf: OPTForCausalLM's layer norms use eps 1e-05; this model uses model.norm_eps={c.norm_eps}")
+        if c.kv_heads != c.n_heads:
+            raise InputError(f"--format hf: OPTForCausalLM has no grouped-query attention (model.n_kv_heads={c.kv_heads})")
+        return {
+            **common, "architectures": ["OPTForCausalLM"], "model_type": "opt", "ffn_dim": c.hidden_dim,
+            "word_embed_proj_dim": c.emb_dim, "do_layer_norm_before": True, "_remove_final_layer_norm": False,
+            "activation_function": OPT_ACTIVATIONS[c.act], "enable_bias": True, "layer_norm_elementwise_affine": True,
+            "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "layerdrop": 0.0, "init_std": c.init_std,
+        }  # fmt: skip
+    if c.family == "llama":
+        if c.emb_dim != c.d_model:
+            raise InputError(f"--format hf: LlamaForCausalLM has no embedding projection (model.embed_dim={c.emb_dim} != d_model)")
+        return {
+            **common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "intermediate_size": c.hidden_dim,
+            "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.norm_eps, "hidden_act": "silu",
+            "rope_theta": c.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+            "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+        }  # fmt: skip
+    raise InputError(f"--format hf: no transformers class for model family {c.family!r}")
+
+
+def state_dict(state: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
+    """Our parameter names and layouts -> ``transformers``' (a tied output head stored once, as the embedding)."""
+    c = model_cfg
+    q, kv = c.n_heads * c.head_dim, c.kv_heads * c.head_dim
+    opt = c.family == "opt"
+    root = "model.decoder." if opt else "model."
+    out = {f"{root}embed_tokens.weight": state["tok_emb.weight"]}
+    if opt:
+        pos = state["pos_emb.weight"]
+        out[f"{root}embed_positions.weight"] = torch.cat([torch.zeros(2, pos.shape[1], dtype=pos.dtype), pos])  # OPT's offset
+        for ours, theirs in (("proj_in", "project_in"), ("proj_out", "project_out")):
+            if f"{ours}.weight" in state:
+                out[f"{root}{theirs}.weight"] = state[f"{ours}.weight"]
+    for i in range(c.n_layers):
+        b, h = f"blocks.{i}.", f"{root}layers.{i}."
+        for part, (start, size) in zip(("q_proj", "k_proj", "v_proj"), ((0, q), (q, kv), (q + kv, kv))):
+            for kind in ("weight", "bias"):
+                if f"{b}attn.qkv.{kind}" in state:
+                    out[f"{h}self_attn.{part}.{kind}"] = state[f"{b}attn.qkv.{kind}"][start : start + size]
+        norms = (("attn_norm", "self_attn_layer_norm"), ("mlp_norm", "final_layer_norm")) if opt else (
+            ("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"))  # fmt: skip
+        for ours, theirs in norms:
+            for kind in ("weight", "bias"):
+                if f"{b}{ours}.{kind}" in state:
+                    out[f"{h}{theirs}.{kind}"] = state[f"{b}{ours}.{kind}"]
+        for kind in ("weight", "bias"):
+            if f"{b}attn.proj.{kind}" in state:
+                out[f"{h}self_attn.{'out_proj' if opt else 'o_proj'}.{kind}"] = state[f"{b}attn.proj.{kind}"]
+        if opt:
+            for ours, theirs in (("up", "fc1"), ("down", "fc2")):
+                for kind in ("weight", "bias"):
+                    out[f"{h}{theirs}.{kind}"] = state[f"{b}mlp.{ours}.{kind}"]
+        else:
+            gate, up = state[f"{b}mlp.gate_up.weight"].chunk(2, dim=0)
+            out[f"{h}mlp.gate_proj.weight"], out[f"{h}mlp.up_proj.weight"] = gate, up
+            out[f"{h}mlp.down_proj.weight"] = state[f"{b}mlp.down.weight"]
+    final = f"{root}final_layer_norm" if opt else f"{root}norm"
+    for kind in ("weight", "bias"):
+        if f"norm.{kind}" in state:
+            out[f"{final}.{kind}"] = state[f"norm.{kind}"]
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's reversible map of the 256 byte values to printable characters (byte-level BPE vocabularies use it)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = (b for b in range(256) if b not in printable)
+    out = {b: chr(b) for b in printable}
+    out.update({b: chr(256 + n) for n, b in enumerate(extra)})
+    return out
+
+
+def tokenizer_json(ranks: dict[bytes, int], pattern: str, specials: dict[str, int]) -> str:
+    """``tokenizer.json`` for byte-level BPE ``ranks`` (tiktoken's format), its pre-tokenization ``pattern`` and
+    special tokens ``{text: id}``: the same ids as tiktoken's ``encode_ordinary`` for any text."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = _byte_chars()
+
+    def text(b: bytes) -> str:
+        return "".join(chars[x] for x in b)
+
+    vocab = {text(tok): rank for tok, rank in ranks.items()}
+    merges = []
+    for tok, rank in ranks.items():
+        splits = [(tok[:i], tok[i:]) for i in range(1, len(tok)) if tok[:i] in ranks and tok[i:] in ranks]
+        merges += [(rank, ranks[a], ranks[b], a, b) for a, b in splits]
+    merges.sort()
+    bpe = models.BPE(vocab=vocab, merges=[(text(a), text(b)) for *_, a, b in merges], fuse_unk=False, ignore_merges=True)
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(pattern), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    for content, idx in sorted(specials.items(), key=lambda kv: kv[1]):
+        if idx != len(vocab) + len(tok.get_added_tokens_decoder()):
+            raise InputError(f"--format hf: special token {content!r} has id {idx}, not the next id after the ranks")
+        tok.add_special_tokens([AddedToken(content, special=True, normalized=False)])
+    return tok.to_str()
+
+
+def tokenizer_config(eos_text: str) -> dict:
+    """``tokenizer_config.json``: a plain fast tokenizer over ``tokenizer.json`` that adds no tokens of its own and, as
+    our data pipeline does, reads text that looks like the separator as ordinary text (``split_special_tokens``)."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_text, "bos_token": eos_text, "pad_token": eos_text,
+        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False, "model_max_length": 10**9,
+        "split_special_tokens": True,
+    }  # fmt: skip
+
+
+def dumps(obj: dict) -> str:
+    return json.dumps(obj, indent=2) + "\n"
