@@ -32,11 +32,35 @@ import numpy as np
 from lmtrain.data.corpus import expand_inputs, iter_documents
 from lmtrain.errors import InputError
 from lmtrain.formats.manifest import PrepareError, read_manifest  # noqa: F401  (read_manifest: re-exported for data.datamodule and users)
-from lmtrain.formats.tokenizer import TokenizerError, encoding_from_ranks, eos_id, load_tokenizer, save_ranks, train_bpe
+from lmtrain.formats.tokenizer import JSON_CONFIG, TokenizerError, encoding_from_ranks, eos_id, load_tokenizer, save_ranks, train_bpe
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 TOKENIZER_FILE = "tokenizer.tiktoken"
+JSON_TOKENIZER_FILE = "tokenizer.json"
+LOSSLESS_SAMPLE_BYTES = 1 << 20  # how much of the corpus check_lossless encodes and decodes before the real work
+
+
+def check_lossless(enc, docs, budget: int = LOSSLESS_SAMPLE_BYTES) -> None:
+    """Refuse a tokenizer that does not give back the corpus's text exactly, or that produces the separator from text,
+    on the corpus's first documents (about ``budget`` bytes), naming the first document and where it differs. (A
+    normalising tokenizer.json, lowercasing or rewriting spaces, is the usual cause.)"""
+    sep, seen = eos_id(enc), 0
+    for doc in docs:
+        if seen >= budget:
+            return
+        seen += len(doc.text)
+        where = f"{doc.source}" + (f" line {doc.line}" if doc.line else "")
+        ids = enc.encode_ordinary(doc.text)
+        back = enc.decode(ids)
+        if back != doc.text:
+            at = next((i for i, (a, b) in enumerate(zip(back, doc.text)) if a != b), min(len(back), len(doc.text)))
+            raise PrepareError(
+                f"the tokenizer does not give back the text of {where}: at character {at}, {doc.text[at : at + 20]!r} came "
+                f"back as {back[at : at + 20]!r}. lmtrain keeps every document exactly; use a tokenizer without normalization"
+            )
+        if sep in ids:
+            raise PrepareError(f"the tokenizer encodes text of {where} as the separator id {sep}: documents could not be told apart")
 
 
 def fingerprint(files: list[Path], settings: dict) -> str:
@@ -257,12 +281,19 @@ def _build(files, tmp: Path, settings: dict, fp: str, workers: int, shard_tokens
                 file=sys.stderr,
             )
         tok_ref, tok_base = TOKENIZER_FILE, str(tmp)
+    elif spec.endswith(".json"):  # a Hugging Face tokenizer.json: a copy (and its tokenizer_config.json) kept
+        enc = load_tokenizer(spec)
+        shutil.copyfile(Path(spec), tmp / JSON_TOKENIZER_FILE)
+        if (Path(spec).parent / JSON_CONFIG).is_file():
+            shutil.copyfile(Path(spec).parent / JSON_CONFIG, tmp / JSON_CONFIG)
+        tok_ref, tok_base = JSON_TOKENIZER_FILE, str(tmp)
     else:
         enc = load_tokenizer(spec)
         tok_ref, tok_base = spec, str(Path.cwd())
         if spec.endswith(".tiktoken") or "/" in spec:  # keep a copy so the dataset is self-contained
             shutil.copyfile(Path(spec), tmp / TOKENIZER_FILE)
             tok_ref, tok_base = TOKENIZER_FILE, str(tmp)
+    check_lossless(enc, iter_documents(files, text_key))
     vocab_size = enc.n_vocab
     dtype = np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
     writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
@@ -313,6 +344,7 @@ def _build(files, tmp: Path, settings: dict, fp: str, workers: int, shard_tokens
         "fingerprint": fp,
         "dtype": dtype.name,
         "eos_id": eos_id(enc),
+        "separator": enc.decode([eos_id(enc)]),
         "vocab_size": vocab_size,
         "tokenizer": tok_ref,
         "num_documents": n_docs,

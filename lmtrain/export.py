@@ -81,7 +81,7 @@ def export(
     meta = {
         "format": FORMAT,
         "model": model.cfg.to_dict(),
-        "tokenizer": "tokenizer.tiktoken" if spec.endswith(".tiktoken") else spec,
+        "tokenizer": Path(spec).name if spec.endswith((".tiktoken", ".json")) else spec,
         "eos_id": eos,
         "n_vocab": enc.n_vocab,
         "dtype": dtype,
@@ -99,11 +99,13 @@ def export(
     try:
         tmp.chmod(0o755)
         if fmt == "hf":
-            _write_hf(tmp, model, ranks if spec.endswith(".tiktoken") else None, eos, dtype, hf_config, meta)
+            _write_hf(tmp, model, ranks if spec.endswith((".tiktoken", ".json")) else None, enc, eos, dtype, hf_config, meta)
         else:
             save_file(state, str(tmp / "model.safetensors"), metadata={"format": FORMAT, "step": str(ckpt.step)})
             if spec.endswith(".tiktoken"):
                 shutil.copyfile(ranks, tmp / "tokenizer.tiktoken")
+            elif spec.endswith(".json"):  # a tokenizer.json and the config naming its separator
+                _copy_json_tokenizer(ranks, tmp)
             (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
         for f in tmp.iterdir():
             f.chmod(0o644)
@@ -125,7 +127,15 @@ def export(
     return meta
 
 
-def _write_hf(tmp: Path, model, ranks_file: Path | None, eos: int, dtype: str, hf_config: dict, meta: dict) -> None:
+def _copy_json_tokenizer(path: Path, tmp: Path) -> None:
+    from lmtrain.formats.tokenizer import JSON_CONFIG
+
+    shutil.copyfile(path, tmp / "tokenizer.json")
+    if (path.parent / JSON_CONFIG).is_file():
+        shutil.copyfile(path.parent / JSON_CONFIG, tmp / JSON_CONFIG)
+
+
+def _write_hf(tmp: Path, model, ranks_file: Path | None, enc, eos: int, dtype: str, hf_config: dict, meta: dict) -> None:
     """The Hugging Face files (lmtrain.formats.hf) into ``tmp``; ``meta`` (where the weights came from) is kept as
     ``lmtrain.json`` beside them."""
     from safetensors.torch import save_file
@@ -135,7 +145,8 @@ def _write_hf(tmp: Path, model, ranks_file: Path | None, eos: int, dtype: str, h
 
     if ranks_file is None:
         raise InputError(
-            f"--format hf: the run's tokenizer is the named encoding {meta['tokenizer']!r}; only a ranks file (bpe:N, .tiktoken) converts yet"
+            f"--format hf: the run's tokenizer is the named encoding {meta['tokenizer']!r}; only a ranks file (bpe:N, .tiktoken) "
+            "or a tokenizer.json converts yet"
         )
 
     state = {k: v.detach() for k, v in model.state_dict().items() if not k.startswith("rope_")}
@@ -144,8 +155,12 @@ def _write_hf(tmp: Path, model, ranks_file: Path | None, eos: int, dtype: str, h
     (tmp / "config.json").write_text(hf.dumps(hf_config))
     generation = {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}
     (tmp / "generation_config.json").write_text(hf.dumps(generation))
-    (tmp / "tokenizer.json").write_text(hf.tokenizer_json(load_ranks(ranks_file), GPT2_PATTERN, {EOS_TEXT: eos}))
-    (tmp / "tokenizer_config.json").write_text(hf.dumps(hf.tokenizer_config(EOS_TEXT)))
+    if ranks_file.suffix == ".json":  # already Hugging Face's: as it is, with a config naming its separator
+        shutil.copyfile(ranks_file, tmp / "tokenizer.json")
+        (tmp / "tokenizer_config.json").write_text(hf.dumps(hf.tokenizer_config(enc.separator)))
+    else:
+        (tmp / "tokenizer.json").write_text(hf.tokenizer_json(load_ranks(ranks_file), GPT2_PATTERN, {EOS_TEXT: eos}))
+        (tmp / "tokenizer_config.json").write_text(hf.dumps(hf.tokenizer_config(EOS_TEXT)))
     (tmp / "lmtrain.json").write_text(hf.dumps({**meta, "format": "hf"}))
 
 

@@ -205,3 +205,62 @@ def test_prepare_streams_memory_does_not_grow_with_the_corpus(tmp_path):
     (small_main, small_workers), (big_main, big_workers) = peaks[4], peaks[40]
     assert big_main - small_main < 12, peaks  # 36 MB more text: a corpus held in memory would add at least that
     assert big_workers - small_workers < 12, peaks
+
+
+def _hf_tokenizer(path, corpus_jsonl, lowercase=False):
+    """A byte-level BPE tokenizer.json trained with Hugging Face tokenizers, with <s> and </s> special tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    if lowercase:
+        tok.normalizer = normalizers.Lowercase()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = [json.loads(line)["text"] for line in corpus_jsonl.read_text(encoding="utf-8").splitlines()]
+    tok.train_from_iterator(texts, trainer=trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    return path / "tokenizer.json", texts
+
+
+def test_a_hugging_face_tokenizer_json_prepares_trains_generates_and_exports(tmp_path, corpus_jsonl):
+    """--tokenizer PATH/tokenizer.json: its </s> separates documents (recorded in the manifest), every document comes
+    back exactly from the shards, a run trains on it, generates, and exports to transformers with the same ids."""
+    from transformers import AutoTokenizer
+
+    from lmtrain import export, generate
+    from lmtrain.formats.tokenizer import load_tokenizer
+    from lmtrain.training.run import train
+    from tests.conftest import TINY, make_cfg
+
+    spec, texts = _hf_tokenizer(tmp_path / "tok", corpus_jsonl)
+    m = prepare([corpus_jsonl], tmp_path / "ds", tokenizer=str(spec), val_fraction=0.1, progress=False)
+    enc = load_tokenizer(m["tokenizer"], tmp_path / "ds")
+    assert m["tokenizer"] == "tokenizer.json" and m["separator"] == "</s>" and m["eos_id"] == enc.encode_single_token("</s>") == 1
+    stream = []
+    for split in ("train", "val"):
+        for shard in m["splits"][split]["shards"]:
+            stream += np.fromfile(tmp_path / "ds" / shard["path"], dtype=m["dtype"]).tolist()
+    docs, start = [], 0
+    for i, t in enumerate(stream):
+        if t == m["eos_id"]:
+            docs.append(enc.decode(stream[start:i]))
+            start = i + 1
+    assert start == len(stream) and sorted(docs) == sorted(t for t in texts if t)  # one separator after each, text exact
+
+    train(make_cfg(TINY + ["callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0", "trainer.max_steps=2"], tmp_path, tmp_path / "ds"))
+    assert generate.main([str(tmp_path / "run"), "--prompt", "def main(", "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    assert export.main([str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok.eos_token == "</s>" and all(tok(t)["input_ids"] == enc.encode_ordinary(t) for t in texts)
+
+
+def test_a_tokenizer_json_that_does_not_keep_the_text_is_refused(tmp_path, corpus_jsonl):
+    spec, _ = _hf_tokenizer(tmp_path / "tok", corpus_jsonl, lowercase=True)
+    with pytest.raises(PrepareError, match=r"does not give back the text of .*corpus.jsonl line 1: at character"):
+        prepare([corpus_jsonl], tmp_path / "ds", tokenizer=str(spec), progress=False)
+    assert not (tmp_path / "ds").exists()
+    (tmp_path / "tok" / "tokenizer_config.json").write_text('{"eos_token": "<eos>"}')
+    with pytest.raises(Exception, match=r"eos_token '<eos>' is not a special token of tokenizer.json \(\['</s>', '<s>'\]\)"):
+        load_tokenizer(str(spec))

@@ -102,21 +102,14 @@ def state_dict(state: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Ten
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _byte_chars() -> dict[int, str]:
-    """GPT-2's reversible map of the 256 byte values to printable characters (byte-level BPE vocabularies use it)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = (b for b in range(256) if b not in printable)
-    out = {b: chr(b) for b in printable}
-    out.update({b: chr(256 + n) for n, b in enumerate(extra)})
-    return out
-
-
 def tokenizer_json(ranks: dict[bytes, int], pattern: str, specials: dict[str, int]) -> str:
     """``tokenizer.json`` for byte-level BPE ``ranks`` (tiktoken's format), its pre-tokenization ``pattern`` and
     special tokens ``{text: id}``: the same ids as tiktoken's ``encode_ordinary`` for any text."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    chars = _byte_chars()
+    from lmtrain.formats.tokenizer import byte_chars
+
+    chars = byte_chars()
 
     def text(b: bytes) -> str:
         return "".join(chars[x] for x in b)

@@ -8,6 +8,9 @@ A tokenizer is named by a SPEC string:
   and one ``<|endoftext|>`` special token right after the ranks.
 * ``bpe:VOCAB`` -- train a byte-level BPE of VOCAB tokens (separator included) on the corpus; only
   meaningful to ``data.prepare``, which saves the result as ``tokenizer.tiktoken`` next to the shards.
+* ``PATH/tokenizer.json`` -- a Hugging Face ``tokenizers`` file (Llama's, OLMo's, GPT-2's...), used through
+  :class:`JsonTokenizer`. The separator is its ``eos_token`` from a ``tokenizer_config.json`` beside it, else the
+  first of :data:`SEPARATOR_NAMES` among its special tokens. ``data.prepare`` keeps a copy of both files.
 
 Documents are always encoded with ``encode_ordinary``: text that merely looks like a special token is
 ordinary text. The one separator id (``eos_id``) is appended by the data pipeline, never by the tokenizer.
@@ -34,18 +37,88 @@ class TokenizerError(InputError):
     """A tokenizer that cannot be loaded or built, with the reason and the way out."""
 
 
-def eos_id(enc: tiktoken.Encoding) -> int:
-    """The document separator's id: ``<|endoftext|>`` where the encoding has it, else its last token."""
+SEPARATOR_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+JSON_CONFIG = "tokenizer_config.json"
+
+
+class JsonTokenizer:
+    """A Hugging Face ``tokenizer.json`` behind the part of tiktoken's ``Encoding`` interface lmtrain uses.
+
+    Text is encoded as ordinary text: a special token's text inside a document is split like any other text
+    (``encode_special_tokens``), and no tokens are added around it; the data pipeline appends the separator.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer
+
+        self.path = Path(path)
+        try:
+            self._tok = Tokenizer.from_file(str(self.path))
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
+            raise TokenizerError(f"tokenizer file {self.path} is not a tokenizers tokenizer.json ({type(exc).__name__}: {exc})") from None
+        self._tok.encode_special_tokens = True
+        self.name = self.path.stem
+        self.n_vocab = self._tok.get_vocab_size(with_added_tokens=True)
+        specials = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        self.special_tokens_set = set(specials)
+        self.separator = self._separator(specials)
+        self.eot_token = specials[self.separator]
+
+    def _separator(self, specials: dict[str, int]) -> str:
+        config = self.path.parent / JSON_CONFIG
+        if config.is_file():
+            import json
+
+            eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            if eos is not None:
+                if eos not in specials:
+                    raise TokenizerError(f"{config}: eos_token {eos!r} is not a special token of {self.path.name} ({sorted(specials)})")
+                return eos
+        found = [n for n in SEPARATOR_NAMES if n in specials]
+        if not found:
+            raise TokenizerError(
+                f"{self.path}: which special token separates documents? None of {list(SEPARATOR_NAMES)} is one of its special "
+                f"tokens ({sorted(specials) or 'none'}): put a {JSON_CONFIG} with \"eos_token\" beside it"
+            )
+        return found[0]
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_ordinary_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_single_token(self, text: str) -> int:
+        idx = self._tok.token_to_id(text)
+        if idx is None:
+            raise KeyError(text)
+        return idx
+
+    def decode(self, ids) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def eos_id(enc: tiktoken.Encoding | JsonTokenizer) -> int:
+    """The document separator's id: ``<|endoftext|>`` where the encoding has it, else its last token (a
+    ``tokenizer.json``: the separator it names)."""
+    if isinstance(enc, JsonTokenizer):
+        return enc.eot_token
     if EOS_TEXT in enc.special_tokens_set:
         return enc.encode_single_token(EOS_TEXT)
     return enc.eot_token
 
 
-def load_tokenizer(spec: str, base_dir: str | Path | None = None) -> tiktoken.Encoding:
-    """Load a tokenizer from a SPEC (see module docstring). Relative ranks paths resolve against base_dir."""
+def load_tokenizer(spec: str, base_dir: str | Path | None = None) -> tiktoken.Encoding | JsonTokenizer:
+    """Load a tokenizer from a SPEC (see module docstring). Relative paths resolve against base_dir."""
     spec = str(spec)
     if spec.startswith("bpe:"):
         raise TokenizerError(f"tokenizer '{spec}' must be trained on a corpus: use `python -m lmtrain.data.prepare --tokenizer {spec}`")
+    if spec.endswith(".json"):
+        path = Path(spec) if Path(spec).is_absolute() or base_dir is None else Path(base_dir) / spec
+        if not path.is_file():
+            raise TokenizerError(f"tokenizer file not found: {path}")
+        return JsonTokenizer(path)
     if spec.endswith(".tiktoken") or "/" in spec:
         path = Path(spec)
         if not path.is_absolute() and base_dir is not None:
@@ -68,7 +141,7 @@ def load_tokenizer(spec: str, base_dir: str | Path | None = None) -> tiktoken.En
 def tokenizer_identity(spec: str, base_dir: str | Path | None = None) -> str:
     """What makes two tokenizers the same: a named encoding's name, a ranks file's content hash."""
     spec = str(spec)
-    if spec.endswith(".tiktoken") or "/" in spec:
+    if spec.endswith((".tiktoken", ".json")) or "/" in spec:
         path = Path(spec) if Path(spec).is_absolute() or base_dir is None else Path(base_dir) / spec
         if not path.is_file():
             raise TokenizerError(f"tokenizer ranks file not found: {path}")
@@ -101,17 +174,18 @@ def save_ranks(ranks: dict[bytes, int], path: str | Path) -> None:
     Path(path).write_bytes(b"\n".join(lines) + b"\n")
 
 
+def byte_chars() -> dict[int, str]:
+    """GPT-2's reversible map of the 256 byte values to printable characters (the alphabet of byte-level BPE
+    vocabularies in Hugging Face's format)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out = {b: chr(b) for b in printable}
+    out.update({b: chr(256 + n) for n, b in enumerate(b for b in range(256) if b not in out)})
+    return out
+
+
 def _byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's bytes_to_unicode table (the alphabet of HF byte-level BPE)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    """Inverse of :func:`byte_chars`."""
+    return {c: b for b, c in byte_chars().items()}
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> dict[bytes, int]:
