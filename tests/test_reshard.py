@@ -130,6 +130,7 @@ def test_loader_state_moves_between_worker_counts_and_rank_counts(short_dataset)
 SEQ, STEPS = 32, 22
 BASE = [a for a in TINY if not a.startswith(("trainer.devices", "data.batch_size", "data.seq_len", "trainer.max_steps"))] + [
     f"data.seq_len={SEQ}", "global_batch_size=8", "seed=7", f"scheduler.total_steps={STEPS}", "trainer.val_check_interval=1000",
+    "data.document_mask=true",  # attention inside documents on every layout (about one block in ten holds a boundary)
     "logger=csv", "callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0", "callbacks.checkpoint.every_n_steps=100",
 ]  # fmt: skip
 
@@ -151,7 +152,8 @@ def _steps(tmp_path, name, world):
 @pytest.mark.distributed
 def test_one_run_through_five_layouts_matches_an_uninterrupted_run(tmp_path, short_dataset):
     """fsdp on 4 ranks -> fsdp on 2 -> one process -> ddp on 2 -> fsdp on 4 (across the epoch's end) -> hsdp 2 x 2,
-    global batch 8 throughout, every checkpoint saved asynchronously (the default here): every step's samples and
+    global batch 8 throughout, every checkpoint saved asynchronously (the default here), document-masked attention:
+    every step's samples and
     loss are the uninterrupted one-process run's (fp32 on CPU: losses to 1e-5, what reduction order changes), epoch 0
     read once, the logbook names each change; then what a resume cannot change is refused."""
     from lmtrain.training.run import train
