@@ -151,7 +151,7 @@ def _steps(tmp_path, name, world):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_one_run_through_five_layouts_matches_an_uninterrupted_run(tmp_path, short_dataset):
-    """fsdp on 4 ranks -> fsdp on 2 -> one process -> ddp on 2 -> fsdp on 4 (across the epoch's end) -> hsdp 2 x 2,
+    """fsdp on 2 ranks -> fsdp on 4 -> hsdp 2 x 2 -> fsdp on 2 -> one process (across the epoch's end) -> ddp on 2,
     global batch 8 throughout, every checkpoint saved asynchronously (the default here), document-masked attention:
     every step's samples and
     loss are the uninterrupted one-process run's (fp32 on CPU: losses to 1e-5, what reduction order changes), epoch 0
@@ -163,14 +163,15 @@ def test_one_run_through_five_layouts_matches_an_uninterrupted_run(tmp_path, sho
     train(make_cfg(BASE + ["data.batch_size=8", f"trainer.max_steps={STEPS}", f"run_dir={ref_dir}", *_record(tmp_path, "ref")],
                    tmp_path, short_dataset))  # fmt: skip
     ref = _steps(tmp_path, "ref", 1)
-    chain = [  # (strategy and ranks, micro-batch, until step, what the strategy says)
-        (["strategy=fsdp", "trainer.devices=4"], 1, 4, "FSDP2Strategy: fully_shard per block on mesh (4,) ('data_parallel',)"),
-        (["strategy=fsdp", "trainer.devices=2"], 2, 8, "FSDP2Strategy: fully_shard per block on mesh (2,) ('data_parallel',)"),
-        (["strategy=single"], 4, 12, None),
-        (["strategy=ddp", "trainer.devices=2"], 4, 16, None),
-        (["strategy=fsdp", "trainer.devices=4"], 2, 20, "fully_shard per block on mesh (4,)"),
-        (["strategy=hsdp", "strategy.shard_size=2", "trainer.devices=4"], 1, STEPS,
+    chain = [  # (strategy and ranks, micro-batch, until step, what the strategy says); two 4-rank launches of six
+        (["strategy=fsdp", "trainer.devices=2", "module.loss_chunk_tokens=100"], 2, 4,  # the head in chunks, sharded
+         "FSDP2Strategy: fully_shard per block on mesh (2,) ('data_parallel',)"),
+        (["strategy=fsdp", "trainer.devices=4"], 1, 8, "FSDP2Strategy: fully_shard per block on mesh (4,) ('data_parallel',)"),
+        (["strategy=hsdp", "strategy.shard_size=2", "trainer.devices=4"], 1, 12,
          "HSDPStrategy: fully_shard per block on mesh (2, 2) ('replicate', 'shard')"),
+        (["strategy=fsdp", "trainer.devices=2"], 2, 16, "fully_shard per block on mesh (2,)"),
+        (["strategy=single"], 4, 20, None),
+        (["strategy=ddp", "trainer.devices=2"], 4, STEPS, None),
     ]  # fmt: skip
     got: dict[int, list] = {}
     run = tmp_path / "runs" / "moved"
@@ -206,12 +207,12 @@ def test_one_run_through_five_layouts_matches_an_uninterrupted_run(tmp_path, sho
     saved = [e["step"] for e in entries if e["kind"] == "checkpoint"]
     assert saved == [4, 8, 12, 16, 20, STEPS]  # once each: a resumed step is not saved again by the next step's micro-batches
     moves = [e["message"] for e in entries if e["kind"] == "resume"]
-    assert moves[0].startswith("resumed from step-0000004 on 2 ranks, saved on 4 (global batch 8: 2 micro-batch(es) of 2 per rank)")
+    assert moves[0].startswith("resumed from step-0000004 on 4 ranks, saved on 2 (global batch 8: 2 micro-batch(es) of 1 per rank)")
     assert [m.split(" (")[0] for m in moves[1:]] == [
-        "resumed from step-0000008 on 1 rank, saved on 2",
-        "resumed from step-0000012 on 2 ranks, saved on 1",
-        "resumed from step-0000016 on 4 ranks, saved on 2",
-        "resumed from step-0000020",  # fsdp 4 -> hsdp 2 x 2: the same ranks, resharded
+        "resumed from step-0000008",  # fsdp 4 -> hsdp 2 x 2: the same ranks, resharded
+        "resumed from step-0000012 on 2 ranks, saved on 4",
+        "resumed from step-0000016 on 1 rank, saved on 2",
+        "resumed from step-0000020 on 2 ranks, saved on 1",
     ]
 
     # what cannot change is refused before anything of the run is touched, each naming the setting

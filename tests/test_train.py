@@ -142,10 +142,10 @@ def test_multirun_sweep_gives_one_directory_per_job(tmp_path, dataset_dir):
     assert "lr: 0.001" in lrs[0] and "lr: 0.0005" in lrs[1]
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-llama"])
-def test_document_masked_training_and_validation(tmp_path, corpus_jsonl, model):
+def test_document_masked_training_and_validation(tmp_path, corpus_jsonl, model="tiny-llama"):
     """data.document_mask=true trains and validates through the real data module (batches carry document ids) on
-    short documents (several per block): from the same start, its first loss differs from the unmasked run's."""
+    short documents (several per block): from the same start, its first loss differs from the unmasked run's. (Both
+    families' masking: tests/test_model.py; the OPT family trains masked in tests/test_reshard.py.)"""
     import json
 
     from lmtrain.data.prepare import prepare
