@@ -183,7 +183,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
         self._host_copy = HostCopy()
         self._async: bool | None = None  # decided at the first save (``auto`` needs the checkpoint's size)
         self._group = None  # the gloo group of asynchronous sharded saves
-        self._async_step: int | None = None  # an asynchronous sharded save not yet settled across ranks
+        self._unsettled = False  # an asynchronous sharded save whose outcome the ranks have not yet agreed on
         self._async_ok = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -374,13 +374,17 @@ class Checkpointer(Checkpoint, CheckpointStore):
         self._succeeded(trainer, final, meta)
         return True
 
+    def _open_partial(self, trainer, partial: Path, step: int) -> None:
+        """The partial directory of a sharded save, made by rank zero before any rank writes into it."""
+        if trainer.is_global_zero:
+            partial.mkdir(parents=True, exist_ok=True)
+        trainer.strategy.barrier("lmtrain-ckpt-mkdir")
+        self._stage("save_start", step, partial)
+
     def _save_sharded(self, trainer, checkpoint: dict, partial: Path, final: Path, meta: dict, t0: float) -> bool:
         error = None
         try:
-            if trainer.is_global_zero:
-                partial.mkdir(parents=True, exist_ok=True)
-            trainer.strategy.barrier("lmtrain-ckpt-mkdir")
-            self._stage("save_start", meta["step"], partial)
+            self._open_partial(trainer, partial, meta["step"])
             trainer.strategy.save_checkpoint(checkpoint, partial)  # every rank writes its shards
         except OSError as exc:
             error = exc
@@ -437,13 +441,10 @@ class Checkpointer(Checkpoint, CheckpointStore):
         from lmtrain.training.reshard import METADATA_FILE, sharded_layout
 
         step = meta["step"]
-        self._async_step, self._async_ok = step, False
+        self._unsettled, self._async_ok = True, False
         error = None
         try:
-            if trainer.is_global_zero:
-                partial.mkdir(parents=True, exist_ok=True)
-            trainer.strategy.barrier("lmtrain-ckpt-mkdir")
-            self._stage("save_start", step, partial)
+            self._open_partial(trainer, partial, step)
             tensors, rest = sharded_layout(checkpoint)
             if trainer.is_global_zero:
                 torch.save(rest, partial / METADATA_FILE)
@@ -480,9 +481,9 @@ class Checkpointer(Checkpoint, CheckpointStore):
     def _settle(self, trainer) -> None:
         """After :meth:`wait`, at a point every rank reaches together: whether the last asynchronous sharded save was
         committed, as rank zero saw it, counted the same on every rank."""
-        if self._async_step is None:
+        if not self._unsettled:
             return
-        self._async_step = None
+        self._unsettled = False
         ok = trainer.strategy.broadcast(self._async_ok, src=0)
         if not trainer.is_global_zero:
             self.failures = 0 if ok else self.failures + 1
