@@ -32,6 +32,15 @@ def test_default_config_is_valid(tmp_path):
         (["scheduler.warmup_steps=1000"], r"scheduler.warmup_steps=1000 must be in 0..scheduler.total_steps=250"),
         (["scheduler.decay=exponential"], r"scheduler.decay='exponential' is not one of"),
         (["optimizer.lr=-1"], r"optimizer.lr=-1 must be a positive number"),
+        (["module.fp8=fp4"], r"module.fp8='fp4' is not one of \['tensorwise', 'rowwise'\] or null"),
+        (
+            ["module.fp8=tensorwise", "trainer.precision=16-mixed"],
+            r"module.fp8=tensorwise with trainer.precision=16-mixed: .* use bf16-mixed",
+        ),
+        (
+            ["module.fp8=rowwise", "model.d_model=264", "model.n_heads=4", "model.ffn_dim=1000"],
+            r"float8 matmuls need linear sizes divisible by 16, not model.d_model=264, model.ffn_dim=1000",
+        ),
     ],
 )
 def test_bad_values_name_the_key(tmp_path, overrides, message):

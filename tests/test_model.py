@@ -254,15 +254,18 @@ def test_chunk_step_compiled_equals_eager_and_a_compiled_decoder_leaves_the_chun
         torch.testing.assert_close(p.grad, ref[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
+@pytest.mark.parametrize("flex", [False, True], ids=["sdpa-mask", "flex"])
 @pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
-def test_a_packed_sequence_with_document_masking_computes_what_each_document_computes_alone(name):
+def test_a_packed_sequence_with_document_masking_computes_what_each_document_computes_alone(name, flex):
     """Three documents packed in one sequence (the third cut by the sequence's end), each ending in the separator:
     with document ids, every token's logits equal those of its document run alone from position 0 (fp32, CPU), for
-    learned positions (OPT) and rotary ones (Llama); without them the later documents see the earlier ones."""
+    learned positions (OPT) and rotary ones (Llama), through either kernel (SDPA's dense mask, FlexAttention's block
+    mask: the GPU's choice, run here eagerly); without them the later documents see the earlier ones."""
     from lmtrain.nn.model import document_ids, document_mask, document_positions
 
     torch.manual_seed(0)
     model = Decoder(preset(name)).eval()
+    model.flex_attention = flex
     SEP = 0
     docs = [torch.randint(1, 4096, (n,)) for n in (9, 14, 20)]
     packed = torch.cat([torch.cat([d, torch.tensor([SEP])]) for d in docs])[:40].unsqueeze(0)  # (1, 40): the last one cut
@@ -282,3 +285,39 @@ def test_a_packed_sequence_with_document_masking_computes_what_each_document_com
             start += len(alone)
         torch.testing.assert_close(got[:10], plain[:10], atol=1e-5, rtol=1e-5)  # the first document: nothing before it
         assert not torch.allclose(got[10:], plain[10:], atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
+def test_flex_attention_block_mask_trains_like_the_dense_document_mask(name):
+    """Over 300 tokens (three 128-token blocks: FlexAttention skips the blocks that lie across documents) with ten
+    documents, one spanning two blocks: the loss through FlexAttention's block mask equals the loss through SDPA's
+    dense boolean mask (fp32). On a GPU (compiled FlexAttention, the path training takes there) every parameter's
+    gradient is compared too; PyTorch's eager FlexAttention on the CPU has no backward."""
+    from lmtrain.nn.model import document_block_mask, document_ids
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    model = Decoder(preset(name), max_seq_len=300).to(device)
+    SEP = 0
+    idx = torch.randint(1, 4096, (2, 300), device=device)
+    for b, cuts in enumerate(([7, 60, 61, 100, 250], [20, 129, 140, 160, 170])):
+        idx[b, cuts] = SEP
+    doc = document_ids(idx, SEP)
+    block_mask = document_block_mask(doc)
+    assert block_mask.sparsity() > 0  # some blocks are skipped, not masked
+    results = {}
+    for flex in (False, True):
+        model.zero_grad()
+        model.flex_attention = flex
+        with torch.set_grad_enabled(device.type == "cuda"):
+            loss = model(idx, idx.roll(-1, 1), doc)
+        if loss.requires_grad:
+            loss.backward()
+        results[flex] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=1e-5)
+    assert len(results[True][1]) == (len(list(model.parameters())) if device.type == "cuda" else 0)
+    for n, g in results[False][1].items():
+        torch.testing.assert_close(results[True][1][n], g, atol=1e-5, rtol=1e-3, msg=n)
+    model.flex_attention, model.cfg.dropout = True, 0.1
+    with pytest.raises(ValueError, match="no attention dropout"):
+        model(idx, idx, doc)

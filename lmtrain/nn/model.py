@@ -16,12 +16,14 @@ Named sizes live in one registry, the yaml files under ``conf/model/``; this mod
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from lmtrain.nn.loss import chunked_linear_cross_entropy, cross_entropy
 
@@ -168,6 +170,29 @@ def document_mask(doc: torch.Tensor) -> torch.Tensor:
     return (causal & (doc.unsqueeze(-1) == doc.unsqueeze(-2))).unsqueeze(1)
 
 
+@torch.compiler.disable  # built once per batch outside the compiled graph, then passed to every (compiled) block
+def document_block_mask(doc: torch.Tensor) -> BlockMask:
+    """The rule of :func:`document_mask` as FlexAttention's block-sparse mask: blocks of 128 x 128 that lie wholly
+    outside every document's causal triangle are skipped, not computed and masked. Built by compiled code on a GPU."""
+    B, T = doc.shape
+
+    def same_document_causal(b, h, q, kv):
+        return (q >= kv) & (doc[b, q] == doc[b, kv])
+
+    return create_block_mask(same_document_causal, B, None, T, T, device=doc.device, _compile=doc.is_cuda)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention)
+
+
+def flex_attention_fn(device: torch.device):
+    """FlexAttention for this device: compiled on CUDA (its fused Triton kernel; inside an already compiled block the
+    wrapper is inlined), eager elsewhere (the reference implementation: CPU tests)."""
+    return _compiled_flex_attention() if device.type == "cuda" else flex_attention
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -178,9 +203,12 @@ class Attention(nn.Module):
         self.proj.residual_out = True  # scaled init
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``rope``: the (cos, sin) rows of each position; ``mask``: (B, 1, T, T), True where a query may attend a key
-        (document masking, :func:`document_mask`), else plain causal attention."""
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | BlockMask | None = None
+    ) -> torch.Tensor:
+        """``rope``: the (cos, sin) rows of each position; ``mask``: where a query may attend a key (document masking),
+        a (B, 1, T, T) boolean tensor (:func:`document_mask`, for SDPA) or a FlexAttention block mask
+        (:func:`document_block_mask`); None: plain causal attention."""
         B, T, _ = x.shape  # (B, T, C)
         q, k, v = self.qkv(x).split([self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
@@ -189,6 +217,9 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if isinstance(mask, BlockMask):
+            y = flex_attention_fn(x.device)(q, k, v, block_mask=mask, enable_gqa=self.kv_heads != self.n_heads)
+            return self.proj(y.transpose(1, 2).reshape(B, T, -1))
         y = F.scaled_dot_product_attention(
             q,
             k,
@@ -265,6 +296,7 @@ class Decoder(nn.Module):
         self.proj_out = nn.Linear(cfg.d_model, cfg.emb_dim, bias=False) if cfg.emb_dim != cfg.d_model else None
         self.lm_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
         self.loss_chunk_tokens: int | None = None  # how the loss is computed, not the architecture: see head_loss
+        self.flex_attention: bool | None = None  # the document mask's kernel: see document_attention_mask
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         if cfg.family == "llama":
@@ -293,6 +325,17 @@ class Decoder(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
+    def document_attention_mask(self, doc: torch.Tensor) -> torch.Tensor | BlockMask:
+        """The mask that keeps attention inside each document, for the kernel that computes it: FlexAttention's block
+        mask on a GPU (its kernel skips the blocks that cross documents), SDPA's dense boolean mask on the CPU and
+        under attention dropout (which FlexAttention lacks). ``flex_attention`` (True/False) overrides the choice."""
+        flex = self.flex_attention
+        if flex is None:
+            flex = doc.is_cuda and not (self.training and self.cfg.dropout > 0)
+        elif flex and self.training and self.cfg.dropout > 0:
+            raise ValueError(f"FlexAttention has no attention dropout: model.dropout={self.cfg.dropout} needs the SDPA mask")
+        return document_block_mask(doc) if flex else document_mask(doc)
+
     def hidden_states(self, idx: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
         """Final normalised hidden state before the output head, (B, T, emb_dim). ``doc`` (B, T): each token's document
         within its sequence (:func:`document_ids`); given, attention stays inside each document and positions restart
@@ -301,7 +344,7 @@ class Decoder(nn.Module):
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         positions = torch.arange(T, device=idx.device) if doc is None else document_positions(doc)  # (T,) or (B, T)
-        mask = None if doc is None else document_mask(doc)
+        mask = None if doc is None else self.document_attention_mask(doc)
         x = self.tok_emb(idx)  # (B, T, E)
         if self.proj_in is not None:
             x = self.proj_in(x)  # (B, T, C)

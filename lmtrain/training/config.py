@@ -279,6 +279,12 @@ def validate_config(cfg: DictConfig) -> None:
             problems.append(f"scheduler.min_lr_ratio={sched.min_lr_ratio} must be in [0, 1]")
 
     problems += _strategy_problems(cfg)
+    module = cfg.get("module")
+    if module is not None and module.get("fp8") is not None:
+        from lmtrain.training import fp8
+
+        precision = str(trainer.get("precision", "32-true")) if trainer is not None else "32-true"
+        problems += fp8.config_problems(module.fp8, model_cfg=model_cfg, precision=precision)
 
     ckpt = cfg.get("ckpt_path")
     if ckpt is not None and not os.path.exists(str(ckpt)):
@@ -307,6 +313,12 @@ def check_machine(cfg: DictConfig) -> None:
                 f"trainer.accelerator={accelerator} but this machine has no usable GPU (torch.cuda.is_available() is false): "
                 "use trainer=default (CPU), or run on a GPU machine"
             )
+        from lmtrain.training import fp8
+
+        recipe = cfg.get("module", {}).get("fp8")
+        problem = fp8.device_problem(recipe, torch.device("cuda", torch.cuda.current_device())) if recipe in fp8.RECIPES else None
+        if problem:
+            raise ConfigError(problem)
 
 
 def _divisors(n: int, limit: int = 4096) -> list[int]:

@@ -15,6 +15,7 @@ from lmtrain.errors import InputError
 from lmtrain.nn.loss import cross_entropy
 from lmtrain.nn.optim import build_optimizer
 from lmtrain.training import compat, precision
+from lmtrain.training import fp8 as fp8_module
 from lmtrain.training.contracts import StepChecker
 from lmtrain.training.logs import log_direct
 
@@ -103,6 +104,8 @@ class LMModule(L.LightningModule):
             logits (3.3 GB in bf16 per 32k tokens of a 50k vocabulary, and as much again for their gradient) are never
             held whole. Measured under ``compile`` on an H100 the peak fell by only 0.8 GiB (docs/BENCHMARKS.md).
             None: all at once.
+        fp8: ``tensorwise`` or ``rowwise``: the transformer blocks' linear layers compute in float8 (torchao; see
+            lmtrain.training.fp8 for where it runs and what it refuses); None: in the training precision.
         seed: if set, torch's RNG (dropout) is re-seeded before every training batch from (seed, batch number,
             rank): the masks of a batch then do not depend on what else drew random numbers before it
             (validation, loader start-up), so a resumed or rolled-back run draws exactly the same ones.
@@ -118,9 +121,14 @@ class LMModule(L.LightningModule):
         compile: bool = False,
         sdpa_backend: str | list[str] | None = None,
         loss_chunk_tokens: int | None = None,
+        fp8: str | None = None,
     ) -> None:
         super().__init__()
         self._sdpa = sdpa_backends(sdpa_backend)
+        problems = fp8_module.config_problems(fp8)
+        if problems:
+            raise InputError("; ".join(problems))
+        self.fp8 = fp8
         if loss_chunk_tokens is not None and (
             not isinstance(loss_chunk_tokens, int) or isinstance(loss_chunk_tokens, bool) or loss_chunk_tokens < 1
         ):
@@ -160,6 +168,17 @@ class LMModule(L.LightningModule):
                     self.model = self._model_factory()
             else:
                 self.model = self._model_factory()
+        if self.fp8 is not None and not getattr(self, "_fp8_converted", False):  # before sharding and compiling
+            device = strategy.root_device if strategy is not None else self.device
+            fp8_module.convert(self.model, self.fp8, sharded=parallelize is not None, device=device)
+            self._fp8_converted = True
+            if self.global_rank == 0:
+                print(
+                    f"[lmtrain] module.fp8={self.fp8}: {fp8_module.converted(self.model)} linear layers of the transformer blocks "
+                    f"compute in float8 on {device.type}"
+                    + (" (float8 all-gather)" if fp8_module.uses_float8_all_gather(self.model) else ""),
+                    flush=True,
+                )
         if self.loss_chunk_tokens is not None:
             if not hasattr(self.model, "loss_chunk_tokens"):
                 raise InputError(
@@ -348,6 +367,8 @@ class LMModule(L.LightningModule):
 
     def configure_optimizers(self):
         optimizer = build_optimizer(self.optimizer_factory, self.model)
+        if fp8_module.uses_float8_all_gather(self.model):
+            optimizer.register_step_post_hook(lambda *_: fp8_module.precompute_scales(self.model))
         if self.scheduler_factory is None:
             return optimizer
         scheduler = self.scheduler_factory(optimizer)

@@ -1,0 +1,131 @@
+"""FP8 matmuls in the decoder's linear layers: torchao's float8 training, selected by ``module.fp8``.
+
+    module.fp8=tensorwise    one scale per tensor (the fastest on Hopper; under fsdp/hsdp the weights are also
+                             all-gathered in float8, half the bytes of bf16)
+    module.fp8=rowwise       one scale per row (finer, more robust to outliers, slower kernels)
+    module.fp8=null          bf16 / fp32 matmuls (the default)
+
+Every ``nn.Linear`` inside the transformer blocks becomes torchao's ``Float8Linear``: the same parameters under the
+same names (checkpoints load either way), its forward and backward matmuls in float8 with dynamic scales. The output
+head stays in the training precision (its logits feed the loss directly, and it is tied to the embedding), as do
+the optional embedding projections of OPT-350m. The master weights, optimizer state and every other op keep their
+precision: FP8 is a matmul format here, not a storage format.
+
+Where it runs: a GPU of compute capability 8.9 or later (Ada, Hopper: the float8 tensor cores), and the CPU, where
+PyTorch's float8 matmul computes the same numbers with no speed-up (the tests check the numerics there). Refused, before
+any model is built: another GPU, ``trainer.precision`` in fp16 (torchao's recipes scale from bf16/fp32), a block's
+linear dimension not divisible by 16 (the float8 matmul's alignment), and a missing ``torchao``. Measured figures and
+where FP8 pays: docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+RECIPES = ("tensorwise", "rowwise")
+_TORCHAO = "torchao==0.18.0"
+
+
+def _torchao_missing() -> str | None:
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as exc:
+        return f"module.fp8 needs torchao ({exc}): pip install {_TORCHAO} (in requirements.txt)"
+    return None
+
+
+def _block_linear_dims(model_cfg) -> dict[str, int]:
+    """The in/out sizes of the blocks' linear layers (the ones converted), named for messages."""
+    dims = {"model.d_model": model_cfg.d_model, "model.ffn_dim": model_cfg.hidden_dim}
+    dims["qkv width (n_heads + 2 x n_kv_heads) x head size"] = (model_cfg.n_heads + 2 * model_cfg.kv_heads) * model_cfg.head_dim
+    return dims
+
+
+def config_problems(recipe, *, model_cfg=None, precision: str = "bf16-mixed") -> list[str]:
+    """What in the config forbids ``module.fp8=recipe`` (empty when it can run, or when ``recipe`` is None)."""
+    if recipe is None:
+        return []
+    if recipe not in RECIPES:
+        return [f"module.fp8={recipe!r} is not one of {list(RECIPES)} or null"]
+    out = []
+    if precision.startswith("16"):
+        out.append(f"module.fp8={recipe} with trainer.precision={precision}: FP8 scales from bf16 or fp32; use bf16-mixed")
+    if model_cfg is not None:
+        bad = [f"{k}={v}" for k, v in _block_linear_dims(model_cfg).items() if v % 16]
+        if bad:
+            out.append(f"module.fp8={recipe}: float8 matmuls need linear sizes divisible by 16, not {', '.join(bad)}")
+    missing = _torchao_missing()
+    if missing:
+        out.append(missing)
+    return out
+
+
+def device_problem(recipe: str | None, device: torch.device) -> str | None:
+    """Why this device cannot run FP8 matmuls, or None."""
+    if recipe is None or device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        return (
+            f"module.fp8={recipe}: {name} (compute capability {major}.{minor}) has no float8 tensor cores; "
+            "FP8 needs 8.9 or later (Ada, Hopper): set module.fp8=null"
+        )
+    return None
+
+
+def float8_config(recipe: str, *, sharded: bool, device: torch.device):
+    from torchao.float8 import Float8LinearConfig
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if recipe == "tensorwise" and sharded and device.type == "cuda":
+        # FSDP2 all-gathers the weights already cast to float8 (half of bf16's bytes); scales computed once per step
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    return config
+
+
+def convert(model: nn.Module, recipe: str, *, sharded: bool, device: torch.device) -> nn.Module:
+    """Swap the linear layers inside ``model.blocks`` for float8 ones in place (before sharding and compiling; works
+    on the meta device). Attributes our initialisation reads (``residual_out``) carry over."""
+    from torchao.float8 import convert_to_float8_training
+
+    problem = device_problem(recipe, device)
+    if problem:
+        from lmtrain.errors import InputError
+
+        raise InputError(problem)
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        from lmtrain.errors import InputError
+
+        raise InputError(f"module.fp8: the model {type(model).__name__} has no transformer blocks (lmtrain.nn.model.Decoder has)")
+    marked = {name for name, m in blocks.named_modules() if getattr(m, "residual_out", False)}
+    convert_to_float8_training(
+        blocks, module_filter_fn=lambda m, fqn: isinstance(m, nn.Linear), config=float8_config(recipe, sharded=sharded, device=device)
+    )
+    for name, m in blocks.named_modules():
+        if name in marked:
+            m.residual_out = True
+    return model
+
+
+def uses_float8_all_gather(model: nn.Module) -> bool:
+    return any(getattr(getattr(m, "config", None), "enable_fsdp_float8_all_gather", False) for m in model.modules())
+
+
+def precompute_scales(model: nn.Module) -> None:
+    """After each optimizer step under FSDP's float8 all-gather: every weight's scale in one fused pass, instead of
+    one small reduction per layer inside the next forward."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def converted(model: nn.Module) -> int:
+    """How many float8 linear layers ``model`` has."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    return sum(isinstance(m, Float8Linear) for m in model.modules())
