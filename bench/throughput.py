@@ -161,13 +161,14 @@ def main() -> None:
     if strategy == "named":
         strategy = str(cfg.strategy.name)
     print(
-        "| device | processes | strategy | model | params | precision | compile | attention | batch x seq (per device) | steps (timed) "
+        "| device | processes | strategy | model | params | precision | fp8 | compile | attention | doc mask | batch x seq (per device) | steps (timed) "
         "| trainer tokens/s | per device | raw PyTorch tokens/s | ratio | trainer MFU | peak GiB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print(
-        f"| {card} | {ws} | {strategy} | {cfg.model.name} | {n / 1e6:.2f}M | {cfg.trainer.precision} | {bool(cfg.module.get('compile') or cfg.strategy.get('compile'))} | "
-        f"{cfg.module.get('sdpa_backend') or 'default'} | {cfg.data.batch_size} x {cfg.data.seq_len} | {args.steps} ({len(trainer_rates)}) | {t:,.0f} | {t / ws:,.0f} | {r:,.0f} | {t / r:.3f} | "
+        f"| {card} | {ws} | {strategy} | {cfg.model.name} | {n / 1e6:.2f}M | {cfg.trainer.precision} | {cfg.module.get('fp8') or '-'} | "
+        f"{bool(cfg.module.get('compile') or cfg.strategy.get('compile'))} | {cfg.module.get('sdpa_backend') or 'default'} | "
+        f"{'on' if cfg.data.get('document_mask') else '-'} | {cfg.data.batch_size} x {cfg.data.seq_len} | {args.steps} ({len(trainer_rates)}) | {t:,.0f} | {t / ws:,.0f} | {r:,.0f} | {t / r:.3f} | "
         f"{mfu} | {mem} |"
     )
 

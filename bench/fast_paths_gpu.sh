@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# FP8 matmuls, the document mask's FlexAttention kernel and fused output heads on one GPU, each beside the plain
+# PyTorch baseline run in the same call on the same card (docs/BENCHMARKS.md).
+#
+#   RAW=path/to/raw_gpt_baseline.py bash bench/fast_paths_gpu.sh fp8      # opt-1.3b: raw, bf16, fp8 tensorwise, fp8 rowwise
+#   RAW=... bash bench/fast_paths_gpu.sh mask                              # opt-1.3b at seq 2048 with and without data.document_mask; opt-125m bf16/fp8
+#   bash bench/fast_paths_gpu.sh loss                                      # opt-1.3b, 1,000 steps in bf16 and in fp8: the loss curves
+#
+# Logs go to $OUT (default /tmp/fast_paths); the table rows printed at the end are the figures.
+set -euo pipefail
+OUT=${OUT:-/tmp/fast_paths}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+RAW=${RAW:-../shared/bench/raw_gpt_baseline.py}
+M13="trainer=gpu logger=csv model=opt-1.3b model.n_heads=16 model.dropout=0 model.vocab_size=50304 model.max_seq_len=2048 module.compile=true scheduler.warmup_steps=5"
+M125="trainer=gpu logger=csv model=opt-125m model.dropout=0 model.vocab_size=50304 model.max_seq_len=1024 module.compile=true scheduler.warmup_steps=5"
+
+bench() {  # NAME ARGS...: one bench/throughput.py run, its log kept, its table row printed
+  local name=$1
+  shift
+  python3 bench/throughput.py "$@" > "$OUT/$name.log" 2>&1 || { echo "$name FAILED"; tail -30 "$OUT/$name.log"; return 0; }
+  echo "$name $(grep '^| NVIDIA' "$OUT/$name.log")"
+}
+
+raw() {  # NAME ARGS...: the shared raw baseline
+  local name=$1
+  shift
+  python3 "$RAW" "$@" > "$OUT/$name.log" 2>&1 || { echo "$name FAILED"; tail -20 "$OUT/$name.log"; return 0; }
+  echo "$name $(tail -2 "$OUT/$name.log" | tr '\n' ' ')"
+}
+
+case "${1:?fp8, mask or loss}" in
+fp8)
+  raw raw-1.3b 1.3b --compile --batch 16 --steps 30
+  bench bf16-1.3b --steps 30 --warmup 10 $M13 data.seq_len=1024 data.batch_size=16
+  bench fp8tw-1.3b --no-raw --steps 30 --warmup 10 $M13 data.seq_len=1024 data.batch_size=16 module.fp8=tensorwise
+  bench fp8rw-1.3b --no-raw --steps 30 --warmup 10 $M13 data.seq_len=1024 data.batch_size=16 module.fp8=rowwise
+  ;;
+mask)
+  raw raw-1.3b-2048 1.3b --compile --batch 8 --seq 2048 --steps 30
+  bench nomask-2048 --no-raw --steps 30 --warmup 10 $M13 data.seq_len=2048 data.batch_size=8
+  bench mask-2048 --no-raw --steps 30 --warmup 10 $M13 data.seq_len=2048 data.batch_size=8 data.document_mask=true
+  raw raw-124m 124m --compile --batch 64 --steps 40
+  bench bf16-125m --no-raw --steps 40 --warmup 10 $M125 data.seq_len=1024 data.batch_size=64
+  bench fp8tw-125m --no-raw --steps 40 --warmup 10 $M125 data.seq_len=1024 data.batch_size=64 module.fp8=tensorwise
+  ;;
+loss)
+  L="$M13 data.seq_len=1024 data.batch_size=8 optimizer.lr=2e-4 scheduler.warmup_steps=100 trainer.max_steps=1000 trainer.val_check_interval=500 trainer.limit_val_batches=20 trainer.enable_progress_bar=false callbacks.checkpoint.every_n_steps=0 callbacks.disk_guard.margin_gb=0 paths.runs=$OUT/runs"
+  for fp8 in null tensorwise; do
+    python3 train.py $L module.fp8=$fp8 run_name=loss-$fp8 > "$OUT/loss-$fp8.log" 2>&1 || { echo "loss-$fp8 FAILED"; tail -30 "$OUT/loss-$fp8.log"; }
+    grep -h "finished run\|goodput  " "$OUT/loss-$fp8.log" || true
+    cp "$OUT/runs/loss-$fp8/csv/metrics.csv" "$OUT/metrics-$fp8.csv" 2>/dev/null || true
+    rm -rf "$OUT/runs/loss-$fp8/checkpoints"
+  done
+  python3 - "$OUT" <<'EOF'
+import csv, sys
+out = sys.argv[1]
+def series(name, key):
+    return {int(r["step"]): float(r[key]) for r in csv.DictReader(open(f"{out}/metrics-{name}.csv")) if r.get(key)}
+bf, f8 = series("null", "train/loss"), series("tensorwise", "train/loss")
+for lo in range(0, 1000, 100):
+    a = [bf[s] for s in range(lo, lo + 100) if s in bf]; b = [f8[s] for s in range(lo, lo + 100) if s in f8]
+    print(f"steps {lo:4d}-{lo + 99:4d}  bf16 {sum(a) / len(a):.4f}  fp8 {sum(b) / len(b):.4f}  fp8/bf16 {sum(b) / len(b) / (sum(a) / len(a)):.4f}")
+vb, vf = series("null", "val/loss"), series("tensorwise", "val/loss")
+print("val/loss bf16", vb, "fp8", vf)
+last = max(vb)
+print(f"LOSS final val: bf16 {vb[last]:.4f} fp8 {vf[last]:.4f} ratio {vf[last] / vb[last]:.4f}")
+EOF
+  ;;
+esac
