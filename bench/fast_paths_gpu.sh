@@ -2,8 +2,11 @@
 # FP8 matmuls, the document mask's FlexAttention kernel and fused output heads on one GPU, each beside the plain
 # PyTorch baseline run in the same call on the same card (docs/BENCHMARKS.md).
 #
-#   RAW=path/to/raw_gpt_baseline.py bash bench/fast_paths_gpu.sh fp8      # opt-1.3b: raw, bf16, fp8 tensorwise, fp8 rowwise
-#   RAW=... bash bench/fast_paths_gpu.sh mask                              # opt-1.3b at seq 2048 with and without data.document_mask; opt-125m bf16/fp8
+#   RAW=path/to/raw_gpt_baseline.py bash bench/fast_paths_gpu.sh fp8      # opt-1.3b: raw, bf16 (with the inline raw loop), fp8 tensorwise
+#   bash bench/fast_paths_gpu.sh rowwise                                   # opt-1.3b: fp8 rowwise (beside the fp8 run's baselines)
+#   RAW=... bash bench/fast_paths_gpu.sh mask                              # opt-1.3b at seq 2048: raw, and the trainer with and without data.document_mask
+#   RAW=... bash bench/fast_paths_gpu.sh small                             # opt-125m at batch 64: raw, bf16, fp8 tensorwise
+#   bash bench/fast_paths_gpu.sh head                                      # opt-1.3b: the plain head against liger-kernel's fused one
 #   bash bench/fast_paths_gpu.sh loss                                      # opt-1.3b, 1,000 steps in bf16 and in fp8: the loss curves
 #
 # Logs go to $OUT (default /tmp/fast_paths); the table rows printed at the end are the figures.
@@ -29,26 +32,39 @@ raw() {  # NAME ARGS...: the shared raw baseline
   echo "$name $(tail -2 "$OUT/$name.log" | tr '\n' ' ')"
 }
 
-case "${1:?fp8, mask or loss}" in
+for mode in "${@:?fp8, rowwise, mask, head, small or loss}"; do
+case "$mode" in
 fp8)
   raw raw-1.3b 1.3b --compile --batch 16 --steps 30
   bench bf16-1.3b --steps 30 --warmup 10 $M13 data.seq_len=1024 data.batch_size=16
   bench fp8tw-1.3b --no-raw --steps 30 --warmup 10 $M13 data.seq_len=1024 data.batch_size=16 module.fp8=tensorwise
+  ;;
+rowwise)
   bench fp8rw-1.3b --no-raw --steps 30 --warmup 10 $M13 data.seq_len=1024 data.batch_size=16 module.fp8=rowwise
   ;;
 mask)
   raw raw-1.3b-2048 1.3b --compile --batch 8 --seq 2048 --steps 30
   bench nomask-2048 --no-raw --steps 30 --warmup 10 $M13 data.seq_len=2048 data.batch_size=8
   bench mask-2048 --no-raw --steps 30 --warmup 10 $M13 data.seq_len=2048 data.batch_size=8 data.document_mask=true
+  ;;
+head)
+  bench plain-head-1.3b --no-raw --steps 30 --warmup 10 $M13 data.seq_len=1024 data.batch_size=16
+  bench liger-head-1.3b --no-raw --steps 30 --warmup 10 $M13 data.seq_len=1024 data.batch_size=16 module.loss_kernel=liger
+  ;;
+small)
   raw raw-124m 124m --compile --batch 64 --steps 40
   bench bf16-125m --no-raw --steps 40 --warmup 10 $M125 data.seq_len=1024 data.batch_size=64
   bench fp8tw-125m --no-raw --steps 40 --warmup 10 $M125 data.seq_len=1024 data.batch_size=64 module.fp8=tensorwise
   ;;
 loss)
   L="$M13 data.seq_len=1024 data.batch_size=8 optimizer.lr=2e-4 scheduler.warmup_steps=100 trainer.max_steps=1000 trainer.val_check_interval=500 trainer.limit_val_batches=20 trainer.enable_progress_bar=false callbacks.checkpoint.every_n_steps=0 callbacks.disk_guard.margin_gb=0 paths.runs=$OUT/runs"
+  # both at once on the one GPU (about 30 GiB each): the loss curves do not depend on speed; the timings of these runs are not figures
   for fp8 in null tensorwise; do
-    python3 train.py $L module.fp8=$fp8 run_name=loss-$fp8 > "$OUT/loss-$fp8.log" 2>&1 || { echo "loss-$fp8 FAILED"; tail -30 "$OUT/loss-$fp8.log"; }
-    grep -h "finished run\|goodput  " "$OUT/loss-$fp8.log" || true
+    python3 train.py $L module.fp8=$fp8 run_name=loss-$fp8 > "$OUT/loss-$fp8.log" 2>&1 &
+  done
+  wait || true
+  for fp8 in null tensorwise; do
+    grep -h "finished run\|Error" "$OUT/loss-$fp8.log" || tail -20 "$OUT/loss-$fp8.log"
     cp "$OUT/runs/loss-$fp8/csv/metrics.csv" "$OUT/metrics-$fp8.csv" 2>/dev/null || true
     rm -rf "$OUT/runs/loss-$fp8/checkpoints"
   done
@@ -68,3 +84,4 @@ print(f"LOSS final val: bf16 {vb[last]:.4f} fp8 {vf[last]:.4f} ratio {vf[last] /
 EOF
   ;;
 esac
+done

@@ -142,6 +142,7 @@ def test_resuming_with_another_data_seed_is_refused(tiny_cfg, tmp_path, dataset_
         (["fault=crash", "callbacks.fault.kind=boom"], r"fault.kind='boom': use one of"),
         (["module.sdpa_backend=fast"], r"module.sdpa_backend='fast': use one of"),
         (["module.loss_chunk_tokens=0"], r"module.loss_chunk_tokens=0: give a positive number of tokens, or null"),
+        (["module.loss_kernel=cce"], r"module.loss_kernel='cce': use one of \['liger'\] or null"),
         (["module.loss_chunk_tokens=many"], r"module.loss_chunk_tokens='many': give a positive number of tokens, or null"),
         (["callbacks=[none,samples]", "callbacks.samples.prompts=[]"], r"callbacks.samples.prompts: give one or more non-empty prompts"),
         (

@@ -32,6 +32,7 @@ def test_default_config_is_valid(tmp_path):
         (["scheduler.warmup_steps=1000"], r"scheduler.warmup_steps=1000 must be in 0..scheduler.total_steps=250"),
         (["scheduler.decay=exponential"], r"scheduler.decay='exponential' is not one of"),
         (["optimizer.lr=-1"], r"optimizer.lr=-1 must be a positive number"),
+        (["module.loss_kernel=liger"], r"module.loss_kernel=liger runs Triton kernels on a GPU; on the CPU use module.loss_chunk_tokens"),
         (["module.fp8=fp4"], r"module.fp8='fp4' is not one of \['tensorwise', 'rowwise'\] or null"),
         (
             ["module.fp8=tensorwise", "trainer.precision=16-mixed"],

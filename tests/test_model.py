@@ -321,3 +321,27 @@ def test_flex_attention_block_mask_trains_like_the_dense_document_mask(name):
     model.flex_attention, model.cfg.dropout = True, 0.1
     with pytest.raises(ValueError, match="no attention dropout"):
         model(idx, idx, doc)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="liger-kernel's Triton kernels run on a GPU (checked there: docs/BENCHMARKS.md)")
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
+def test_the_liger_fused_head_equals_the_plain_head_under_bf16(name):
+    """module.loss_kernel=liger: the loss and every gradient equal the plain head's to bf16 tolerance, with targets
+    that include ignored ones (-100); the tied embedding (OPT) gets both of its gradients."""
+    pytest.importorskip("liger_kernel")
+    torch.manual_seed(0)
+    model = Decoder(preset(name), vocab_size=50304).cuda()
+    idx = torch.randint(0, 50304, (4, 128), device="cuda")
+    targets = idx.roll(-1, 1)
+    targets[:, -3:] = -100
+    results = {}
+    for kernel in (None, "liger"):
+        model.zero_grad()
+        model.loss_kernel = kernel
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(idx, targets)
+        loss.backward()
+        results[kernel] = (loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters()})
+    torch.testing.assert_close(results["liger"][0], results[None][0], rtol=2e-3, atol=2e-3)
+    for n, g in results[None][1].items():
+        torch.testing.assert_close(results["liger"][1][n], g, rtol=5e-2, atol=2e-3 * float(g.abs().max()), msg=n)

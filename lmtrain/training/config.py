@@ -285,6 +285,9 @@ def validate_config(cfg: DictConfig) -> None:
 
         precision = str(trainer.get("precision", "32-true")) if trainer is not None else "32-true"
         problems += fp8.config_problems(module.fp8, model_cfg=model_cfg, precision=precision)
+    if module is not None and module.get("loss_kernel") == "liger" and trainer is not None:
+        if device_type(trainer.get("accelerator", "auto")) == "cpu":
+            problems.append("module.loss_kernel=liger runs Triton kernels on a GPU; on the CPU use module.loss_chunk_tokens=N instead")
 
     ckpt = cfg.get("ckpt_path")
     if ckpt is not None and not os.path.exists(str(ckpt)):
@@ -319,6 +322,13 @@ def check_machine(cfg: DictConfig) -> None:
         problem = fp8.device_problem(recipe, torch.device("cuda", torch.cuda.current_device())) if recipe in fp8.RECIPES else None
         if problem:
             raise ConfigError(problem)
+        if cfg.get("module", {}).get("loss_kernel") == "liger":
+            try:
+                import liger_kernel.transformers.functional  # noqa: F401
+            except ImportError as exc:
+                raise ConfigError(
+                    f"module.loss_kernel=liger needs liger-kernel ({exc}): pip install -r requirements-gpu.txt (liger-kernel==0.8.5)"
+                ) from exc
 
 
 def _divisors(n: int, limit: int = 4096) -> list[int]:

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lmtrain.errors import InputError
-from lmtrain.nn.loss import cross_entropy
+from lmtrain.nn.loss import LOSS_KERNELS, cross_entropy
 from lmtrain.nn.optim import build_optimizer
 from lmtrain.training import compat, precision
 from lmtrain.training import fp8 as fp8_module
@@ -104,6 +104,9 @@ class LMModule(L.LightningModule):
             logits (3.3 GB in bf16 per 32k tokens of a 50k vocabulary, and as much again for their gradient) are never
             held whole. Measured under ``compile`` on an H100 the peak fell by only 0.8 GiB (docs/BENCHMARKS.md).
             None: all at once.
+        loss_kernel: ``liger``: the output head and loss by liger-kernel's fused linear cross-entropy (Triton, GPU
+            only; ``pip install -r requirements-gpu.txt``), which never holds the batch's logits; None: the plain head
+            (or ``loss_chunk_tokens``). Measured against both: docs/BENCHMARKS.md.
         fp8: ``tensorwise`` or ``rowwise``: the transformer blocks' linear layers compute in float8 (torchao; see
             lmtrain.training.fp8 for where it runs and what it refuses); None: in the training precision.
         seed: if set, torch's RNG (dropout) is re-seeded before every training batch from (seed, batch number,
@@ -121,6 +124,7 @@ class LMModule(L.LightningModule):
         compile: bool = False,
         sdpa_backend: str | list[str] | None = None,
         loss_chunk_tokens: int | None = None,
+        loss_kernel: str | None = None,
         fp8: str | None = None,
     ) -> None:
         super().__init__()
@@ -134,6 +138,11 @@ class LMModule(L.LightningModule):
         ):
             raise InputError(f"module.loss_chunk_tokens={loss_chunk_tokens!r}: give a positive number of tokens, or null")
         self.loss_chunk_tokens = loss_chunk_tokens
+        if loss_kernel is not None and loss_kernel not in LOSS_KERNELS:
+            raise InputError(f"module.loss_kernel={loss_kernel!r}: use one of {list(LOSS_KERNELS)} or null")
+        if loss_kernel is not None and loss_chunk_tokens is not None:
+            raise InputError(f"module.loss_kernel={loss_kernel} and module.loss_chunk_tokens={loss_chunk_tokens}: choose one")
+        self.loss_kernel = loss_kernel
         if isinstance(model, nn.Module):
             self.model: nn.Module | None = model
             self._model_factory = None
@@ -185,6 +194,12 @@ class LMModule(L.LightningModule):
                     f"module.loss_chunk_tokens: the model {type(self.model).__name__} has no chunked loss (lmtrain.nn.model.Decoder has)"
                 )
             self.model.loss_chunk_tokens = self.loss_chunk_tokens  # before a strategy compiles head_loss
+        if self.loss_kernel is not None:
+            if not hasattr(self.model, "loss_kernel"):
+                raise InputError(
+                    f"module.loss_kernel: the model {type(self.model).__name__} has no fused head (lmtrain.nn.model.Decoder has)"
+                )
+            self.model.loss_kernel = self.loss_kernel
         if parallelize is not None and not getattr(self, "_parallelized", False):
             self.model = parallelize(self.model)
             self._parallelized = True
