@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 RAW=${RAW:-../shared/bench/raw_gpt_baseline.py}
 M13="trainer=gpu logger=csv model=opt-1.3b model.n_heads=16 model.dropout=0 model.vocab_size=50304 model.max_seq_len=2048 module.compile=true scheduler.warmup_steps=5"
-M125="trainer=gpu logger=csv model=opt-125m model.dropout=0 model.vocab_size=50304 model.max_seq_len=1024 module.compile=true scheduler.warmup_steps=5"
+M125="trainer=gpu logger=csv model=opt-125m model.dropout=0 model.vocab_size=50304 model.max_seq_len=1024 module.compile=true optimizer.lr=2e-4 scheduler.warmup_steps=30"
 
 bench() {  # NAME ARGS...: one bench/throughput.py run, its log kept, its table row printed
   local name=$1

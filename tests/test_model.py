@@ -343,5 +343,6 @@ def test_the_liger_fused_head_equals_the_plain_head_under_bf16(name):
         loss.backward()
         results[kernel] = (loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters()})
     torch.testing.assert_close(results["liger"][0], results[None][0], rtol=2e-3, atol=2e-3)
-    for n, g in results[None][1].items():
-        torch.testing.assert_close(results["liger"][1][n], g, rtol=5e-2, atol=2e-3 * float(g.abs().max()), msg=n)
+    errors = {n: float((results["liger"][1][n] - g).norm() / g.norm()) for n, g in results[None][1].items()}
+    print("relative gradient differences, liger vs plain head:", {n: f"{e:.1e}" for n, e in errors.items()})
+    assert max(errors.values()) < 3e-2, errors  # bf16's rounding, through different summation orders
