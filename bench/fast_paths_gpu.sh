@@ -7,6 +7,7 @@
 #   RAW=... bash bench/fast_paths_gpu.sh mask                              # opt-1.3b at seq 2048: raw, and the trainer with and without data.document_mask
 #   RAW=... bash bench/fast_paths_gpu.sh small                             # opt-125m at batch 64: raw, bf16, fp8 tensorwise
 #   bash bench/fast_paths_gpu.sh head                                      # opt-1.3b: the plain head against liger-kernel's fused one
+#   bash bench/fast_paths_gpu.sh fsdp                                      # 2 GPUs: opt-1.3b fp8 under fsdp vs one GPU; llama-7b fp8 under fsdp
 #   bash bench/fast_paths_gpu.sh loss                                      # opt-1.3b, 1,000 steps in bf16 and in fp8: the loss curves
 #
 # Logs go to $OUT (default /tmp/fast_paths); the table rows printed at the end are the figures.
@@ -18,10 +19,15 @@ RAW=${RAW:-../shared/bench/raw_gpt_baseline.py}
 M13="trainer=gpu logger=csv model=opt-1.3b model.n_heads=16 model.dropout=0 model.vocab_size=50304 model.max_seq_len=2048 module.compile=true scheduler.warmup_steps=5"
 M125="trainer=gpu logger=csv model=opt-125m model.dropout=0 model.vocab_size=50304 model.max_seq_len=1024 module.compile=true optimizer.lr=2e-4 scheduler.warmup_steps=30"
 
-bench() {  # NAME ARGS...: one bench/throughput.py run, its log kept, its table row printed
+bench() {  # NAME ARGS... [--launcher]: one bench/throughput.py run (under torchrun on 2 GPUs with --launcher), its log kept, its row printed
   local name=$1
   shift
-  python3 bench/throughput.py "$@" > "$OUT/$name.log" 2>&1 || { echo "$name FAILED"; tail -30 "$OUT/$name.log"; return 0; }
+  local cmd=(python3)
+  if [ "${*: -1}" = "--launcher" ]; then
+    cmd=(torchrun --standalone --nproc_per_node=2)
+    set -- "${@:1:$(($# - 1))}"
+  fi
+  "${cmd[@]}" bench/throughput.py "$@" > "$OUT/$name.log" 2>&1 || { echo "$name FAILED"; tail -30 "$OUT/$name.log"; return 0; }
   echo "$name $(grep '^| NVIDIA' "$OUT/$name.log")"
 }
 
@@ -32,7 +38,7 @@ raw() {  # NAME ARGS...: the shared raw baseline
   echo "$name $(tail -2 "$OUT/$name.log" | tr '\n' ' ')"
 }
 
-for mode in "${@:?fp8, rowwise, mask, head, small or loss}"; do
+for mode in "${@:?fp8, rowwise, mask, head, small, fsdp or loss}"; do
 case "$mode" in
 fp8)
   raw raw-1.3b 1.3b --compile --batch 16 --steps 30
@@ -55,6 +61,13 @@ small)
   raw raw-124m 124m --compile --batch 64 --steps 40
   bench bf16-125m --no-raw --steps 40 --warmup 10 $M125 data.seq_len=1024 data.batch_size=64
   bench fp8tw-125m --no-raw --steps 40 --warmup 10 $M125 data.seq_len=1024 data.batch_size=64 module.fp8=tensorwise
+  ;;
+fsdp)  # 2 GPUs: opt-1.3b fp8 under fsdp against fp8 on one GPU of the same host; the llama-7b preset at seq 4096 in fp8
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  L7="trainer=gpu logger=csv model=llama-7b data.seq_len=4096 data.batch_size=2 strategy=fsdp strategy.compile=true strategy.init_device=meta strategy.activation_checkpointing=selective trainer.devices=2 scheduler.warmup_steps=5 module.fp8=tensorwise"
+  LMTRAIN_RUN_ID=f7 bench fp8-7b-fsdp2 --no-raw --dir /tmp/f7 --steps 16 --warmup 6 $L7 --launcher
+  LMTRAIN_RUN_ID=f13 bench fp8-1.3b-fsdp2 --no-raw --dir /tmp/f13 --steps 30 --warmup 10 $M13 data.seq_len=1024 data.batch_size=16 strategy=fsdp strategy.compile=true trainer.devices=2 module.fp8=tensorwise --launcher
+  CUDA_VISIBLE_DEVICES=0 bench fp8-1.3b-1gpu --no-raw --steps 30 --warmup 10 $M13 data.seq_len=1024 data.batch_size=16 module.fp8=tensorwise
   ;;
 loss)
   L="$M13 data.seq_len=1024 data.batch_size=8 optimizer.lr=2e-4 scheduler.warmup_steps=100 trainer.max_steps=1000 trainer.val_check_interval=500 trainer.limit_val_batches=20 trainer.enable_progress_bar=false callbacks.checkpoint.every_n_steps=0 callbacks.disk_guard.margin_gb=0 paths.runs=$OUT/runs"

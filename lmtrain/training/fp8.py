@@ -21,6 +21,7 @@ where FP8 pays: docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 from torch import nn
@@ -30,10 +31,15 @@ _TORCHAO = "torchao==0.18.0"
 
 
 def _torchao_missing() -> str | None:
+    log = logging.getLogger("torchao")
+    level = log.level
+    log.setLevel(logging.ERROR)  # its import warns about each optional kernel library this machine cannot load (none is used here)
     try:
         import torchao.float8  # noqa: F401
     except ImportError as exc:
         return f"module.fp8 needs torchao ({exc}): pip install {_TORCHAO} (in requirements.txt)"
+    finally:
+        log.setLevel(level)
     return None
 
 
@@ -90,6 +96,11 @@ def float8_config(recipe: str, *, sharded: bool, device: torch.device):
 def convert(model: nn.Module, recipe: str, *, sharded: bool, device: torch.device) -> nn.Module:
     """Swap the linear layers inside ``model.blocks`` for float8 ones in place (before sharding and compiling; works
     on the meta device). Attributes our initialisation reads (``residual_out``) carry over."""
+    missing = _torchao_missing()
+    if missing:
+        from lmtrain.errors import InputError
+
+        raise InputError(missing)
     from torchao.float8 import convert_to_float8_training
 
     problem = device_problem(recipe, device)
