@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from lmtrain.formats import checkpoint as ck
 from lmtrain.formats.trained import load_model_state
@@ -47,3 +48,15 @@ def test_fp8_trains_like_full_precision_keeps_parameter_names_and_resumes_exactl
     resumed = make_cfg([*base, f"module.fp8={recipe}"], tmp_path / "cut", dataset_dir)
     train(resumed)
     assert _losses(resumed.run_dir)[-3:] == low[-3:]
+
+
+def test_a_model_too_narrow_for_fp8_to_pay_is_told_so():
+    """The measured crossover (docs/BENCHMARKS.md): below d_model 2048 the trainer warns that FP8 saves memory, not time."""
+    from lmtrain.formats.presets import preset
+    from lmtrain.nn.model import Decoder
+    from lmtrain.training.fp8 import width_warning
+
+    with torch.device("meta"):
+        narrow, wide = Decoder(preset("opt-125m")), Decoder(preset("opt-1.3b"))
+    assert "module.fp8=rowwise at d_model=768: on an H100, FP8 was slower than bf16 below d_model 2048" in width_warning(narrow, "rowwise")
+    assert width_warning(wide, "tensorwise") is None

@@ -123,6 +123,23 @@ def convert(model: nn.Module, recipe: str, *, sharded: bool, device: torch.devic
     return model
 
 
+# Where FP8 paid on one H100 (bench/fast_paths_gpu.sh, docs/BENCHMARKS.md): opt-125m (d_model 768, batch 64 x 1024)
+# ran at 0.91x of bf16, opt-1.3b (d_model 2048, batch 16 x 1024) at 1.07x. Below this width the casts cost more than
+# the faster matmuls save.
+PAYS_FROM_D_MODEL = 2048
+
+
+def width_warning(model: nn.Module, recipe: str) -> str | None:
+    """What to tell a user whose model is too narrow for FP8 to be faster, or None."""
+    d = getattr(getattr(model, "cfg", None), "d_model", None)
+    if d is None or d >= PAYS_FROM_D_MODEL:
+        return None
+    return (
+        f"module.fp8={recipe} at d_model={d}: on an H100, FP8 was slower than bf16 below d_model {PAYS_FROM_D_MODEL} "
+        "(opt-125m, d_model 768: 0.91x; opt-1.3b, d_model 2048: 1.07x; docs/BENCHMARKS.md); it saves memory, not time, here"
+    )
+
+
 def uses_float8_all_gather(model: nn.Module) -> bool:
     return any(getattr(getattr(m, "config", None), "enable_fsdp_float8_all_gather", False) for m in model.modules())
 

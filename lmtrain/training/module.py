@@ -188,6 +188,9 @@ class LMModule(L.LightningModule):
                     + (" (float8 all-gather)" if fp8_module.uses_float8_all_gather(self.model) else ""),
                     flush=True,
                 )
+                warning = fp8_module.width_warning(self.model, self.fp8)
+                if warning and device.type == "cuda":
+                    print(f"[lmtrain] warning: {warning}", flush=True)
         if self.loss_chunk_tokens is not None:
             if not hasattr(self.model, "loss_chunk_tokens"):
                 raise InputError(
