@@ -109,20 +109,3 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, tar
     product is added and freed in turn."""
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)  # validation: loss only
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, int(chunk), need_grad)
-
-
-LOSS_KERNELS = ("liger",)
-
-
-@torch.compiler.disable
-def liger_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``hidden @ weight.T`` through liger-kernel's fused linear cross-entropy (Triton, GPU
-    only; ``module.loss_kernel=liger``): like :func:`chunked_linear_cross_entropy`, chunks of tokens whose logits and
-    their gradient live only inside the kernel, the weight's gradient accumulated in fp32. Inputs are cast to the
-    autocast dtype first (under bf16-mixed the final norm's output is fp32; the head's matmul runs in bf16 as the
-    plain head's does). Kept out of compiled graphs: its own kernels are already fused."""
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-
-    dtype = _compute_dtype(hidden)
-    with torch.autocast(hidden.device.type, enabled=False):
-        return liger_fused_linear_cross_entropy(hidden.to(dtype), weight.to(dtype), targets, accum_dtype=torch.float32)

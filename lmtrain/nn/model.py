@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from lmtrain.nn.loss import chunked_linear_cross_entropy, cross_entropy, liger_linear_cross_entropy
+from lmtrain.nn.loss import chunked_linear_cross_entropy, cross_entropy
 
 FAMILIES = ("opt", "llama")
 # per family, its MLP activations (the first is the default): opt/GPT-2 MLP, or llama's gated SwiGLU
@@ -296,7 +296,7 @@ class Decoder(nn.Module):
         self.proj_out = nn.Linear(cfg.d_model, cfg.emb_dim, bias=False) if cfg.emb_dim != cfg.d_model else None
         self.lm_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
         self.loss_chunk_tokens: int | None = None  # how the loss is computed, not the architecture: see head_loss
-        self.loss_kernel: str | None = None  # "liger": the fused head of liger-kernel (GPU); see head_loss
+        self.loss_kernel = None  # a fused (hidden, weight, targets) -> loss function given from outside; see head_loss
         self.flex_attention: bool | None = None  # the document mask's kernel: see document_attention_mask
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -378,10 +378,10 @@ class Decoder(nn.Module):
         """Output head and mean cross-entropy, logits upcast to fp32. A method of its own so that a sharded
         strategy can compile it (its blocks are compiled one by one): compiled, the upcast, log-softmax and their
         backward are fused instead of materialising (B, T, V) fp32 tensors. With ``loss_chunk_tokens`` set
-        (``module.loss_chunk_tokens``), computed that many tokens at a time (lmtrain.nn.loss); with ``loss_kernel``
-        ``liger`` (``module.loss_kernel``), by liger-kernel's fused linear cross-entropy."""
-        if self.loss_kernel == "liger":
-            return liger_linear_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        (``module.loss_chunk_tokens``), computed that many tokens at a time (lmtrain.nn.loss); with ``loss_kernel`` set to a
+        function (``module.loss_kernel``: lmtrain.training.kernels), by that fused kernel."""
+        if self.loss_kernel is not None:
+            return self.loss_kernel(hidden.flatten(0, 1), self.lm_head.weight, targets.flatten())
         if self.loss_chunk_tokens:
             return chunked_linear_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.loss_chunk_tokens)
         return cross_entropy(self.lm_head(hidden), targets)

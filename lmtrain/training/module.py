@@ -12,11 +12,12 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lmtrain.errors import InputError
-from lmtrain.nn.loss import LOSS_KERNELS, cross_entropy
+from lmtrain.nn.loss import cross_entropy
 from lmtrain.nn.optim import build_optimizer
 from lmtrain.training import compat, precision
 from lmtrain.training import fp8 as fp8_module
 from lmtrain.training.contracts import StepChecker
+from lmtrain.training.kernels import LOSS_KERNELS, loss_kernel
 from lmtrain.training.logs import log_direct
 
 
@@ -202,7 +203,7 @@ class LMModule(L.LightningModule):
                 raise InputError(
                     f"module.loss_kernel: the model {type(self.model).__name__} has no fused head (lmtrain.nn.model.Decoder has)"
                 )
-            self.model.loss_kernel = self.loss_kernel
+            self.model.loss_kernel = loss_kernel(self.loss_kernel)
         if parallelize is not None and not getattr(self, "_parallelized", False):
             self.model = parallelize(self.model)
             self._parallelized = True
