@@ -88,8 +88,8 @@ def test_identical_continuation_after_kill_9_and_kill_mid_save(tmp_path, dataset
     """Reference run; then the same run killed at step 6 (kill -9), re-run and killed while writing step 12's
     checkpoint, re-run to the end: per-step train/loss identical to the reference, to the last digit. Then the same
     with asynchronous saves every 2 steps, killed at step 7."""
-    ref = _cli(tmp_path, dataset_dir, "ref")
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref = make_cfg(TINY + CKPT, tmp_path / "ref", dataset_dir)  # the reference in this process: the launches below are the subject
+    train(ref)
     crash = _cli(tmp_path, dataset_dir, "cut", "fault=crash", "callbacks.fault.step=6")
     assert crash.returncode == -9, crash.stderr[-3000:]
     run = tmp_path / "runs" / "cut"
@@ -102,7 +102,7 @@ def test_identical_continuation_after_kill_9_and_kill_mid_save(tmp_path, dataset
     assert final.returncode == 0, final.stderr[-3000:]
     assert "resuming from" in final.stderr and "step-0000008" in final.stderr
     assert not (run / "checkpoints" / ck.partial_name(12)).exists()
-    ref_loss, got = _losses(tmp_path / "runs" / "ref"), _losses(run)
+    ref_loss, got = _losses(Path(ref.run_dir)), _losses(run)
     assert sorted(ref_loss) == list(range(14))
     assert got == ref_loss  # same steps, same printed values: 0 tolerance
     kinds = [e["kind"] for e in logbook.read(run) if e["kind"] != "checkpoint"]

@@ -21,6 +21,19 @@ BASE = [a for a in TINY if not a.startswith(("trainer.devices", "data.batch_size
 ]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def one_process_losses(tmp_path_factory, dataset_dir) -> dict[int, float]:
+    """Per-step losses of one process at global batch 8 (what the two-node launches must reproduce), trained once,
+    in this process: the launches are what those tests are about."""
+    from pathlib import Path
+
+    from lmtrain.training.run import train
+
+    cfg = make_cfg([*BASE, "trainer.devices=1", "data.batch_size=8"], tmp_path_factory.mktemp("one"), dataset_dir)
+    train(cfg)
+    return {s: float(v) for s, v in _losses(Path(cfg.run_dir)).items()}
+
+
 def _run(tmp_path, dataset_dir, name, *extra):
     args = BASE + [f"paths.runs={tmp_path / 'runs'}", f"run_name={name}", f"data.path={dataset_dir}", "data.prepare=null", *extra]
     res = run_train_cli(args, tmp_path)
@@ -132,7 +145,7 @@ def test_fsdp_options_activation_checkpointing_meta_init_and_compile(tmp_path, d
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_torchrun_nodes_rendezvous_and_train_hsdp(tmp_path, dataset_dir):
+def test_two_torchrun_nodes_rendezvous_and_train_hsdp(tmp_path, dataset_dir, one_process_losses):
     """A real multi-node launch on one machine: two torchrun agents (nodes) meet through c10d rendezvous, as on two
     hosts, and train `hsdp` (replicate across the nodes); the loss matches one process with the same global batch."""
     import os
@@ -142,7 +155,6 @@ def test_two_torchrun_nodes_rendezvous_and_train_hsdp(tmp_path, dataset_dir):
 
     from tests.conftest import ROOT
 
-    _run(tmp_path, dataset_dir, "one", "trainer.devices=1", "data.batch_size=8")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -155,7 +167,7 @@ def test_two_torchrun_nodes_rendezvous_and_train_hsdp(tmp_path, dataset_dir):
     outs = [n.communicate(timeout=300)[0] for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
     assert any("HSDPStrategy: fully_shard per block on mesh (2, 1) ('replicate', 'shard')" in o for o in outs)
-    one = {s: float(v) for s, v in _losses(tmp_path / "runs" / "one").items()}
+    one = one_process_losses
     two = {s: float(v) for s, v in _losses(tmp_path / "runs" / "twonode").items()}
     assert sorted(two) == sorted(one) == list(range(8))
     for s in one:
@@ -166,7 +178,7 @@ def test_two_torchrun_nodes_rendezvous_and_train_hsdp(tmp_path, dataset_dir):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_slurm_style_launch_two_nodes(tmp_path, dataset_dir):
+def test_slurm_style_launch_two_nodes(tmp_path, dataset_dir, one_process_losses):
     """SLURM's path: two processes started with the environment `srun --nodes=2 --ntasks-per-node=1` gives its
     tasks (no srun here). Lightning's SLURM environment wires them up, the run is named after the job, and `hsdp`
     replicates across the two "nodes" with the losses of one process."""
@@ -176,7 +188,6 @@ def test_slurm_style_launch_two_nodes(tmp_path, dataset_dir):
 
     from tests.conftest import ROOT
 
-    _run(tmp_path, dataset_dir, "one", "trainer.devices=1", "data.batch_size=8")
     args = BASE + [f"paths.runs={tmp_path / 'runs'}", f"data.path={dataset_dir}", "data.prepare=null", "strategy=hsdp",
                    "trainer.devices=1", "trainer.num_nodes=2", "strategy.shard_size=1", "data.batch_size=4"]  # fmt: skip
     procs = []
@@ -191,7 +202,7 @@ def test_slurm_style_launch_two_nodes(tmp_path, dataset_dir):
     assert "SLURM auto-requeueing enabled" in outs[0]  # Lightning's SLURM environment, not a plain launch
     assert any("on mesh (2, 1) ('replicate', 'shard')" in o for o in outs)
     run = tmp_path / "runs" / "slurm-4242"  # named after the job: the same on every task
-    one = {s: float(v) for s, v in _losses(tmp_path / "runs" / "one").items()}
+    one = one_process_losses
     got = {s: float(v) for s, v in _losses(run).items()}
     assert sorted(got) == sorted(one) == list(range(8))
     for s in one:
