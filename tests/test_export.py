@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -102,16 +103,21 @@ def test_a_run_whose_config_is_damaged_is_one_message_for_export_and_generate(tm
     """lmtrain.formats.trained.read_config: config.yaml that is not YAML, or not a run's config, names the file."""
     run = tmp_path / "run"
     run.mkdir()
-    for text, said in (
-        ("model: [unclosed\n", "is not readable YAML"),
-        ("just a string\n", "is not a run's config (no model and data sections)"),
+    from lmtrain.errors import InputError
+    from lmtrain.formats.trained import read_config
+
+    for i, (text, said) in enumerate(
+        (("model: [unclosed\n", "is not readable YAML"), ("just a string\n", "is not a run's config (no model and data sections)"))
     ):
         (run / "config.yaml").write_text(text)
-        for cmd in ([sys.executable, "-m", "lmtrain.export", str(run), "--out", str(tmp_path / "x")],
-                    [sys.executable, "-m", "lmtrain.generate", str(run), "--prompt", "a"]):  # fmt: skip
-            res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
-            assert res.returncode == 2 and f"{run / 'config.yaml'} {said}" in res.stderr and "Traceback" not in res.stderr, res.stderr
-            assert res.stderr.count("\n") == 1
+        with pytest.raises(InputError, match=re.escape(f"{run / 'config.yaml'} {said}")):
+            read_config(run)
+        if i == 0:  # from the command line (one launch each: the message is the same function's): exit 2, one line
+            for cmd in ([sys.executable, "-m", "lmtrain.export", str(run), "--out", str(tmp_path / "x")],
+                        [sys.executable, "-m", "lmtrain.generate", str(run), "--prompt", "a"]):  # fmt: skip
+                res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+                assert res.returncode == 2 and f"{run / 'config.yaml'} {said}" in res.stderr and "Traceback" not in res.stderr, res.stderr
+                assert res.stderr.count("\n") == 1
         assert not (tmp_path / "x").exists() and (run / "config.yaml").read_text() == text  # nothing written, nothing changed
 
 

@@ -264,3 +264,8 @@ def test_a_tokenizer_json_that_does_not_keep_the_text_is_refused(tmp_path, corpu
     (tmp_path / "tok" / "tokenizer_config.json").write_text('{"eos_token": "<eos>"}')
     with pytest.raises(Exception, match=r"eos_token '<eos>' is not a special token of tokenizer.json \(\['</s>', '<s>'\]\)"):
         load_tokenizer(str(spec))
+    # a damaged file (cut in the middle, as by a failed copy): one message naming it, nothing prepared
+    spec.write_bytes(spec.read_bytes()[: spec.stat().st_size // 2])
+    with pytest.raises(Exception, match=r"tokenizer file .*tokenizer.json is not a tokenizers tokenizer.json \(Exception: "):
+        prepare([corpus_jsonl], tmp_path / "ds", tokenizer=str(spec), progress=False)
+    assert not (tmp_path / "ds").exists()
