@@ -45,7 +45,7 @@ def _run(tmp_path, dataset_dir, name, *extra):
 @pytest.mark.distributed
 def test_a_sharded_run_resumes_exactly_and_its_checkpoint_serves_the_tools(tmp_path, dataset_dir, capsys):
     """(That fsdp on 2 and 4 ranks and hsdp 2 x 2 match one process step by step, and resume on other layouts, is
-    tests/test_reshard.py's run through five layouts.)"""
+    tests/test_reshard.py's run through six layouts.)"""
     # a sharded checkpoint of step 3 continues exactly as the run it came from (dropout on: every rank's masks restored)
     drop = ["strategy=fsdp", "trainer.devices=2", "data.batch_size=4", "model.dropout=0.1"]
     ref = _run(tmp_path, dataset_dir, "ref", *drop)

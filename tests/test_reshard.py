@@ -150,7 +150,7 @@ def _steps(tmp_path, name, world):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_one_run_through_five_layouts_matches_an_uninterrupted_run(tmp_path, short_dataset):
+def test_one_run_through_six_layouts_matches_an_uninterrupted_run(tmp_path, short_dataset):
     """fsdp on 2 ranks -> fsdp on 4 -> hsdp 2 x 2 -> fsdp on 2 -> one process (across the epoch's end) -> ddp on 2,
     global batch 8 throughout, every checkpoint saved asynchronously (the default here), document-masked attention:
     every step's samples and
