@@ -518,7 +518,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
 
         self.failures += 1
         shutil.rmtree(partial, ignore_errors=True)
-        reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, OSError) else f"{exc.strerror or exc} (errno {exc.errno})"
+        reason = failure_reason(exc)
         alert(
             self,
             "checkpoint_failed",
@@ -562,6 +562,21 @@ def host_available_bytes() -> int | None:
     except OSError:
         pass
     return None
+
+
+def failure_reason(exc: BaseException) -> str:
+    """Why a save failed, on one line. Distributed checkpoint's ``CheckpointException`` carries each failed rank's
+    exception with its whole remote traceback in its text: named here by rank and root cause alone."""
+    if isinstance(exc, OSError):
+        return f"{exc.strerror or exc} (errno {exc.errno})"
+    failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException: rank -> (exception, stack)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(
+            f"rank {rank}: {failure_reason(wrapped[0] if isinstance(wrapped, tuple) else wrapped)}"
+            for rank, wrapped in sorted(failures.items())
+        )
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else '(no message)'}"
 
 
 def alert(checkpointer: Checkpointer, kind: str, message: str) -> None:

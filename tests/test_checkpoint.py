@@ -261,3 +261,42 @@ def test_disk_guard_prunes_then_stops_cleanly_when_the_disk_fills(tmp_path, data
     assert events[-1]["kind"] == "stopped" and "not enough disk space" in events[-1]["message"]
     assert [c.step for c in ck.scan(run / "checkpoints")] == [2, 4]  # stopped at step 6, the last good one kept
     assert max(_losses(run)) == 5
+
+
+def _files_up_to_200_kb():  # a disk that fills up: any file write past 200 kB fails with EFBIG, as ENOSPC would
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+
+@pytest.mark.distributed
+def test_a_sharded_save_failing_in_the_background_writer_is_alerted_and_repeated_failures_stop_the_run(tmp_path, dataset_dir):
+    """A real write failure inside distributed checkpoint's background writer (the asynchronous sharded save of
+    `fsdp`, files capped at 200 kB so each shard's write fails as on a full disk): every failed save is alerted, its
+    partial directory removed, training goes on past the first, the second in a row stops the run (exit 2, one line),
+    and no checkpoint is claimed that was not written."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    args = TINY + CKPT + [
+        f"paths.runs={tmp_path / 'runs'}", "run_name=bg", f"data.path={dataset_dir}", "data.prepare=null", "strategy=fsdp",
+        "trainer.devices=1", "callbacks.checkpoint.async_save=true", "callbacks.checkpoint.every_n_steps=2",
+        "callbacks.checkpoint.max_consecutive_failures=2", "model.dropout=0",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1", "LMTRAIN_RUN_ID": ""}
+    res = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300, preexec_fn=_files_up_to_200_kb)  # fmt: skip
+    assert res.returncode == 2, res.stderr[-3000:]
+    alerts = [line for line in res.stderr.splitlines() if "ALERT: checkpoint at step" in line]
+    assert [a.split(" FAILED (")[0].rsplit(" ", 1)[-1] for a in alerts] == ["2", "4"], res.stderr[-3000:]
+    assert all(" FAILED (rank 0: " in a and a.endswith("the run stops at 2") for a in alerts), alerts  # one line each, the cause named
+    assert "2 consecutive checkpoint saves failed" in res.stderr and "Traceback" not in res.stderr
+    root = tmp_path / "runs" / "bg" / "checkpoints"
+    assert ck.read_latest(root) is None and not ck.scan(root) and not list(root.glob(".step-*"))
+    steps = [e["step"] for e in logbook.read(tmp_path / "runs" / "bg") if e["kind"] == "checkpoint"]
+    assert steps == []
