@@ -318,11 +318,11 @@ def check_machine(cfg: DictConfig) -> None:
             )
         from lmtrain.training import fp8
 
-        recipe = cfg.get("module", {}).get("fp8")
-        problem = fp8.device_problem(recipe, torch.device("cuda", torch.cuda.current_device())) if recipe in fp8.RECIPES else None
+        module = cfg.get("module") or {}
+        problem = fp8.device_problem(module.get("fp8"), torch.device("cuda", torch.cuda.current_device()))
         if problem:
             raise ConfigError(problem)
-        if cfg.get("module", {}).get("loss_kernel") == "liger":
+        if module.get("loss_kernel") == "liger":
             try:
                 import liger_kernel.transformers.functional  # noqa: F401
             except ImportError as exc:

@@ -26,6 +26,8 @@ import logging
 import torch
 from torch import nn
 
+from lmtrain.errors import InputError
+
 RECIPES = ("tensorwise", "rowwise")
 _TORCHAO = "torchao==0.18.0"
 
@@ -95,23 +97,15 @@ def float8_config(recipe: str, *, sharded: bool, device: torch.device):
 
 def convert(model: nn.Module, recipe: str, *, sharded: bool, device: torch.device) -> nn.Module:
     """Swap the linear layers inside ``model.blocks`` for float8 ones in place (before sharding and compiling; works
-    on the meta device). Attributes our initialisation reads (``residual_out``) carry over."""
-    missing = _torchao_missing()
-    if missing:
-        from lmtrain.errors import InputError
-
-        raise InputError(missing)
+    on the meta device). Attributes our initialisation reads (``residual_out``) carry over. torchao's presence was
+    checked with the config (:func:`config_problems`, from LMModule)."""
     from torchao.float8 import convert_to_float8_training
 
     problem = device_problem(recipe, device)
     if problem:
-        from lmtrain.errors import InputError
-
         raise InputError(problem)
     blocks = getattr(model, "blocks", None)
     if blocks is None:
-        from lmtrain.errors import InputError
-
         raise InputError(f"module.fp8: the model {type(model).__name__} has no transformer blocks (lmtrain.nn.model.Decoder has)")
     marked = {name for name, m in blocks.named_modules() if getattr(m, "residual_out", False)}
     convert_to_float8_training(
