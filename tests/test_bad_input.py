@@ -187,3 +187,25 @@ def test_a_bad_option_value_from_the_command_line(dataset_dir, tmp_path):
     last = res.stderr.strip().splitlines()[-1]
     assert res.returncode == 2 and last.startswith("error: callbacks.checkpoint.keep_last=1: keep at least 2"), res.stderr[-2000:]
     assert "Traceback" not in res.stderr and "InstantiationException" not in res.stderr
+
+
+def test_fused_head_and_fp8_options_that_cannot_run_are_one_message(monkeypatch):
+    """What the config validation cannot see on its own: the liger head asked together with the chunked loss (two
+    heads), and module.fp8 on a machine without torchao (named with its install line). Both refused by the module's
+    constructor, before any model is built."""
+    import functools
+
+    import torch
+
+    from lmtrain.nn.model import Decoder
+    from lmtrain.training.module import LMModule
+
+    model, opt = (
+        functools.partial(Decoder, name="t", vocab_size=64, d_model=16, n_layers=1, n_heads=2),
+        functools.partial(torch.optim.AdamW),
+    )
+    with pytest.raises(InputError, match=r"module.loss_kernel=liger and module.loss_chunk_tokens=8: choose one"):
+        LMModule(model, opt, loss_kernel="liger", loss_chunk_tokens=8)
+    monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed: importing it raises ImportError
+    with pytest.raises(InputError, match=r"module.fp8 needs torchao \(.*\): pip install torchao==0.18.0 \(in requirements.txt\)"):
+        LMModule(model, opt, fp8="tensorwise")
