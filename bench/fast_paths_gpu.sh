@@ -8,6 +8,9 @@
 #   RAW=... bash bench/fast_paths_gpu.sh small                             # opt-125m at batch 64: raw, bf16, fp8 tensorwise
 #   bash bench/fast_paths_gpu.sh head                                      # opt-1.3b: the plain head against liger-kernel's fused one
 #   bash bench/fast_paths_gpu.sh fsdp                                      # 2 GPUs: opt-1.3b fp8 under fsdp vs one GPU; llama-7b fp8 under fsdp
+#   RAW=... bash bench/fast_paths_gpu.sh fp8big                            # opt-1.3b: raw at batch 16 and 24, fp8 profiled, fp8 with the fused head at batch 24
+#   RAW=... bash bench/fast_paths_gpu.sh small32                           # opt-125m: raw at batch 32, bf16 with and without the fused head
+#   bash bench/fast_paths_gpu.sh fsdp7b                                    # 2 GPUs: opt-1.3b fp8 scaling at batch 32; llama-7b in fp8 and bf16, batch 2-3, checkpointing selective or none
 #   bash bench/fast_paths_gpu.sh loss                                      # opt-1.3b, 1,000 steps in bf16 and in fp8: the loss curves
 #
 # Logs go to $OUT (default /tmp/fast_paths); the table rows printed at the end are the figures.
@@ -19,7 +22,7 @@ RAW=${RAW:-../shared/bench/raw_gpt_baseline.py}
 M13="trainer=gpu logger=csv model=opt-1.3b model.n_heads=16 model.dropout=0 model.vocab_size=50304 model.max_seq_len=2048 module.compile=true scheduler.warmup_steps=5"
 M125="trainer=gpu logger=csv model=opt-125m model.dropout=0 model.vocab_size=50304 model.max_seq_len=1024 module.compile=true optimizer.lr=2e-4 scheduler.warmup_steps=30"
 
-bench() {  # NAME ARGS... [--launcher]: one bench/throughput.py run (under torchrun on 2 GPUs with --launcher), its log kept, its row printed
+bench() {  # NAME ARGS... [--launcher]: one bench/throughput.py run (under torchrun on 2 GPUs with --launcher), its log kept, its row printed; TMO=seconds caps it
   local name=$1
   shift
   local cmd=(python3)
@@ -27,7 +30,7 @@ bench() {  # NAME ARGS... [--launcher]: one bench/throughput.py run (under torch
     cmd=(torchrun --standalone --nproc_per_node=2)
     set -- "${@:1:$(($# - 1))}"
   fi
-  "${cmd[@]}" bench/throughput.py "$@" > "$OUT/$name.log" 2>&1 || { echo "$name FAILED"; tail -30 "$OUT/$name.log"; return 0; }
+  timeout "${TMO:-0}" "${cmd[@]}" bench/throughput.py "$@" > "$OUT/$name.log" 2>&1 || { echo "$name FAILED"; tail -30 "$OUT/$name.log"; return 0; }
   echo "$name $(grep '^| NVIDIA' "$OUT/$name.log")"
 }
 
@@ -38,7 +41,7 @@ raw() {  # NAME ARGS...: the shared raw baseline
   echo "$name $(tail -2 "$OUT/$name.log" | tr '\n' ' ')"
 }
 
-for mode in "${@:?fp8, rowwise, mask, head, small, fsdp or loss}"; do
+for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, small32, fsdp, fsdp7b or loss}"; do
 case "$mode" in
 fp8)
   raw raw-1.3b 1.3b --compile --batch 16 --steps 30
@@ -68,6 +71,34 @@ fsdp)  # 2 GPUs: opt-1.3b fp8 under fsdp against fp8 on one GPU of the same host
   LMTRAIN_RUN_ID=f7 bench fp8-7b-fsdp2 --no-raw --dir /tmp/f7 --steps 16 --warmup 6 $L7 --launcher
   LMTRAIN_RUN_ID=f13 bench fp8-1.3b-fsdp2 --no-raw --dir /tmp/f13 --steps 30 --warmup 10 $M13 data.seq_len=1024 data.batch_size=16 strategy=fsdp strategy.compile=true trainer.devices=2 module.fp8=tensorwise --launcher
   CUDA_VISIBLE_DEVICES=0 bench fp8-1.3b-1gpu --no-raw --steps 30 --warmup 10 $M13 data.seq_len=1024 data.batch_size=16 module.fp8=tensorwise
+  ;;
+fp8big)
+  raw raw-1.3b 1.3b --compile --batch 16 --steps 30
+  bench fp8tw-1.3b-prof --no-raw --steps 30 --warmup 10 --profile 3 $M13 data.seq_len=1024 data.batch_size=16 module.fp8=tensorwise
+  bench fp8tw-liger-1.3b-b24 --no-raw --steps 30 --warmup 10 $M13 data.seq_len=1024 data.batch_size=24 module.fp8=tensorwise module.loss_kernel=liger
+  raw raw-1.3b-b24 1.3b --compile --batch 24 --steps 30
+  ;;
+small32)
+  raw raw-124m-b32 124m --compile --batch 32 --steps 40
+  bench bf16-125m-b32 --no-raw --steps 40 --warmup 10 $M125 data.seq_len=1024 data.batch_size=32
+  bench liger-125m-b32 --no-raw --steps 40 --warmup 10 $M125 data.seq_len=1024 data.batch_size=32 module.loss_kernel=liger
+  bench liger-125m-b64 --no-raw --steps 40 --warmup 10 $M125 data.seq_len=1024 data.batch_size=64 module.loss_kernel=liger
+  ;;
+fsdp7b)  # 2 GPUs: llama-7b at seq 4096 in fp8 and bf16; opt-1.3b fp8 scaling at batch 32 per GPU
+  # The short runs climb to optimizer.lr in 4 steps, and a 7B model spikes under such a warmup even at 3e-5 (bf16 and
+  # fp8 alike, docs/BENCHMARKS.md): the divergence detector is left out, as throughput does not depend on the loss.
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  L7="trainer=gpu logger=csv model=llama-7b data.seq_len=4096 strategy=fsdp strategy.compile=true strategy.init_device=meta trainer.devices=2 optimizer.lr=3e-5 scheduler.warmup_steps=4 ~callbacks.divergence"
+  LMTRAIN_RUN_ID=b13 TMO=150 bench fp8-1.3b-fsdp2-b32 --no-raw --dir /tmp/b13 --steps 24 --warmup 8 $M13 data.seq_len=1024 data.batch_size=32 strategy=fsdp strategy.compile=true trainer.devices=2 module.fp8=tensorwise --launcher
+  CUDA_VISIBLE_DEVICES=0 TMO=140 bench fp8-1.3b-1gpu-b32 --no-raw --steps 24 --warmup 8 $M13 data.seq_len=1024 data.batch_size=32 module.fp8=tensorwise
+  for run in "fp8-sel-b2 module.fp8=tensorwise data.batch_size=2 strategy.activation_checkpointing=selective" \
+             "bf16-sel-b2 module.fp8=null data.batch_size=2 strategy.activation_checkpointing=selective" \
+             "fp8-sel-b3 module.fp8=tensorwise data.batch_size=3 strategy.activation_checkpointing=selective" \
+             "fp8-none-b2 module.fp8=tensorwise data.batch_size=2 strategy.activation_checkpointing=none" \
+             "bf16-sel-b3 module.fp8=null data.batch_size=3 strategy.activation_checkpointing=selective"; do
+    set -- $run
+    LMTRAIN_RUN_ID=$1 TMO=150 bench "$1-7b" --no-raw --dir "/tmp/$1" --steps 12 --warmup 4 $L7 "${@:2}" --launcher
+  done
   ;;
 loss)
   L="$M13 data.seq_len=1024 data.batch_size=8 optimizer.lr=2e-4 scheduler.warmup_steps=100 trainer.max_steps=1000 trainer.val_check_interval=500 trainer.limit_val_batches=20 trainer.enable_progress_bar=false callbacks.checkpoint.every_n_steps=0 callbacks.disk_guard.margin_gb=0 paths.runs=$OUT/runs"

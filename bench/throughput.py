@@ -39,7 +39,10 @@ from lmtrain.training.module import lm_loss  # noqa: E402
 from lmtrain.training.run import train  # noqa: E402
 
 
-def trainer_tokens_per_sec(cfg, steps: int, warmup: int, out: Path, profile: int = 0) -> tuple[list[float], list[float], list[float]]:
+def bench_config(cfg, steps: int, out: Path, profile: int = 0):
+    """The run the bench trains: ``cfg`` (modified in place) for ``steps`` steps (plus ``profile`` profiled ones) in
+    ``out/trainer``, no validation, checkpoints or progress bar, metrics to CSV. tests/test_bench_scripts.py validates
+    what the bench scripts pass here, so that a config a GPU call would refuse fails in CI first."""
     with open_dict(cfg):
         # profiled steps come after the timed ones, and after the two steps the profiler starts up in: they do not slow them
         cfg.trainer.max_steps = steps + 2 + profile if profile else steps
@@ -57,7 +60,11 @@ def trainer_tokens_per_sec(cfg, steps: int, warmup: int, out: Path, profile: int
         cfg.logger = {"csv": {"_target_": "lightning.pytorch.loggers.CSVLogger", "save_dir": cfg.run_dir, "name": "csv", "version": ""}}
         for name in ("checkpoint", "disk_guard"):  # saving is measured by bench/checkpoint_stall.py
             (cfg.get("callbacks") or {}).pop(name, None)
-    train(cfg)
+    return cfg
+
+
+def trainer_tokens_per_sec(cfg, steps: int, warmup: int, out: Path, profile: int = 0) -> tuple[list[float], list[float], list[float]]:
+    train(bench_config(cfg, steps, out, profile))
     run = Path(cfg.run_dir)
     if int(os.environ.get("RANK", "0")) != 0:  # rank zero writes the log and the table
         return [], [], []
@@ -130,19 +137,29 @@ def raw_tokens_per_sec(cfg, steps: int, warmup: int, device: torch.device, profi
     return [rate]
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The bench's options, and the rest: the trainer's config overrides."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--no-raw", action="store_true", help="trainer only (multi-GPU runs: compare with raw_fsdp_baseline.py)")
     p.add_argument("--profile", type=int, default=0, help="after the timed steps, profile this many more (callbacks/profiler.py)")
     p.add_argument("--dir", default=None, help="run directory (shared by all ranks under torchrun); default: temporary")
-    args, overrides = p.parse_known_args()
-    os.environ.setdefault("LMTRAIN_RUN_ID", "bench")
+    return p.parse_known_args(argv)
+
+
+def composed(overrides: list[str]):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
     with open_dict(cfg):
         cfg.pop("hydra", None)
+    return cfg
+
+
+def main() -> None:
+    args, overrides = parse_args()
+    os.environ.setdefault("LMTRAIN_RUN_ID", "bench")
+    cfg = composed(overrides)
     with tempfile.TemporaryDirectory() as tmp:
         trainer_rates, mfus, mems = trainer_tokens_per_sec(cfg.copy(), args.steps, args.warmup, Path(args.dir or tmp), args.profile)
         if int(os.environ.get("RANK", "0")) != 0:

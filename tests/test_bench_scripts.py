@@ -1,0 +1,105 @@
+"""The bench scripts' trainer command lines compose and validate, so that a GPU call never starts a run the config
+check refuses (one did: a 1,000-step warm-up in a 12-step run, refused at start on the GPU).
+
+Each ``bench/*.sh`` script (each mode of those that take one) runs here with ``python3``, ``torchrun``, ``timeout``
+and ``nvidia-smi`` replaced on PATH by a recorder that writes down its argument list and exits 0 (``timeout`` drops
+its own arguments and runs the rest; ``torch.cuda.device_count()`` answers 4, so the multi-GPU rows run too). The
+script's own ``set -e`` is taken out, since its later lines read logs that the recorder never writes. Every
+recorded ``train.py`` and ``bench/throughput.py`` command is then composed from the real config tree, with
+bench/throughput.py's own changes for the latter (``bench_config``), and checked by ``validate_config``; the machine
+check is not run, as these commands are meant for GPUs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lmtrain.errors import InputError
+from lmtrain.training.config import validate_config
+from tests.conftest import ROOT, make_cfg
+
+BENCH = ROOT / "bench"
+
+RECORDER = """#!/usr/bin/env bash
+f=$(mktemp "$BENCH_RECORD/call.XXXXXX")
+printf '%s\\0' "$(basename "$0")" "$@" > "$f"
+case "$*" in *device_count*) echo 4 ;; esac
+exit 0
+"""
+TIMEOUT = """#!/usr/bin/env bash
+while [[ "${1:-}" == -* ]]; do shift; done
+shift
+exec "$@"
+"""
+
+
+def _modes(script: Path) -> list[str]:
+    """The case labels of a script that takes a mode (``name)`` lines at the case's depth), else ``[""]``."""
+    text = script.read_text()
+    if 'case "$mode" in' not in text and not re.search(r'case "\$\{1:\?', text):
+        return [""]
+    return re.findall(r"^(\w+)\)", text, flags=re.M)
+
+
+def _throughput():
+    spec = importlib.util.spec_from_file_location("bench_throughput", BENCH / "throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record(script: Path, mode: str, tmp_path: Path) -> list[list[str]]:
+    shims = tmp_path / "shims"
+    record = tmp_path / f"record-{script.stem}-{mode}"
+    shims.mkdir(exist_ok=True)
+    record.mkdir()
+    for name, text in (("python3", RECORDER), ("torchrun", RECORDER), ("nvidia-smi", RECORDER), ("timeout", TIMEOUT)):
+        (shims / name).write_text(text)
+        (shims / name).chmod(0o755)
+    copy = tmp_path / f"{script.stem}-{mode or 'all'}.sh"
+    copy.write_text(re.sub(r"^set -e(uo pipefail)?$", lambda m: "set -uo pipefail" if m.group(1) else "", script.read_text(), flags=re.M))
+    env = {
+        **os.environ,
+        "PATH": f"{shims}:{os.environ['PATH']}",
+        "BENCH_RECORD": str(record),
+        "OUT": str(tmp_path / "out"),
+        "RAW": "raw_gpt_baseline.py",
+        "RAW_DIR": str(tmp_path),
+    }
+    res = subprocess.run(["bash", str(copy), *([mode] if mode else [])], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, (script.name, mode, res.stdout[-2000:], res.stderr[-2000:])
+    return [f.read_bytes().decode().split("\0")[:-1] for f in sorted(record.iterdir())]
+
+
+CASES = [(s, m) for s in sorted(BENCH.glob("*.sh")) for m in _modes(s)]
+
+
+@pytest.mark.parametrize("script,mode", CASES, ids=[f"{s.stem}-{m}" if m else s.stem for s, m in CASES])
+def test_every_bench_script_trainer_command_validates(script, mode, tmp_path):
+    throughput = _throughput()
+    calls = _record(script, mode, tmp_path)
+    checked, failed = 0, []
+    for argv in calls:
+        entry = next((a for a in argv if a in ("train.py", "bench/throughput.py")), None)
+        if entry is None:
+            continue
+        rest = argv[argv.index(entry) + 1 :]
+        try:
+            if entry == "train.py":
+                cfg = make_cfg(rest, tmp_path)
+            else:
+                args, overrides = throughput.parse_args(rest)
+                cfg = throughput.bench_config(make_cfg(overrides, tmp_path), args.steps, tmp_path / "bench", args.profile)
+            validate_config(cfg)
+        except InputError as exc:
+            failed.append(f"{shlex.join(argv)}\n  {exc}")
+        checked += 1
+    assert checked, f"{script.name} {mode}: no trainer command recorded (calls: {calls})"
+    assert not failed, "\n".join(failed)
