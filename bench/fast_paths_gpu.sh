@@ -10,7 +10,7 @@
 #   bash bench/fast_paths_gpu.sh fsdp                                      # 2 GPUs: opt-1.3b fp8 under fsdp vs one GPU; llama-7b fp8 under fsdp
 #   RAW=... bash bench/fast_paths_gpu.sh fp8big                            # opt-1.3b: raw at batch 16 and 24, fp8 profiled, fp8 with the fused head at batch 24
 #   RAW=... bash bench/fast_paths_gpu.sh small32                           # opt-125m: raw at batch 32, bf16 with and without the fused head
-#   bash bench/fast_paths_gpu.sh fsdp7b                                    # 2 GPUs: opt-1.3b fp8 scaling at batch 32; llama-7b in fp8 and bf16, batch 2-3, checkpointing selective or none
+#   bash bench/fast_paths_gpu.sh fsdp7b                                    # 2 GPUs: opt-1.3b fp8 scaling at batch 32; llama-7b in fp8 and bf16, batch 2-3, checkpointing selective, op or none
 #   bash bench/fast_paths_gpu.sh loss                                      # opt-1.3b, 1,000 steps in bf16 and in fp8: the loss curves
 #
 # Logs go to $OUT (default /tmp/fast_paths); the table rows printed at the end are the figures.
@@ -95,7 +95,9 @@ fsdp7b)  # 2 GPUs: llama-7b at seq 4096 in fp8 and bf16; opt-1.3b fp8 scaling at
              "bf16-sel-b2 module.fp8=null data.batch_size=2 strategy.activation_checkpointing=selective" \
              "fp8-sel-b3 module.fp8=tensorwise data.batch_size=3 strategy.activation_checkpointing=selective" \
              "fp8-none-b2 module.fp8=tensorwise data.batch_size=2 strategy.activation_checkpointing=none" \
-             "bf16-sel-b3 module.fp8=null data.batch_size=3 strategy.activation_checkpointing=selective"; do
+             "bf16-sel-b3 module.fp8=null data.batch_size=3 strategy.activation_checkpointing=selective" \
+             "bf16-op-b2 module.fp8=null data.batch_size=2 strategy.activation_checkpointing=op" \
+             "fp8-op-b3 module.fp8=tensorwise data.batch_size=3 strategy.activation_checkpointing=op"; do
     set -- $run
     LMTRAIN_RUN_ID=$1 TMO=150 bench "$1-7b" --no-raw --dir "/tmp/$1" --steps 12 --warmup 4 $L7 "${@:2}" --launcher
   done

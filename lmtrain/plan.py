@@ -15,7 +15,10 @@ Memory per GPU, bf16 mixed precision with fp32 master weights and AdamW: weights
 optimizer state 8 B/param, each divided by the shard group (ddp: 1, fsdp: all GPUs, hsdp: one node); activations
 per micro-batch from Korthikanti et al. (2022) with flash attention: 34 x seq x batch x d_model bytes per layer
 without recomputation, 2 x seq x batch x d_model per layer (the saved block inputs) plus one layer's full set with
-full activation checkpointing, half of the layers each way with selective (every other block); plus the logits,
+full activation checkpointing, half of the layers each way with selective (every other block), and with ``op`` (every
+block keeps its products' and attention's outputs) 22 x seq x batch x d_model per layer (of the 34: the block input 2,
+q, k and v 6, attention's output 2, the output projection's 2, the MLP's first product 8 and second 2; the norms,
+activation and dropout masks recomputed) plus one layer's full set; plus the logits,
 batch x seq x vocab x 6 bytes (bf16 and the fp32 copy the loss takes; with ``module.loss_chunk_tokens=C``, C x vocab
 x 6 bytes plus the gradients the chunked head keeps: hidden states and head weight in fp32; with ``module.compile``
 or ``strategy.compile`` counted as whole-batch logits, since under compile it saved a tenth to a seventh of that); under ddp on more than one GPU, DDP's
@@ -37,7 +40,7 @@ from lmtrain import config_dir
 from lmtrain.training.config import ConfigError, validate_config
 
 STRATEGIES = ("ddp", "fsdp", "hsdp")
-AC = ("none", "selective", "full")
+AC = ("none", "op", "selective", "full")
 GB = 1e9
 MARGIN = 0.9
 DEFAULT_TFLOPS = 0.5 * 989.0
@@ -84,6 +87,8 @@ def memory(
         act = L * per_layer_full
     elif ac == "full":
         act = L * per_layer_saved + per_layer_full
+    elif ac == "op":
+        act = L * 22 * seq * batch * d + per_layer_full
     else:
         act = math.ceil(L / 2) * per_layer_full + (L // 2) * per_layer_saved
     out = {

@@ -100,6 +100,59 @@ def test_checkpoint_wrapper_recomputes_the_same_block():
     assert torch.equal(g, x.grad) and type(wrapped).__name__ == "CheckpointWrapper"
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])  # CPU attention: PyTorch's fused kernel without dropout, the math path's products with it
+def test_op_level_checkpointing_keeps_the_products_and_recomputes_the_rest(dropout):
+    """``checkpoint_wrapper(keep_products=True)`` (``strategy.activation_checkpointing=op``) on a real Llama-style
+    decoder: the gradients are the plain model's bit for bit (the dropout masks replayed); the backward pass
+    recomputes the blocks' SiLU (their cheap work) but not one of their matrix products or attention calls, where
+    full checkpointing recomputes them all."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lmtrain.nn.model import Decoder
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def run(mode):
+        torch.manual_seed(0)
+        model = Decoder(family="llama", vocab_size=96, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, dropout=dropout)
+        if mode != "none":
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = compat.checkpoint_wrapper(block, keep_products=mode == "op")
+        idx = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(2)  # the dropout masks
+        loss = model(idx, idx)
+        with Count() as count:
+            loss.backward()
+        grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()}
+        return grads, count.ops
+
+    def replayed(ops, plain_ops, name):
+        return sum(ops.count(o) - plain_ops.count(o) for o in set(ops) if name(o) and "backward" not in o)
+
+    plain, plain_ops = run("none")
+    for mode in ("op", "full"):
+        grads, ops = run(mode)
+        assert grads.keys() == plain.keys() and all(torch.equal(grads[n], plain[n]) for n in plain), mode
+        products = replayed(ops, plain_ops, lambda o: o == "mm")  # qkv, proj, gate_up, down: 4 per block
+        attention = replayed(ops, plain_ops, lambda o: o == "bmm" or "scaled_dot_product" in o)
+        silu = replayed(ops, plain_ops, lambda o: o == "silu")
+        assert silu == 2, (mode, silu)
+        # full: every product up to the last one the backward needs (PyTorch stops replaying there: 3 or 4 per block)
+        assert (products, attention) == (0, 0) if mode == "op" else (products >= 6 and attention == 2 * (1 + (dropout > 0))), (
+            mode,
+            products,
+            attention,
+        )
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_loader_state_inside_a_real_lightning_checkpoint(tmp_path, workers):
     """loader_states / sampler_state find our sampler's position in torchdata's layout (with and without workers) as

@@ -118,14 +118,16 @@ def test_fsdp_options_activation_checkpointing_meta_init_and_compile(tmp_path, d
     gradients reduced in bf16 (strategy.reduce_dtype=bfloat16) train like the fp32 reduction to bf16 rounding, and
     not identically; strategy.compile=true compiles every block and the output head with the loss
     (Decoder.head_loss under FSDP2) and computes one eager process's losses to float rounding (one rank; needs a C
-    compiler). Three launches of 2 ranks share the assertions: full, selective, and selective with the bf16 reduction."""
+    compiler). Three launches of 2 ranks share the assertions: full, selective, and op-level with the bf16 reduction."""
     common = ["strategy=fsdp", "trainer.devices=2", "data.batch_size=4", "trainer.max_steps=4", "scheduler.total_steps=4"]
     bf16 = [*common, "trainer.precision=bf16-mixed", "strategy.init_device=meta"]  # built on meta, then sharded
     # full recomputes every block, selective every other one: equal to the digit only if recomputing is exact
     full_run = _run(tmp_path, dataset_dir, "full", *bf16, "strategy.activation_checkpointing=full")
     _run(tmp_path, dataset_dir, "sel", *bf16, "strategy.activation_checkpointing=selective")
-    r16_run = _run(tmp_path, dataset_dir, "r16", *bf16, "strategy.activation_checkpointing=selective", "strategy.reduce_dtype=bfloat16")
+    # op-level checkpointing (tests/test_compat.py: it replays exactly) under FSDP2, with the gradients reduced in bf16
+    r16_run = _run(tmp_path, dataset_dir, "r16", *bf16, "strategy.activation_checkpointing=op", "strategy.reduce_dtype=bfloat16")
     assert "(reduce torch.float32)" in full_run.stderr and "(reduce torch.bfloat16)" in r16_run.stderr
+    assert "activation checkpointing op," in r16_run.stderr
     full = _losses(tmp_path / "runs" / "full")
     assert sorted(full) == [0, 1, 2, 3] and full == _losses(tmp_path / "runs" / "sel")
     r32, r16 = ({s: float(v) for s, v in _losses(tmp_path / "runs" / n).items()} for n in ("sel", "r16"))

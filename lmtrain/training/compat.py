@@ -85,13 +85,46 @@ def saves_sharded(strategy) -> bool:
     return False
 
 
-def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
+def checkpoint_wrapper(module: torch.nn.Module, keep_products: bool = False) -> torch.nn.Module:
     """Activation checkpointing of one block, as FSDP2 composes with it: ``checkpoint_wrapper`` lives in the private
     module ``torch.distributed.algorithms._checkpoint`` (torchtitan uses it the same way); the RNG state is kept so
-    that dropout replays identically."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
+    that dropout replays identically. ``keep_products``: selective checkpointing by operator (PyTorch's public
+    ``create_selective_checkpoint_contexts``): the outputs of the matrix products and of attention are kept, the
+    rest of the block (norms, activation functions, rotary embedding, dropout, residual adds) is recomputed in the
+    backward pass (lmtrain.training.strategies, ``activation_checkpointing=op``)."""
+    from functools import partial
 
-    return wrap(module, preserve_rng_state=True)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    if not keep_products:
+        return wrap(module, preserve_rng_state=True)
+    return wrap(module, preserve_rng_state=True, context_fn=partial(create_selective_checkpoint_contexts, keep_products_policy))
+
+
+def _kept_ops() -> frozenset:
+    aten = torch.ops.aten
+    names = (
+        "mm", "addmm", "bmm", "_scaled_mm",  # the linear layers (bf16 and torchao's float8) and batched products
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    )  # fmt: skip
+    ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    flex = getattr(torch.ops.higher_order, "flex_attention", None)
+    return frozenset(ops | ({flex} if flex is not None else set()))
+
+
+def keep_products_policy(ctx, op, *args, **kwargs):
+    """The selective checkpointing policy of ``checkpoint_wrapper(keep_products=True)``: keep what the products and
+    attention computed, recompute everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op in _KEPT:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_KEPT = _kept_ops()
 
 
 def loader_states(checkpoint: dict) -> list:

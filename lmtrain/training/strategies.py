@@ -12,7 +12,9 @@ sharded checkpoints (PyTorch distributed checkpoint, one file per rank). Options
   so every rank skips the same steps (lmtrain.training.precision);
 * ``reduce_dtype``: ``float32`` (the default: gradients summed over ranks in fp32) or ``bfloat16`` (half the
   reduce-scatter traffic; each rank's bf16 gradient is rounded before the sum);
-* ``activation_checkpointing``: ``none``, ``selective`` (every other block) or ``full`` (every block);
+* ``activation_checkpointing``: ``none``, ``selective`` (every other block), ``full`` (every block) or ``op``
+  (every block, by operator: the matrix products' and attention's outputs are kept and only the cheap rest, the
+  norms, activation functions, rotary embedding and dropout, is recomputed; torchtitan's op-level selective mode);
 * ``compile``: ``torch.compile`` each block, and the output head with the loss;
 * ``cpu_offload``: keep sharded parameters, gradients and optimizer state in host memory;
 * ``reshard_after_forward``: free gathered parameters after forward (less memory, one more all-gather); the
@@ -35,7 +37,7 @@ from torch import nn
 from lmtrain.errors import InputError
 from lmtrain.training import compat
 
-AC_MODES = ("none", "selective", "full")
+AC_MODES = ("none", "selective", "full", "op")
 REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -123,8 +125,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         if blocks is None:
             raise StrategyError(f"{type(self).__name__} shards per block: the model {type(model).__name__} has no `blocks` list")
         for i, block in enumerate(blocks):
-            if self.activation_checkpointing == "full" or (self.activation_checkpointing == "selective" and i % 2 == 0):
-                block = compat.checkpoint_wrapper(block)
+            if self.activation_checkpointing in ("full", "op") or (self.activation_checkpointing == "selective" and i % 2 == 0):
+                block = compat.checkpoint_wrapper(block, keep_products=self.activation_checkpointing == "op")
             if self.compile_blocks:
                 block.compile()
             # the last block's parameters would be gathered again at once for the backward: keep them (as torchtitan)
