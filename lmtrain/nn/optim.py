@@ -101,3 +101,35 @@ def warmup_decay(
 ) -> LambdaLR:
     """The scheduler of ``conf/scheduler/*.yaml`` (stepped once per optimizer step); a resume keeps this schedule."""
     return ConfiguredLR(optimizer, WarmupDecay(warmup_steps, total_steps, decay, min_lr_ratio))
+
+
+# GPT-3's peak learning rates by total parameters (Brown et al. 2020, table 2.1), where most recipes start from; the
+# OPT models used the same. A 7B model at the default 1e-3 (8x its row) diverged within two steps (docs/BENCHMARKS.md).
+GPT3_PEAK_LR = ((125e6, 6e-4), (350e6, 3e-4), (760e6, 2.5e-4), (1.3e9, 2e-4), (2.7e9, 1.6e-4), (6.7e9, 1.2e-4), (13e9, 1e-4), (175e9, 6e-5))
+TOO_HIGH = 3.0
+
+
+def published_lr(params: int) -> float | None:
+    """GPT-3's peak learning rate for a model of ``params`` parameters, interpolated on log scales between its rows
+    (the last row beyond 175B); None below 125M, smaller than any row."""
+    rows = GPT3_PEAK_LR
+    if params < rows[0][0]:
+        return None
+    for (n0, lr0), (n1, lr1) in zip(rows, rows[1:], strict=False):
+        if params <= n1:
+            t = math.log(params / n0) / math.log(n1 / n0)
+            return math.exp(math.log(lr0) + t * math.log(lr1 / lr0))
+    return rows[-1][1]
+
+
+def lr_warning(lr: float, params: int) -> str | None:
+    """What to tell a user whose peak learning rate is more than ``TOO_HIGH`` times GPT-3's for the model's size (the
+    fat-fingered or forgotten one: a model preset chosen without its experiment's rate), or None."""
+    ref = published_lr(params)
+    if ref is None or lr <= TOO_HIGH * ref:
+        return None
+    return (
+        f"optimizer.lr={lr:g} is {lr / ref:.1f}x the peak rate GPT-3 used at this size ({ref:.2g} for {params / 1e9:.2f}B "
+        "parameters); rates this far above it tend to diverge early (llama-7b at 1e-3 did within two steps, "
+        "docs/BENCHMARKS.md). The experiment presets carry published rates (experiment=llama-7b: 3e-4)"
+    )

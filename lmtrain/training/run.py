@@ -247,6 +247,12 @@ def _build(att: _Attempt) -> None:
 
     shape = meta_model(model_factory)
     log.info(describe_model(shape))
+    if cfg.get("optimizer") and isinstance(cfg.optimizer.get("lr"), int | float):
+        from lmtrain.nn.model import num_params
+        from lmtrain.nn.optim import lr_warning
+
+        if warning := lr_warning(float(cfg.optimizer.lr), num_params(shape)):
+            log.warning(warning)
     if getattr(datamodule, "document_mask", False) and "doc" not in inspect.signature(shape.forward).parameters:
         raise ConfigError(
             f"data.document_mask=true: the model {type(shape).__name__} ({cfg.model.get('_target_')}) takes no document ids; "
