@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import torch
@@ -33,17 +32,34 @@ def read_config(run_dir: Path) -> dict:
 
 
 def load_model_state(ckpt: ck.Checkpoint) -> dict[str, torch.Tensor]:
-    """The model's parameters (``model.`` prefix removed) from a single-file or sharded checkpoint, on the CPU."""
-    if ckpt.meta.get("format") == "sharded":
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """The model's parameters (``model.`` prefix removed) from a single-file or sharded checkpoint, on the CPU.
 
-        with tempfile.TemporaryDirectory() as tmp:
-            dcp_to_torch_save(ckpt.path, Path(tmp) / "full.pt")
-            state = torch.load(Path(tmp) / "full.pt", map_location="cpu", weights_only=False)
+    From a sharded (distributed checkpoint) one only the model's tensors are read, assembled from every rank's file
+    in this one process: not the optimizer state (twice the model again), and nothing written to disk."""
+    if ckpt.meta.get("format") == "sharded":
+        sd = _sharded_model_tensors(ckpt.path)
     else:
-        state = torch.load(ckpt.load_path, map_location="cpu", mmap=True, weights_only=False)
-    sd = state["state_dict"]
+        sd = torch.load(ckpt.load_path, map_location="cpu", mmap=True, weights_only=False)["state_dict"]
     return {k.removeprefix("model."): v for k, v in sd.items() if k.startswith("model.")}
+
+
+def _sharded_model_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """``state_dict.model.*`` of a distributed checkpoint, whole tensors on the CPU, without a process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(path))
+    entries = reader.read_metadata().state_dict_metadata
+    prefix = "state_dict.model."
+    state = {
+        "state_dict": {
+            name.removeprefix("state_dict."): torch.empty(entry.size, dtype=entry.properties.dtype)
+            for name, entry in entries.items()
+            if name.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+        }
+    }
+    dcp.load(state, storage_reader=reader, no_dist=True)  # the keys asked for, each assembled from its shards
+    return state["state_dict"]
 
 
 def load_run(run_dir: Path, checkpoint: str | None = None, device: str = "cpu"):
