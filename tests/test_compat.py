@@ -100,10 +100,12 @@ def test_checkpoint_wrapper_recomputes_the_same_block():
     assert torch.equal(g, x.grad) and type(wrapped).__name__ == "CheckpointWrapper"
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])  # CPU attention: PyTorch's fused kernel without dropout, the math path's products with it
-def test_op_level_checkpointing_keeps_the_products_and_recomputes_the_rest(dropout):
+# CPU attention: PyTorch's fused kernel without dropout, the math path's products with it; fp8: torchao's float8 products
+@pytest.mark.parametrize("dropout,fp8", [(0.0, False), (0.1, False), (0.0, True)], ids=["fused-attention", "dropout", "fp8"])
+def test_op_level_checkpointing_keeps_the_products_and_recomputes_the_rest(dropout, fp8):
     """``checkpoint_wrapper(keep_products=True)`` (``strategy.activation_checkpointing=op``) on a real Llama-style
-    decoder: the gradients are the plain model's bit for bit (the dropout masks replayed); the backward pass
+    decoder, in fp32 and with torchao's float8 products: the gradients are the plain model's bit for bit (the
+    dropout masks replayed); the backward pass
     recomputes the blocks' SiLU (their cheap work) but not one of their matrix products or attention calls, where
     full checkpointing recomputes them all."""
     import torch
@@ -123,6 +125,10 @@ def test_op_level_checkpointing_keeps_the_products_and_recomputes_the_rest(dropo
     def run(mode):
         torch.manual_seed(0)
         model = Decoder(family="llama", vocab_size=96, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, dropout=dropout)
+        if fp8:
+            from lmtrain.training import fp8 as fp8_module
+
+            fp8_module.convert(model, "tensorwise", sharded=False, device=torch.device("cpu"))
         if mode != "none":
             for i, block in enumerate(model.blocks):
                 model.blocks[i] = compat.checkpoint_wrapper(block, keep_products=mode == "op")
@@ -141,7 +147,7 @@ def test_op_level_checkpointing_keeps_the_products_and_recomputes_the_rest(dropo
     for mode in ("op", "full"):
         grads, ops = run(mode)
         assert grads.keys() == plain.keys() and all(torch.equal(grads[n], plain[n]) for n in plain), mode
-        products = replayed(ops, plain_ops, lambda o: o == "mm")  # qkv, proj, gate_up, down: 4 per block
+        products = replayed(ops, plain_ops, lambda o: o in ("mm", "_scaled_mm"))  # qkv, proj, gate_up, down: 4 per block
         attention = replayed(ops, plain_ops, lambda o: o == "bmm" or "scaled_dot_product" in o)
         silu = replayed(ops, plain_ops, lambda o: o == "silu")
         assert silu == 2, (mode, silu)
