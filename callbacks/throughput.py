@@ -34,6 +34,19 @@ def detect_peak_flops(precision: str) -> float | None:
     return float(flops) if flops else None
 
 
+def alloc_retry_warning(retries: int, step: int) -> str | None:
+    """What to say when PyTorch's CUDA caching allocator has had to free its cache and retry an allocation
+    (``num_alloc_retries`` of ``torch.cuda.memory_stats``): memory is at the card's limit, and every retry
+    synchronizes the device and stalls the step. None when there were none."""
+    if retries <= 0:
+        return None
+    return (
+        f"step {step}: the CUDA allocator freed its cache and retried {retries} allocation(s) so far: memory is at the "
+        "card's limit and each retry stalls the step (perf/alloc_retries); a smaller data.batch_size or more activation "
+        "checkpointing may train faster"
+    )
+
+
 class Throughput(L.Callback, ReportsThroughput):
     """Logs ``perf/tokens_per_sec`` (all ranks together) and ``perf/mfu`` each optimizer step.
 
@@ -64,6 +77,7 @@ class Throughput(L.Callback, ReportsThroughput):
         self.last_tokens_per_sec: float | None = None
         self.smoothed_tokens_per_sec: float | None = None
         self._window: deque[tuple[float, float]] = deque(maxlen=smoothing_steps)  # (tokens, seconds) per step
+        self._retries_warned = 0  # the allocator retries already warned about (alloc_retry_warning)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._peak = self.peak_tflops * 1e12 if self.peak_tflops else detect_peak_flops(trainer.precision)
@@ -97,6 +111,13 @@ class Throughput(L.Callback, ReportsThroughput):
             metrics["perf/mfu"] = per_device * self._flops_per_token / self._peak
         if pl_module.device.type == "cuda":
             metrics["perf/max_memory_gib"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
+            retries = int(torch.cuda.memory_stats(pl_module.device).get("num_alloc_retries", 0))
+            metrics["perf/alloc_retries"] = retries
+            if retries > self._retries_warned and (warning := alloc_retry_warning(retries, trainer.global_step)):
+                self._retries_warned = retries * 10  # again only if they grow tenfold
+                from lmtrain.console import log
+
+                log.warning(f"rank {trainer.global_rank}: {warning}")
         log_direct(trainer, metrics)  # cheaper than self.log for what the progress bar does not show
         self._t_last, self._tokens, self._last_step = now, 0, trainer.global_step
 

@@ -199,3 +199,21 @@ def test_the_step_profiler_beside_a_trainer_profiler_is_refused_before_anything_
     with pytest.raises(InputError, match="more than one profiler"):
         train(cfg)
     assert not any(Path(cfg.run_dir).iterdir())  # the run directory is made, and stays empty
+
+
+def test_allocator_retries_are_named_and_the_run_sets_expandable_segments(tiny_cfg, tmp_path, monkeypatch):
+    """callbacks.throughput's warning for the CUDA allocator's retries (none: nothing to say), and the allocator setting
+    a run makes unless the user made one (read from the environment at the first CUDA allocation)."""
+    import os
+
+    from lmtrain.callbacks.throughput import alloc_retry_warning
+
+    assert alloc_retry_warning(0, 10) is None
+    assert alloc_retry_warning(3, 10).startswith("step 10: the CUDA allocator freed its cache and retried 3 allocation(s)")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    train(tiny_cfg("trainer.max_steps=1", "trainer.limit_val_batches=0"))
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    train(tiny_cfg("trainer.max_steps=1", "trainer.limit_val_batches=0", f"run_dir={tmp_path / 'again'}"))
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"

@@ -114,6 +114,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
     What the run says goes to the console and, once the attempt is accepted, to ``RUN_DIR/train.log``
     (lmtrain.console), with how it ended: the summary, the ``stopped:`` or ``error:`` line, or the traceback.
     """
+    # PyTorch's caching allocator with expandable segments: blocks grow in place instead of fragmenting the card near its
+    # limit (torchtitan's default too). It is read at the first CUDA allocation, which comes later; a user's own
+    # setting (PYTORCH_CUDA_ALLOC_CONF, or PYTORCH_ALLOC_CONF, its newer name) wins. callbacks.throughput logs the
+    # allocator's retries (perf/alloc_retries).
+    if not os.environ.get("PYTORCH_ALLOC_CONF"):
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     console.begin_run()
     clock = Goodput(time.monotonic())  # the run's start, and where its time goes across attempts (lmtrain.training.goodput)
     rollback = None
