@@ -101,6 +101,9 @@ fsdp7b)  # 2 GPUs: llama-7b at seq 4096 in fp8 and bf16; opt-1.3b fp8 scaling at
     set -- $run
     LMTRAIN_RUN_ID=$1 TMO=150 bench "$1-7b" --no-raw --dir "/tmp/$1" --steps 12 --warmup 4 $L7 "${@:2}" --launcher
   done
+  # the allocator near the card's limit: the fp8-none-b2 row again without expandable segments (runs default to them)
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False LMTRAIN_RUN_ID=nox TMO=150 bench fp8-none-b2-noexpand-7b --no-raw --dir /tmp/nox \
+    --steps 12 --warmup 4 $L7 module.fp8=tensorwise data.batch_size=2 strategy.activation_checkpointing=none --launcher
   ;;
 loss)
   L="$M13 data.seq_len=1024 data.batch_size=8 optimizer.lr=2e-4 scheduler.warmup_steps=100 trainer.max_steps=1000 trainer.val_check_interval=500 trainer.limit_val_batches=20 trainer.enable_progress_bar=false callbacks.checkpoint.every_n_steps=0 callbacks.disk_guard.margin_gb=0 paths.runs=$OUT/runs"
