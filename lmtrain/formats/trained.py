@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -58,7 +59,9 @@ def _sharded_model_tensors(path: Path) -> dict[str, torch.Tensor]:
             if name.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
         }
     }
-    dcp.load(state, storage_reader=reader, no_dist=True)  # the keys asked for, each assembled from its shards
+    with warnings.catch_warnings():  # one process on purpose: DCP's "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", message=".*load in a single process.*")
+        dcp.load(state, storage_reader=reader, no_dist=True)  # the keys asked for, each assembled from its shards
     return state["state_dict"]
 
 
