@@ -33,6 +33,7 @@ from omegaconf import open_dict  # noqa: E402
 import lmtrain.training.config  # noqa: E402,F401
 from lmtrain.callbacks.profiler import summarize  # noqa: E402
 from lmtrain.data.datamodule import PackedBlocks  # noqa: E402
+from lmtrain.errors import InputError  # noqa: E402
 from lmtrain.formats.metrics import metric  # noqa: E402
 from lmtrain.nn.model import num_params  # noqa: E402
 from lmtrain.training.module import lm_loss  # noqa: E402
@@ -42,7 +43,15 @@ from lmtrain.training.run import train  # noqa: E402
 def bench_config(cfg, steps: int, out: Path, profile: int = 0):
     """The run the bench trains: ``cfg`` (modified in place) for ``steps`` steps (plus ``profile`` profiled ones) in
     ``out/trainer``, no validation, checkpoints or progress bar, metrics to CSV. tests/test_bench_scripts.py validates
-    what the bench scripts pass here, so that a config a GPU call would refuse fails in CI first."""
+    what the bench scripts pass here, so that a config a GPU call would refuse fails in CI first. The figures come
+    from the throughput callback's ``perf/tokens_per_sec``: a config without it (``callbacks=none``) is refused here,
+    before anything is built."""
+    targets = [str(c.get("_target_", "")) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    if not any(t.endswith(".Throughput") for t in targets):
+        raise InputError(
+            "bench/throughput.py reads perf/tokens_per_sec from callbacks.throughput, which this config leaves out "
+            "(callbacks=none?): drop single callbacks instead, e.g. ~callbacks.divergence"
+        )
     with open_dict(cfg):
         # profiled steps come after the timed ones, and after the two steps the profiler starts up in: they do not slow them
         cfg.trainer.max_steps = steps + 2 + profile if profile else steps

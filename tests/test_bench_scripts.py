@@ -103,3 +103,14 @@ def test_every_bench_script_trainer_command_validates(script, mode, tmp_path):
         checked += 1
     assert checked, f"{script.name} {mode}: no trainer command recorded (calls: {calls})"
     assert not failed, "\n".join(failed)
+
+
+def test_the_bench_refuses_a_config_without_the_throughput_callback(tmp_path):
+    """``callbacks=none`` leaves bench/throughput.py nothing to read (one GPU call measured nothing that way): refused
+    in its config step, naming the way to drop one callback instead; dropping one is accepted."""
+    throughput = _throughput()
+    with pytest.raises(InputError, match=r"callbacks.throughput.*~callbacks.divergence"):
+        throughput.bench_config(make_cfg(["callbacks=none"], tmp_path), 12, tmp_path / "bench")
+    validate_config(
+        throughput.bench_config(make_cfg(["~callbacks.divergence", "scheduler.warmup_steps=1"], tmp_path), 12, tmp_path / "bench")
+    )
