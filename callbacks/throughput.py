@@ -110,14 +110,16 @@ class Throughput(L.Callback, ReportsThroughput):
         if self.log_mfu and self._peak and self._flops_per_token:
             metrics["perf/mfu"] = per_device * self._flops_per_token / self._peak
         if pl_module.device.type == "cuda":
-            metrics["perf/max_memory_gib"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
-            retries = int(torch.cuda.memory_stats(pl_module.device).get("num_alloc_retries", 0))
+            # one read of the allocator's statistics (max_memory_allocated would read them all again for its one entry)
+            stats = torch.cuda.memory_stats(pl_module.device)
+            metrics["perf/max_memory_gib"] = stats.get("allocated_bytes.all.peak", 0) / 2**30
+            retries = int(stats.get("num_alloc_retries", 0))
             metrics["perf/alloc_retries"] = retries
-            if retries > self._retries_warned and (warning := alloc_retry_warning(retries, trainer.global_step)):
+            if retries > self._retries_warned:
                 self._retries_warned = retries * 10  # again only if they grow tenfold
                 from lmtrain.console import log
 
-                log.warning(f"rank {trainer.global_rank}: {warning}")
+                log.warning(f"rank {trainer.global_rank}: {alloc_retry_warning(retries, trainer.global_step)}")
         log_direct(trainer, metrics)  # cheaper than self.log for what the progress bar does not show
         self._t_last, self._tokens, self._last_step = now, 0, trainer.global_step
 
