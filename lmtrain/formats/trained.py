@@ -36,11 +36,18 @@ def load_model_state(ckpt: ck.Checkpoint) -> dict[str, torch.Tensor]:
     """The model's parameters (``model.`` prefix removed) from a single-file or sharded checkpoint, on the CPU.
 
     From a sharded (distributed checkpoint) one only the model's tensors are read, assembled from every rank's file
-    in this one process: not the optimizer state (twice the model again), and nothing written to disk."""
-    if ckpt.meta.get("format") == "sharded":
-        sd = _sharded_model_tensors(ckpt.path)
-    else:
-        sd = torch.load(ckpt.load_path, map_location="cpu", mmap=True, weights_only=False)["state_dict"]
+    in this one process: not the optimizer state (twice the model again), and nothing written to disk. A file that
+    verified complete (its size) but does not read (damaged contents) is one InputError naming the checkpoint."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
+
+    try:
+        if ckpt.meta.get("format") == "sharded":
+            sd = _sharded_model_tensors(ckpt.path)
+        else:
+            sd = torch.load(ckpt.load_path, map_location="cpu", mmap=True, weights_only=False)["state_dict"]
+    except (Exception, CheckpointException) as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise InputError(f"checkpoint {ckpt.path} does not read (damaged?): {type(exc).__name__}: {first}") from exc
     return {k.removeprefix("model."): v for k, v in sd.items() if k.startswith("model.")}
 
 
