@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from lmtrain.training.run import train
-from tests.conftest import ROOT, TINY, make_cfg
+from tests.conftest import ROOT, TINY, make_cfg, run_train_cli
 
 
 def _generate(run, *args):
@@ -37,17 +37,21 @@ def test_generate_from_the_newest_checkpoint(tmp_path, dataset_dir, capsys):
 
 def test_a_checkpoint_whose_contents_are_damaged_is_one_error_naming_it(tmp_path, dataset_dir, capsys):
     """Sizes intact, contents not (a sharded checkpoint's metadata zeroed in place): generate says which checkpoint
-    does not read, exit 2, no traceback, and the file is left as it was."""
+    does not read, exit 2, no traceback, and the file is left as it was. The sharded run trains in its own process:
+    in this one, Lightning would leave MASTER_PORT set and its gloo store listening on it for later launches."""
     from lmtrain.generate import main
 
-    train(make_cfg(TINY + ["callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0", "callbacks.checkpoint.every_n_steps=2",
-                           "trainer.max_steps=2", "strategy=fsdp"], tmp_path, dataset_dir))  # fmt: skip
-    ckpt = tmp_path / "run" / "checkpoints" / "step-0000002"
+    run = tmp_path / "run"
+    res = run_train_cli(TINY + ["callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0", "callbacks.checkpoint.every_n_steps=2",
+                                "trainer.max_steps=2", "strategy=fsdp", f"data.path={dataset_dir}", "data.prepare=null",
+                                f"run_dir={run}"], tmp_path)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    ckpt = run / "checkpoints" / "step-0000002"
     metadata = ckpt / ".metadata"
     damaged = bytearray(metadata.read_bytes())
     damaged[10:60] = bytes(50)
     metadata.write_bytes(bytes(damaged))
-    code, err = main([str(tmp_path / "run"), "--prompt", "x"]), capsys.readouterr().err
+    code, err = main([str(run), "--prompt", "x"]), capsys.readouterr().err
     assert code == 2 and "Traceback" not in err, err
     assert f"error: checkpoint {ckpt} does not read (damaged?): UnpicklingError" in err
     assert metadata.read_bytes() == bytes(damaged)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 
@@ -116,7 +115,7 @@ def published_lr(params: int) -> float | None:
     rows = GPT3_PEAK_LR
     if params < rows[0][0]:
         return None
-    for (n0, lr0), (n1, lr1) in itertools.pairwise(rows):
+    for (n0, lr0), (n1, lr1) in zip(rows, rows[1:], strict=False):
         if params <= n1:
             t = math.log(params / n0) / math.log(n1 / n0)
             return math.exp(math.log(lr0) + t * math.log(lr1 / lr0))
