@@ -10,6 +10,9 @@
 #   bash bench/fast_paths_gpu.sh fsdp                                      # 2 GPUs: opt-1.3b fp8 under fsdp vs one GPU; llama-7b fp8 under fsdp
 #   RAW=... bash bench/fast_paths_gpu.sh fp8big                            # opt-1.3b: raw at batch 16 and 24, fp8 profiled, fp8 with the fused head at batch 24
 #   RAW=... bash bench/fast_paths_gpu.sh small32                           # opt-125m: raw at batch 32, bf16 with and without the fused head
+#   bash bench/fast_paths_gpu.sh op7b                                      # 2 GPUs: llama-7b bf16 at batch 2, checkpointing by operator beside selective
+#   bash bench/fast_paths_gpu.sh op7bfp8                                   # 2 GPUs: llama-7b fp8, checkpointing by operator, batch 3 and 2
+#   bash bench/fast_paths_gpu.sh alloc7b                                   # 2 GPUs: llama-7b fp8 without checkpointing, with and without expandable segments
 #   bash bench/fast_paths_gpu.sh fsdp7b                                    # 2 GPUs: opt-1.3b fp8 scaling at batch 32; llama-7b in fp8 and bf16, batch 2-3, checkpointing selective, op or none
 #   bash bench/fast_paths_gpu.sh loss                                      # opt-1.3b, 1,000 steps in bf16 and in fp8: the loss curves
 #
@@ -41,7 +44,25 @@ raw() {  # NAME ARGS...: the shared raw baseline
   echo "$name $(tail -2 "$OUT/$name.log" | tr '\n' ' ')"
 }
 
-for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, small32, fsdp, fsdp7b or loss}"; do
+llama7b() {  # PRECISION-CHECKPOINTING-bBATCH [noexpand]: one llama-7b run at seq 4096 under fsdp on 2 GPUs (12 steps)
+  # The short runs climb to optimizer.lr in 4 steps, and a 7B model spikes under such a warmup even at 3e-5 (bf16 and
+  # fp8 alike, docs/BENCHMARKS.md): the divergence detector is left out, as throughput does not depend on the loss.
+  # noexpand: without expandable segments (runs default to them: lmtrain.training.run), to see the allocator's share.
+  local name=$1 precision ac batch
+  IFS=- read -r precision ac batch <<< "$name"
+  local fp8=null
+  [ "$precision" = fp8 ] && fp8=tensorwise
+  [ "$ac" = sel ] && ac=selective
+  (
+  if [ "${2:-}" = noexpand ]; then name=$name-noexpand; export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False; fi
+  LMTRAIN_RUN_ID=$name TMO=150 bench "$name-7b" --no-raw --dir "/tmp/$name" --steps 12 --warmup 4 \
+    trainer=gpu logger=csv model=llama-7b data.seq_len=4096 strategy=fsdp strategy.compile=true strategy.init_device=meta \
+    trainer.devices=2 optimizer.lr=3e-5 scheduler.warmup_steps=4 ~callbacks.divergence \
+    module.fp8=$fp8 data.batch_size="${batch#b}" strategy.activation_checkpointing="$ac" --launcher
+  )
+}
+
+for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, small32, fsdp, fsdp7b, op7b, op7bfp8, alloc7b or loss}"; do
 case "$mode" in
 fp8)
   raw raw-1.3b 1.3b --compile --batch 16 --steps 30
@@ -85,25 +106,24 @@ small32)
   bench liger-125m-b64 --no-raw --steps 40 --warmup 10 $M125 data.seq_len=1024 data.batch_size=64 module.loss_kernel=liger
   ;;
 fsdp7b)  # 2 GPUs: llama-7b at seq 4096 in fp8 and bf16; opt-1.3b fp8 scaling at batch 32 per GPU
-  # The short runs climb to optimizer.lr in 4 steps, and a 7B model spikes under such a warmup even at 3e-5 (bf16 and
-  # fp8 alike, docs/BENCHMARKS.md): the divergence detector is left out, as throughput does not depend on the loss.
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  L7="trainer=gpu logger=csv model=llama-7b data.seq_len=4096 strategy=fsdp strategy.compile=true strategy.init_device=meta trainer.devices=2 optimizer.lr=3e-5 scheduler.warmup_steps=4 ~callbacks.divergence"
   LMTRAIN_RUN_ID=b13 TMO=150 bench fp8-1.3b-fsdp2-b32 --no-raw --dir /tmp/b13 --steps 24 --warmup 8 $M13 data.seq_len=1024 data.batch_size=32 strategy=fsdp strategy.compile=true trainer.devices=2 module.fp8=tensorwise --launcher
   CUDA_VISIBLE_DEVICES=0 TMO=140 bench fp8-1.3b-1gpu-b32 --no-raw --steps 24 --warmup 8 $M13 data.seq_len=1024 data.batch_size=32 module.fp8=tensorwise
-  for run in "fp8-sel-b2 module.fp8=tensorwise data.batch_size=2 strategy.activation_checkpointing=selective" \
-             "bf16-sel-b2 module.fp8=null data.batch_size=2 strategy.activation_checkpointing=selective" \
-             "fp8-sel-b3 module.fp8=tensorwise data.batch_size=3 strategy.activation_checkpointing=selective" \
-             "fp8-none-b2 module.fp8=tensorwise data.batch_size=2 strategy.activation_checkpointing=none" \
-             "bf16-sel-b3 module.fp8=null data.batch_size=3 strategy.activation_checkpointing=selective" \
-             "bf16-op-b2 module.fp8=null data.batch_size=2 strategy.activation_checkpointing=op" \
-             "fp8-op-b3 module.fp8=tensorwise data.batch_size=3 strategy.activation_checkpointing=op"; do
-    set -- $run
-    LMTRAIN_RUN_ID=$1 TMO=150 bench "$1-7b" --no-raw --dir "/tmp/$1" --steps 12 --warmup 4 $L7 "${@:2}" --launcher
-  done
-  # the allocator near the card's limit: the fp8-none-b2 row again without expandable segments (runs default to them)
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False LMTRAIN_RUN_ID=nox TMO=150 bench fp8-none-b2-noexpand-7b --no-raw --dir /tmp/nox \
-    --steps 12 --warmup 4 $L7 module.fp8=tensorwise data.batch_size=2 strategy.activation_checkpointing=none --launcher
+  for run in fp8-sel-b2 bf16-sel-b2 fp8-sel-b3 fp8-none-b2 bf16-sel-b3 bf16-op-b2 fp8-op-b3; do llama7b "$run"; done
+  llama7b fp8-none-b2 noexpand
+  ;;
+op7b)  # 2 GPUs: llama-7b in bf16 with checkpointing by operator, beside the selective row it replaces
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  for run in bf16-sel-b2 bf16-op-b2; do llama7b "$run"; done
+  ;;
+op7bfp8)  # 2 GPUs: llama-7b in fp8 with checkpointing by operator, batch 3 and 2
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  for run in fp8-op-b3 fp8-op-b2; do llama7b "$run"; done
+  ;;
+alloc7b)  # 2 GPUs: llama-7b near the card's limit (fp8, no checkpointing, batch 2), with and without expandable segments
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  llama7b fp8-none-b2
+  llama7b fp8-none-b2 noexpand
   ;;
 loss)
   L="$M13 data.seq_len=1024 data.batch_size=8 optimizer.lr=2e-4 scheduler.warmup_steps=100 trainer.max_steps=1000 trainer.val_check_interval=500 trainer.limit_val_batches=20 trainer.enable_progress_bar=false callbacks.checkpoint.every_n_steps=0 callbacks.disk_guard.margin_gb=0 paths.runs=$OUT/runs"

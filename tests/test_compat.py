@@ -159,6 +159,50 @@ def test_op_level_checkpointing_keeps_the_products_and_recomputes_the_rest(dropo
         )
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward pass runs on a GPU only (run there: docs/BENCHMARKS.md)")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-blocks", "compiled-blocks"])
+def test_op_level_checkpointing_keeps_flex_attention_under_the_document_mask(compiled, monkeypatch):
+    """``activation_checkpointing=op`` with the document mask on a GPU: attention runs in FlexAttention's kernel, whose
+    output the policy must keep like SDPA's, with the blocks run as they are and compiled (``strategy.compile``). The
+    gradients are the unwrapped model's (to float tolerance: the compiled kernels may order their sums differently),
+    and the policy saw FlexAttention and kept it."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from lmtrain.nn.model import Decoder
+
+    seen = []
+
+    def recording_policy(ctx, op, *args, **kwargs):
+        decision = compat.keep_products_policy(ctx, op, *args, **kwargs)
+        seen.append((str(op), decision))
+        return decision
+
+    monkeypatch.setattr(compat, "keep_products_policy", recording_policy)
+
+    def run(op_mode):
+        torch.manual_seed(0)
+        model = Decoder(family="llama", vocab_size=256, max_seq_len=256, d_model=128, n_layers=2, n_heads=4, dropout=0.0).cuda()
+        model.flex_attention = True
+        for i, block in enumerate(model.blocks):
+            if op_mode:
+                block = compat.checkpoint_wrapper(block, keep_products=True)
+            if compiled:
+                block.compile()
+            model.blocks[i] = block
+        idx = torch.randint(0, 256, (2, 256), generator=torch.Generator().manual_seed(1)).cuda()
+        doc = (torch.arange(256) >= 100).long().expand(2, 256).cuda()  # two documents per row
+        model(idx, idx, doc).backward()
+        return {n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): p.grad for n, p in model.named_parameters()}
+
+    plain = run(False)
+    grads = run(True)
+    assert grads.keys() == plain.keys()
+    for n in plain:
+        torch.testing.assert_close(grads[n], plain[n], rtol=1e-4, atol=1e-5, msg=n)
+    flex = [decision for op, decision in seen if "flex_attention" in op]
+    assert flex and all(d == CheckpointPolicy.MUST_SAVE for d in flex), sorted({op for op, _ in seen})
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_loader_state_inside_a_real_lightning_checkpoint(tmp_path, workers):
     """loader_states / sampler_state find our sampler's position in torchdata's layout (with and without workers) as

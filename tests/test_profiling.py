@@ -210,7 +210,7 @@ def test_allocator_retries_are_named_and_the_run_sets_expandable_segments(tiny_c
 
     assert alloc_retry_warning(0, 10) is None
     assert alloc_retry_warning(3, 10).startswith("step 10: the CUDA allocator freed its cache and retried 3 allocation(s)")
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # empty is unset, as PyTorch reads it
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     train(tiny_cfg("trainer.max_steps=1", "trainer.limit_val_batches=0"))
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"

@@ -117,9 +117,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # PyTorch's caching allocator with expandable segments: blocks grow in place instead of fragmenting the card near its
     # limit (torchtitan's default too). It is read at the first CUDA allocation, which comes later; a user's own
     # setting (PYTORCH_CUDA_ALLOC_CONF, or PYTORCH_ALLOC_CONF, its newer name) wins. callbacks.throughput logs the
-    # allocator's retries (perf/alloc_retries).
-    if not os.environ.get("PYTORCH_ALLOC_CONF"):
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # allocator's retries (perf/alloc_retries). An empty variable counts as unset, as PyTorch reads it.
+    if not os.environ.get("PYTORCH_ALLOC_CONF") and not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     console.begin_run()
     clock = Goodput(time.monotonic())  # the run's start, and where its time goes across attempts (lmtrain.training.goodput)
     rollback = None
