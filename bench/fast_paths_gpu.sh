@@ -13,6 +13,7 @@
 #   bash bench/fast_paths_gpu.sh op7b                                      # 2 GPUs: llama-7b bf16 at batch 2, checkpointing by operator beside selective
 #   bash bench/fast_paths_gpu.sh op7bfp8                                   # 2 GPUs: llama-7b fp8, checkpointing by operator, batch 3 and 2
 #   bash bench/fast_paths_gpu.sh alloc7b                                   # 2 GPUs: llama-7b fp8 without checkpointing, with and without expandable segments
+#   bash bench/fast_paths_gpu.sh allocop7b                                 # 2 GPUs: llama-7b, checkpointing by operator, bf16 and fp8 at batch 2, with and without expandable segments
 #   bash bench/fast_paths_gpu.sh fsdp7b                                    # 2 GPUs: opt-1.3b fp8 scaling at batch 32; llama-7b in fp8 and bf16, batch 2-3, checkpointing selective, op or none
 #   bash bench/fast_paths_gpu.sh loss                                      # opt-1.3b, 1,000 steps in bf16 and in fp8: the loss curves
 #
@@ -62,7 +63,7 @@ llama7b() {  # PRECISION-CHECKPOINTING-bBATCH [noexpand]: one llama-7b run at se
   )
 }
 
-for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, small32, fsdp, fsdp7b, op7b, op7bfp8, alloc7b or loss}"; do
+for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, small32, fsdp, fsdp7b, op7b, op7bfp8, alloc7b, allocop7b or loss}"; do
 case "$mode" in
 fp8)
   raw raw-1.3b 1.3b --compile --batch 16 --steps 30
@@ -124,6 +125,10 @@ alloc7b)  # 2 GPUs: llama-7b near the card's limit (fp8, no checkpointing, batch
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   llama7b fp8-none-b2
   llama7b fp8-none-b2 noexpand
+  ;;
+allocop7b)  # 2 GPUs: llama-7b with checkpointing by operator (bf16 and fp8 at batch 2), with and without expandable segments
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  for run in fp8-op-b2 bf16-op-b2; do llama7b "$run"; llama7b "$run" noexpand; done
   ;;
 loss)
   L="$M13 data.seq_len=1024 data.batch_size=8 optimizer.lr=2e-4 scheduler.warmup_steps=100 trainer.max_steps=1000 trainer.val_check_interval=500 trainer.limit_val_batches=20 trainer.enable_progress_bar=false callbacks.checkpoint.every_n_steps=0 callbacks.disk_guard.margin_gb=0 paths.runs=$OUT/runs"

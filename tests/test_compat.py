@@ -28,7 +28,7 @@ def test_the_private_members_our_subclasses_use_exist(path, tmp_path):
 def test_trainer_privates_after_a_real_fit(tmp_path):
     trainer = L.Trainer(
         max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=tmp_path, limit_val_batches=0,
+        default_root_dir=tmp_path, limit_val_batches=0, accelerator="cpu", devices=1,
     )  # fmt: skip
     model = BoringModel()
     trainer.fit(model)
@@ -170,10 +170,10 @@ def test_op_level_checkpointing_keeps_flex_attention_under_the_document_mask(com
 
     from lmtrain.nn.model import Decoder
 
-    seen = []
+    seen, policy = [], compat.keep_products_policy
 
     def recording_policy(ctx, op, *args, **kwargs):
-        decision = compat.keep_products_policy(ctx, op, *args, **kwargs)
+        decision = policy(ctx, op, *args, **kwargs)
         seen.append((str(op), decision))
         return decision
 
@@ -223,7 +223,7 @@ def test_the_loader_state_inside_a_real_lightning_checkpoint(tmp_path, workers):
     grab = AtStep5()
     trainer = L.Trainer(
         max_steps=8, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=tmp_path, limit_val_batches=0, use_distributed_sampler=False, callbacks=[grab],
+        default_root_dir=tmp_path, limit_val_batches=0, accelerator="cpu", devices=1, use_distributed_sampler=False, callbacks=[grab],
     )  # fmt: skip
     trainer.fit(Model())
     checkpoint = grab.checkpoint
