@@ -162,10 +162,11 @@ def test_op_level_checkpointing_keeps_the_products_and_recomputes_the_rest(dropo
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward pass runs on a GPU only (run there: docs/BENCHMARKS.md)")
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager-blocks", "compiled-blocks"])
 def test_op_level_checkpointing_keeps_flex_attention_under_the_document_mask(compiled, monkeypatch):
-    """``activation_checkpointing=op`` with the document mask on a GPU: attention runs in FlexAttention's kernel, whose
-    output the policy must keep like SDPA's, with the blocks run as they are and compiled (``strategy.compile``). The
-    gradients are the unwrapped model's (to float tolerance: the compiled kernels may order their sums differently),
-    and the policy saw FlexAttention and kept it."""
+    """``activation_checkpointing=op`` with the document mask on a GPU, where attention runs in FlexAttention's kernel.
+    The gradients are the unwrapped model's (to float tolerance: the compiled kernels may order their sums
+    differently), with the blocks run as they are and compiled (``strategy.compile``). In compiled blocks the policy
+    sees FlexAttention and keeps its output, like SDPA's. In eager blocks FlexAttention is its own compiled function,
+    which the policy never sees: it is run again in the backward pass (docs/scale-out.md says so)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     from lmtrain.nn.model import Decoder
@@ -200,7 +201,8 @@ def test_op_level_checkpointing_keeps_flex_attention_under_the_document_mask(com
     for n in plain:
         torch.testing.assert_close(grads[n], plain[n], rtol=1e-4, atol=1e-5, msg=n)
     flex = [decision for op, decision in seen if "flex_attention" in op]
-    assert flex and all(d == CheckpointPolicy.MUST_SAVE for d in flex), sorted({op for op, _ in seen})
+    assert seen and all(d == CheckpointPolicy.MUST_SAVE for d in flex), sorted({op for op, _ in seen})
+    assert bool(flex) == compiled, sorted({op for op, _ in seen})
 
 
 @pytest.mark.parametrize("workers", [0, 2])
