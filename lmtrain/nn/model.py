@@ -188,9 +188,14 @@ def _compiled_flex_attention():
 
 
 def flex_attention_fn(device: torch.device):
-    """FlexAttention for this device: compiled on CUDA (its fused Triton kernel; inside an already compiled block the
-    wrapper is inlined), eager elsewhere (the reference implementation: CPU tests)."""
-    return _compiled_flex_attention() if device.type == "cuda" else flex_attention
+    """FlexAttention for this device: in eager code on CUDA, a compiled wrapper (its fused Triton kernel); while being
+    compiled (``module.compile``, ``strategy.compile``), the plain function, which the compiler turns into the same
+    kernel inside the graph: tracing into the wrapper instead broke the graph at every attention call (seen on a GPU),
+    and a checkpointed block with a break runs eagerly, its attention then recomputed under
+    ``activation_checkpointing=op``. On the CPU: the eager reference implementation (tests)."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return flex_attention
+    return _compiled_flex_attention()
 
 
 class Attention(nn.Module):
