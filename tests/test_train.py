@@ -68,9 +68,13 @@ def test_logged_metrics_every_step(tiny_cfg):
 
 
 def test_gradient_accumulation_and_bf16(tiny_cfg):
-    cfg = tiny_cfg("trainer.accumulate_grad_batches=2", "trainer.precision=bf16-mixed", "trainer.max_steps=2", "logger=csv")
+    """Two micro-batches per step in bf16; ``trainer.val_check_interval=2`` counts optimizer steps, so validation
+    runs after steps 2 and 4, not after every second micro-batch."""
+    cfg = tiny_cfg("trainer.accumulate_grad_batches=2", "trainer.precision=bf16-mixed", "trainer.max_steps=4", "logger=csv")
     train(cfg)
-    assert len(metric(Path(cfg.run_dir), "train/loss")) == 2
+    rows = sorted(by_step(Path(cfg.run_dir)).items())
+    train_steps, val_steps = ([s for s, row in rows if key in row] for key in ("train/loss", "val/loss"))
+    assert len(train_steps) == 4 and val_steps == [train_steps[1], train_steps[3]]  # before the fix: all four
 
 
 def test_gradients_freed_after_each_step_and_accumulation_unchanged(tiny_cfg, tmp_path):

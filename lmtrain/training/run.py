@@ -300,6 +300,7 @@ def _build(att: _Attempt) -> None:
     )
     if plugins:  # ours (fp16) beside the user's own trainer.plugins
         extra.update(precision=precision, plugins=[*(instantiate(p) for p in cfg.trainer.get("plugins") or []), *plugins])
+    extra.update(val_check_batches(cfg.trainer))
     att.trainer = trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy, **extra)
     if resume is not None and "data_stream" in resume.meta and hasattr(datamodule, "check_stream"):
         datamodule.check_stream(resume.meta["data_stream"])  # refused before anything is written
@@ -450,6 +451,16 @@ def resume_point(cfg: DictConfig, root: Path | None) -> ck.Checkpoint | None:
             shutil.rmtree(d, ignore_errors=True)
         (root / ck.LATEST).unlink(missing_ok=True)
     return None
+
+
+def val_check_batches(trainer_cfg: DictConfig) -> dict:
+    """``trainer.val_check_interval`` counts optimizer steps, as max_steps and the logs do (and as litgpt's and
+    torchtitan's evaluation intervals); Lightning's counts micro-batches, so an integer interval is multiplied by
+    ``trainer.accumulate_grad_batches`` (a float, a fraction of an epoch, is Lightning's own)."""
+    interval, accum = trainer_cfg.get("val_check_interval"), int(trainer_cfg.get("accumulate_grad_batches") or 1)
+    if isinstance(interval, int) and not isinstance(interval, bool) and accum > 1:
+        return {"val_check_interval": interval * accum}
+    return {}
 
 
 def open_checkpoint(path: Path) -> ck.Checkpoint:
