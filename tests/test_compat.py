@@ -159,7 +159,9 @@ def test_op_level_checkpointing_keeps_the_products_and_recomputes_the_rest(dropo
         )
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward pass runs on a GPU only (run there: docs/BENCHMARKS.md)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="FlexAttention's backward pass runs on a GPU only (run there: docs/BENCHMARKS.md)"
+)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager-blocks", "compiled-blocks"])
 def test_op_level_checkpointing_keeps_flex_attention_under_the_document_mask(compiled, monkeypatch):
     """``activation_checkpointing=op`` with the document mask on a GPU, where attention runs in FlexAttention's kernel.
