@@ -151,6 +151,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
         async_save: bool | str = "auto",
         save_on_train_end: bool = True,
         max_consecutive_failures: int = 3,
+        checksums: bool = True,
     ) -> None:
         if keep_last < 2:
             raise CheckpointError(f"callbacks.checkpoint.keep_last={keep_last}: keep at least 2 (the newest may be in flight)")
@@ -165,6 +166,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
         self.every_n_steps, self.keep_last, self.keep_every = every_n_steps, keep_last, keep_every
         self.async_save, self.save_on_train_end = async_save, save_on_train_end
         self.max_consecutive_failures = max_consecutive_failures
+        self.checksums = checksums  # each file's CRC-32 in meta.json, checked before a resume loads it (lmtrain.formats.checkpoint)
         self.run_info: dict = {}  # set by lmtrain.training.run: config hash, model config, parameter shapes, MLflow run id
         self.health: dict = {}  # filled by the stability callbacks; stored in meta.json
         self.suppress_final_save = False  # set when training stops on divergence: never save the bad state
@@ -490,7 +492,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
         self._raise_if_too_many()
 
     def _commit(self, partial: Path, final: Path, meta: dict) -> None:
-        ck.commit(partial, final, meta)
+        ck.commit(partial, final, meta, checksums=self.checksums)
         self._stage("after_commit", meta["step"], final)
         got, why = ck.verify(final)  # read back what the filesystem holds now
         if got is None:

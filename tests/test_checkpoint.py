@@ -180,15 +180,33 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_mismatch(tmp_path, 
         train(_with_run_dir(_cfg(tmp_path, dataset_dir, *overrides), tmp_path))
 
 
-def test_ckpt_path_accepts_a_step_directory_and_refuses_a_damaged_one(tmp_path, dataset_dir):
-    train(_with_run_dir(_cfg(tmp_path, dataset_dir, "trainer.max_steps=4"), tmp_path))
-    step4 = tmp_path / "runs" / "r" / "checkpoints" / "step-0000004"
+def test_ckpt_path_accepts_a_step_directory_and_refuses_a_damaged_one(tmp_path, dataset_dir, capsys):
+    """A step directory as ckpt_path resumes; a truncated one is refused by size. Bytes damaged in place (the size
+    kept, which torch.load reads without a word) are caught by the CRC-32 recorded at save: as ckpt_path, refused
+    naming the file; as the newest checkpoint of an auto-resume, skipped with a warning and moved aside, and the run
+    resumes from the one before and finishes."""
+    train(_with_run_dir(_cfg(tmp_path, dataset_dir, "trainer.max_steps=8"), tmp_path))
+    root = tmp_path / "runs" / "r" / "checkpoints"
+    step4, step8 = root / "step-0000004", root / "step-0000008"
     other = make_cfg(TINY + CKPT + [f"ckpt_path={step4}", "trainer.max_steps=6"], tmp_path / "o", dataset_dir)
     train(other)
     assert ck.newest(tmp_path / "o" / "run" / "checkpoints").step == 6
+    data = bytearray((step8 / ck.SINGLE_FILE).read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)  # inside the tensors' bytes, the size unchanged
+    (step8 / ck.SINGLE_FILE).write_bytes(bytes(data))
+    assert ck.verify(step8)[0] is not None  # complete by size
+    with pytest.raises(CheckpointError, match=r"ckpt_path=.*step-0000008 is not a usable checkpoint: checkpoint.pt has CRC-32 \w{8}, \w{8} was recorded"):
+        train(make_cfg(TINY + CKPT + [f"ckpt_path={step8}"], tmp_path / "o2", dataset_dir))
+    capsys.readouterr()
+    train(_with_run_dir(_cfg(tmp_path, dataset_dir, "trainer.max_steps=10"), tmp_path))
+    err = capsys.readouterr().err
+    assert f"skipping damaged checkpoint {step8}: checkpoint.pt has CRC-32" in err and "moved aside to .step-0000008.corrupt-" in err
+    # resumed from step 4: step 8 saved again (intact), then 10; the damaged one kept aside for inspection
+    assert [c.step for c in ck.scan(root)] == [4, 8, 10] and ck.verify_contents(step8, ck.verify(step8)[0]) is None
+    assert any(p.name.startswith(".step-0000008.corrupt") for p in root.iterdir())
     (step4 / ck.SINGLE_FILE).write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"ckpt_path=.*step-0000004 is not a usable checkpoint: checkpoint.pt is 0 bytes"):
-        train(make_cfg(TINY + CKPT + [f"ckpt_path={step4}"], tmp_path / "o2", dataset_dir))
+        train(make_cfg(TINY + CKPT + [f"ckpt_path={step4}"], tmp_path / "o3", dataset_dir))
 
 
 # -- faults and the disk guard --------------------------------------------------------------------------

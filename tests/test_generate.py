@@ -36,9 +36,13 @@ def test_generate_from_the_newest_checkpoint(tmp_path, dataset_dir, capsys):
 
 
 def test_a_checkpoint_whose_contents_are_damaged_is_one_error_naming_it(tmp_path, dataset_dir, capsys):
-    """Sizes intact, contents not (a sharded checkpoint's metadata zeroed in place): generate says which checkpoint
-    does not read, exit 2, no traceback, and the file is left as it was. The sharded run trains in its own process:
-    in this one, Lightning would leave MASTER_PORT set and its gloo store listening on it for later launches."""
+    """Sizes intact, contents not (a sharded checkpoint's metadata zeroed in place). The CRC-32 recorded at save
+    catches it: picked as the newest, it is skipped with a warning naming the file (no other checkpoint: exit 2);
+    named with --checkpoint, it is refused. In a checkpoint from before the CRCs (none in meta.json), generate says
+    which checkpoint does not read. Never a traceback, and the file is left as it was. The sharded run trains in its
+    own process: in this one, Lightning would leave MASTER_PORT set and its gloo store listening on it."""
+    import json
+
     from lmtrain.generate import main
 
     run = tmp_path / "run"
@@ -51,6 +55,15 @@ def test_a_checkpoint_whose_contents_are_damaged_is_one_error_naming_it(tmp_path
     damaged = bytearray(metadata.read_bytes())
     damaged[10:60] = bytes(50)
     metadata.write_bytes(bytes(damaged))
+    code, err = main([str(run), "--prompt", "x"]), capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert f"skipping damaged checkpoint {ckpt}: .metadata has CRC-32 " in err and "its contents are damaged" in err
+    assert "has no complete checkpoint" in err
+    code, err = main([str(run), "--prompt", "x", "--checkpoint", ckpt.name]), capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and f"error: checkpoint {ckpt} is not usable: .metadata has CRC-32 " in err, err
+    meta = json.loads((ckpt / "meta.json").read_text())
+    del meta["crc32"]  # as saved before the CRCs
+    (ckpt / "meta.json").write_text(json.dumps(meta))
     code, err = main([str(run), "--prompt", "x"]), capsys.readouterr().err
     assert code == 2 and "Traceback" not in err, err
     assert f"error: checkpoint {ckpt} does not read (damaged?): UnpicklingError" in err

@@ -5,13 +5,19 @@ Layout under ``CKPT_ROOT`` (default ``RUN_DIR/checkpoints``)::
     step-0000500/            a complete checkpoint
         checkpoint.pt        single-process strategies: one file (Lightning's checkpoint dict)
         .metadata, __0_0.distcp, ...   sharded strategies: a PyTorch distributed checkpoint, one file per rank
-        meta.json            written last: step, tokens, config hash, model config, world size, files and sizes
+        meta.json            written last: step, tokens, config hash, model config, world size, files, sizes, CRC-32s
     .step-0001000.partial/   being written (or left by a crash): never read
     latest                   text file naming the newest complete checkpoint, replaced atomically
 
 A checkpoint is written into ``.step-N.partial/``, its ``meta.json`` last, then renamed to ``step-N/``; only then
 is ``latest`` updated. A directory counts as complete when its name is ``step-N``, its ``meta.json`` parses and
 every file it lists exists with the recorded size; anything else is skipped with a warning naming it.
+
+Contents: ``commit`` also records each file's CRC-32 (read back once after writing; ``checksums=False`` skips it),
+and :func:`verify_contents` compares them before a checkpoint is loaded (resume, rollback, the tools): bytes damaged
+in place, which keep the size, are caught there. PyTorch's own loaders read such bytes without a word (``torch.load``
+of a single file, with or without ``mmap``, and distributed checkpoints alike). Checkpoints from before the CRCs were
+recorded are checked by size only.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import os
 import re
 import shutil
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +83,28 @@ def dir_files(directory: Path) -> dict[str, int]:
             if rel != META:
                 out[rel] = p.stat().st_size
     return out
+
+
+def file_crc32(path: Path, chunk: int = 16 << 20) -> str:
+    """The CRC-32 of a file as 8 hex digits, read in chunks (zlib releases the GIL on them: a writer thread computes it
+    beside training)."""
+    crc = 0
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def verify_contents(directory: Path, meta: dict) -> str | None:
+    """None when every file's CRC-32 matches the one ``meta.json`` recorded (or none was recorded), else what differs."""
+    for rel, want in (meta.get("crc32") or {}).items():
+        try:
+            got = file_crc32(directory / rel)
+        except OSError as exc:
+            return f"{rel} does not read ({exc.strerror or exc})"
+        if got != want:
+            return f"{rel} has CRC-32 {got}, {want} was recorded at save: its contents are damaged"
+    return None
 
 
 def fsync_dir(directory: Path) -> None:
@@ -146,6 +175,19 @@ def newest(root: Path, quiet: bool = False) -> Checkpoint | None:
     return complete[-1] if complete else None
 
 
+def newest_intact(root: Path, move_aside: bool) -> Checkpoint | None:
+    """The newest complete checkpoint whose contents match their recorded CRC-32s: a damaged one is skipped with a
+    warning naming it and, with ``move_aside`` (one process of a run), moved aside (:func:`quarantine`). Every process
+    reads the same bytes, so all of a run's processes settle on the same checkpoint."""
+    for c in reversed(scan(root)):
+        why = verify_contents(c.path, c.meta)
+        if why is None:
+            return c
+        where = f"; moved aside to {quarantine(c.path).name}" if move_aside else ""
+        warn(f"skipping damaged checkpoint {c.path}: {why}{where}")
+    return None
+
+
 def set_latest(root: Path, ckpt_dir: Path) -> None:
     tmp = root / f".{LATEST}.tmp-{os.getpid()}"
     tmp.write_text(ckpt_dir.name + "\n")
@@ -159,9 +201,13 @@ def read_latest(root: Path) -> str | None:
         return None
 
 
-def commit(partial: Path, final: Path, meta: dict) -> None:
-    """Write ``meta.json`` last into the partial directory, then rename it into place and publish ``latest``."""
-    meta = {**meta, "files": dir_files(partial), "format_version": FORMAT_VERSION, "saved_at": time.time()}
+def commit(partial: Path, final: Path, meta: dict, checksums: bool = True) -> None:
+    """Write ``meta.json`` last into the partial directory (with each file's CRC-32 unless ``checksums=False``), then
+    rename it into place and publish ``latest``."""
+    files = dir_files(partial)
+    meta = {**meta, "files": files, "format_version": FORMAT_VERSION, "saved_at": time.time()}
+    if checksums:
+        meta["crc32"] = {rel: file_crc32(partial / rel) for rel in sorted(files)}
     write_json_atomic(partial / META, meta)
     fsync_dir(partial)
     if final.exists():  # a stale copy of the same step (an earlier attempt): replace it

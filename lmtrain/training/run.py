@@ -435,7 +435,7 @@ def resume_point(cfg: DictConfig, root: Path | None) -> ck.Checkpoint | None:
     if root is None:
         return None
     if cfg.get("resume", True):
-        return ck.newest(root)
+        return ck.newest_intact(root, move_aside=_global_rank() == 0)
     existing = [d for d in root.iterdir() if ck.NAME_RE.match(d.name)] if root.is_dir() else []
     if existing and not cfg.get("overwrite", False):
         raise ConfigError(
@@ -469,7 +469,9 @@ def open_checkpoint(path: Path) -> ck.Checkpoint:
         path = path.parent
     if path.is_dir():
         meta, why = ck.verify(path)
-        if meta is None:
+        if meta is not None:
+            why = ck.verify_contents(path, meta)
+        if why is not None:
             raise CheckpointError(f"ckpt_path={path} is not a usable checkpoint: {why}")
         return ck.Checkpoint(int(meta["step"]), path, meta)
     if not path.is_file():
