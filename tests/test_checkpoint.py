@@ -195,7 +195,9 @@ def test_ckpt_path_accepts_a_step_directory_and_refuses_a_damaged_one(tmp_path, 
     data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)  # inside the tensors' bytes, the size unchanged
     (step8 / ck.SINGLE_FILE).write_bytes(bytes(data))
     assert ck.verify(step8)[0] is not None  # complete by size
-    with pytest.raises(CheckpointError, match=r"ckpt_path=.*step-0000008 is not a usable checkpoint: checkpoint.pt has CRC-32 \w{8}, \w{8} was recorded"):
+    with pytest.raises(
+        CheckpointError, match=r"ckpt_path=.*step-0000008 is not a usable checkpoint: checkpoint.pt has CRC-32 \w{8}, \w{8} was recorded"
+    ):
         train(make_cfg(TINY + CKPT + [f"ckpt_path={step8}"], tmp_path / "o2", dataset_dir))
     capsys.readouterr()
     train(_with_run_dir(_cfg(tmp_path, dataset_dir, "trainer.max_steps=10"), tmp_path))
