@@ -78,6 +78,18 @@ def test_a_sharded_run_resumes_exactly_and_its_checkpoint_serves_the_tools(tmp_p
     ref, _, _, _ = load_run(tmp_path / "runs" / "cut")
     ids = torch.tensor([enc.encode_ordinary("import os")])
     assert torch.equal(exported(ids), ref(ids))
+    # rank 1's shard damaged in place (its size kept): the two ranks resuming it each check half the files' CRC-32s
+    # once their process group is up, agree, and stop (exit 2) naming the file, the checkpoint moved aside
+    shard = last.path / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+    shard.write_bytes(bytes(data))
+    args = [*BASE, f"paths.runs={tmp_path / 'runs'}", "run_name=cut", f"data.path={dataset_dir}", "data.prepare=null", *drop]
+    res = run_train_cli([*args, "trainer.max_steps=10", "scheduler.total_steps=10"], tmp_path)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "__1_0.distcp has CRC-32" in res.stderr and "moved aside: the next start resumes from the checkpoint before" in res.stderr
+    root = tmp_path / "runs" / "cut" / "checkpoints"
+    assert ck.newest(root).step == 6 and any(p.name.startswith(".step-0000008.corrupt") for p in root.iterdir())
 
 
 @pytest.mark.parametrize(

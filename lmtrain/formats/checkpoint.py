@@ -175,11 +175,14 @@ def newest(root: Path, quiet: bool = False) -> Checkpoint | None:
     return complete[-1] if complete else None
 
 
-def newest_intact(root: Path, move_aside: bool) -> Checkpoint | None:
+def newest_intact(root: Path, move_aside: bool, check=lambda c: True) -> Checkpoint | None:
     """The newest complete checkpoint whose contents match their recorded CRC-32s: a damaged one is skipped with a
     warning naming it and, with ``move_aside`` (one process of a run), moved aside (:func:`quarantine`). Every process
-    reads the same bytes, so all of a run's processes settle on the same checkpoint."""
+    reads the same bytes, so all of a run's processes settle on the same checkpoint. ``check(c)`` False: the newest
+    complete one is taken as it is (its contents checked later, lmtrain.training.intact)."""
     for c in reversed(scan(root)):
+        if not check(c):
+            return c
         why = verify_contents(c.path, c.meta)
         if why is None:
             return c

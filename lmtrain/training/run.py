@@ -23,7 +23,7 @@ from lmtrain.formats import checkpoint as ck
 from lmtrain.formats import corrections, logbook
 from lmtrain.formats.checkpoint import CheckpointError, check_compatible, config_hash
 from lmtrain.training import compat
-from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data
+from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data, world_size
 from lmtrain.training.contracts import CheckpointStore, RequestsRollback, StopsTraining
 from lmtrain.training.goodput import Goodput
 from lmtrain.training.precision import build as build_precision
@@ -226,6 +226,10 @@ def _decide(cfg: DictConfig, rollback: dict | None) -> _Attempt:
     callbacks = [c for c in callbacks if not isinstance(c, Profiler)]
     checkpointer = next((c for c in callbacks if isinstance(c, CheckpointStore)), None)  # lmtrain.callbacks.checkpoint.Checkpointer
     resume = resume_point(cfg, checkpointer.root if checkpointer is not None else None)
+    if resume is not None and resume.meta.get("crc32") and not checked_here(cfg)(resume):
+        from lmtrain.training.intact import SpreadContentsCheck
+
+        callbacks.append(SpreadContentsCheck(resume, move_aside=not cfg.get("ckpt_path")))
     if rollback is None:
         log.info(
             f"run {cfg.run_name}: {run_dir.resolve()}"
@@ -431,11 +435,11 @@ def resume_point(cfg: DictConfig, root: Path | None) -> ck.Checkpoint | None:
     ``overwrite=true``, which deletes them. Decided before any expensive work.
     """
     if cfg.get("ckpt_path"):
-        return open_checkpoint(Path(cfg.ckpt_path))
+        return open_checkpoint(Path(cfg.ckpt_path), check=checked_here(cfg))
     if root is None:
         return None
     if cfg.get("resume", True):
-        return ck.newest_intact(root, move_aside=_global_rank() == 0)
+        return ck.newest_intact(root, move_aside=_global_rank() == 0, check=checked_here(cfg))
     existing = [d for d in root.iterdir() if ck.NAME_RE.match(d.name)] if root.is_dir() else []
     if existing and not cfg.get("overwrite", False):
         raise ConfigError(
@@ -463,13 +467,21 @@ def val_check_batches(trainer_cfg: DictConfig) -> dict:
     return {}
 
 
-def open_checkpoint(path: Path) -> ck.Checkpoint:
+def checked_here(cfg: DictConfig):
+    """Whether this process checks a checkpoint's contents before the launch (a predicate on the checkpoint): all of
+    them in a one-process run and every single file; a sharded one resumed by several processes is checked spread
+    over them once their process group is up (lmtrain.training.intact)."""
+    several = world_size(cfg) > 1
+    return lambda c: not (several and c.meta.get("format") == "sharded")
+
+
+def open_checkpoint(path: Path, check=lambda c: True) -> ck.Checkpoint:
     """A user-named checkpoint: a ``step-N`` directory (or its ``checkpoint.pt``), or a plain Lightning ``.ckpt``."""
     if path.is_file() and path.name == ck.SINGLE_FILE and (path.parent / ck.META).exists():
         path = path.parent
     if path.is_dir():
         meta, why = ck.verify(path)
-        if meta is not None:
+        if meta is not None and check(ck.Checkpoint(int(meta["step"]), path, meta)):
             why = ck.verify_contents(path, meta)
         if why is not None:
             raise CheckpointError(f"ckpt_path={path} is not a usable checkpoint: {why}")
