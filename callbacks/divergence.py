@@ -322,7 +322,10 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
         if not healthy:
             self._stop(trainer, f"step {step}: no healthy checkpoint before step {before} to roll back to; stopping ({why})", step)
             return True
-        target = healthy[-1]
+        target = self._intact(trainer, healthy)
+        if target is None:
+            self._stop(trainer, f"step {step}: every healthy checkpoint before step {before} is damaged; stopping ({why})", step)
+            return True
         batches = (step - target.step) * trainer.accumulate_grad_batches if self.skip_data else 0
         self.stopping = True
         self.rollback_request = {
@@ -336,6 +339,19 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
         trainer.should_stop = True
         self.checkpointer.suppress_final_save = True
         return True
+
+    def _intact(self, trainer, candidates: list):
+        """The newest candidate whose contents match their recorded CRC-32s, a damaged one named and passed over. A
+        sharded checkpoint of a run of several processes is not read here (each would read it whole): the next
+        attempt checks it, spread over the processes (lmtrain.training.intact), and stops the run if it is damaged."""
+        for c in reversed(candidates):
+            if trainer.world_size > 1 and c.meta.get("format") == "sharded":
+                return c
+            why = ck.verify_contents(c.path, c.meta)
+            if why is None:
+                return c
+            log.warning(f"rollback: passing over damaged checkpoint {c.path}: {why}")
+        return None
 
     def _event(self, trainer, kind: str, message: str, **fields) -> None:
         log.info(f"{kind}: {message}")

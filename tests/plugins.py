@@ -19,6 +19,25 @@ class FailAtStep(L.Callback):
             raise RuntimeError(f"injected failure at step {self.step} on rank {trainer.global_rank}")
 
 
+class DamageCheckpoint(L.Callback):
+    """At the start of optimizer step ``at``, zero 64 bytes in the middle of checkpoint ``step``'s file in place (its
+    size kept): bit rot between a save and its use."""
+
+    def __init__(self, dirpath: str, step: int, at: int) -> None:
+        self.dirpath, self.step, self.at = dirpath, step, at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from pathlib import Path
+
+        from lmtrain.formats import checkpoint as ck
+
+        path = Path(self.dirpath) / ck.step_name(self.step) / ck.SINGLE_FILE
+        if trainer.global_step == self.at and trainer.is_global_zero and path.is_file():
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+            path.write_bytes(bytes(data))
+
+
 class RecordBatches(L.Callback):
     """Save every training step's input batch, keyed by global step, to ``path`` when training ends."""
 

@@ -83,6 +83,22 @@ def test_loss_spike_rolls_back_to_a_healthy_checkpoint_with_a_lower_learning_rat
     assert out.returncode == 0 and "rolling back to step-0000008" in out.stdout
 
 
+def test_a_rollback_passes_over_a_checkpoint_damaged_since_its_save(tmp_path, dataset_dir, capsys):
+    """The healthy step-8 checkpoint is damaged in place at step 9 (its size kept); the spike at step 10 rolls back
+    past it, naming it, to step 4, and the run finishes."""
+    ckpts = tmp_path / "run" / "checkpoints"
+    cfg = make_cfg(
+        TINY + STABLE + ["fault=loss_spike", "callbacks.fault.step=10", "+callbacks.damage._target_=tests.plugins.DamageCheckpoint",
+                         f"+callbacks.damage.dirpath={ckpts}", "+callbacks.damage.step=8", "+callbacks.damage.at=9"],
+        tmp_path, dataset_dir,
+    )  # fmt: skip
+    train(cfg)
+    (entry,) = corrections.load(tmp_path / "run")
+    assert entry["reason"] == "rollback" and entry["signal_step"] == 10 and entry["from_step"] == 4, entry
+    assert "rollback: passing over damaged checkpoint" in capsys.readouterr().err
+    assert max(c.step for c in ck.scan(ckpts)) == 16
+
+
 def test_growing_activations_stop_the_run_without_saving_the_bad_state(tmp_path, dataset_dir):
     cfg = make_cfg(
         TINY + STABLE + ["fault=act_growth", "callbacks.fault.step=9", "callbacks.divergence.act_growth={ratio: 10.0, action: stop}"],
