@@ -322,7 +322,11 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
         if not healthy:
             self._stop(trainer, f"step {step}: no healthy checkpoint before step {before} to roll back to; stopping ({why})", step)
             return True
-        target = self._intact(trainer, healthy)
+        # the newest healthy one whose contents are those saved (a damaged one passed over, naming it); a sharded one
+        # of several processes is not read here (each would read it whole): the next attempt checks it spread over them
+        target = ck.newest_intact(
+            healthy, check=lambda c: ck.checked_by_each_process(c, trainer.world_size), skipping="rollback: passing over damaged checkpoint"
+        )
         if target is None:
             self._stop(trainer, f"step {step}: every healthy checkpoint before step {before} is damaged; stopping ({why})", step)
             return True
@@ -339,19 +343,6 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
         trainer.should_stop = True
         self.checkpointer.suppress_final_save = True
         return True
-
-    def _intact(self, trainer, candidates: list):
-        """The newest candidate whose contents match their recorded CRC-32s, a damaged one named and passed over. A
-        sharded checkpoint of a run of several processes is not read here (each would read it whole): the next
-        attempt checks it, spread over the processes (lmtrain.training.intact), and stops the run if it is damaged."""
-        for c in reversed(candidates):
-            if trainer.world_size > 1 and c.meta.get("format") == "sharded":
-                return c
-            why = ck.verify_contents(c.path, c.meta)
-            if why is None:
-                return c
-            log.warning(f"rollback: passing over damaged checkpoint {c.path}: {why}")
-        return None
 
     def _event(self, trainer, kind: str, message: str, **fields) -> None:
         log.info(f"{kind}: {message}")

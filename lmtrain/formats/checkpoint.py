@@ -175,20 +175,42 @@ def newest(root: Path, quiet: bool = False) -> Checkpoint | None:
     return complete[-1] if complete else None
 
 
-def newest_intact(root: Path, move_aside: bool, check=lambda c: True) -> Checkpoint | None:
-    """The newest complete checkpoint whose contents match their recorded CRC-32s: a damaged one is skipped with a
-    warning naming it and, with ``move_aside`` (one process of a run), moved aside (:func:`quarantine`). Every process
-    reads the same bytes, so all of a run's processes settle on the same checkpoint. ``check(c)`` False: the newest
-    complete one is taken as it is (its contents checked later, lmtrain.training.intact)."""
-    for c in reversed(scan(root)):
+def checked_by_each_process(c: Checkpoint, world_size: int) -> bool:
+    """Whether each process of a run checks ``c``'s contents itself before loading it: any checkpoint of a one-process
+    run, and every single file (each process reads it whole anyway). A sharded checkpoint that several processes load is
+    checked spread over them instead, each reading every N-th file (lmtrain.training.intact)."""
+    return world_size == 1 or c.meta.get("format") != "sharded"
+
+
+def newest_intact(
+    candidates: list[Checkpoint], move_aside: bool = False, check=lambda c: True, skipping: str = "skipping damaged checkpoint"
+) -> Checkpoint | None:
+    """The newest of ``candidates`` (oldest first, as :func:`scan` gives them) whose contents match their recorded
+    CRC-32s: a damaged one is passed over with a warning (``skipping`` and its path) naming the file and, with
+    ``move_aside`` (one process of a run), moved aside (:func:`quarantine`). Every process reads the same bytes, so all
+    of a run's processes settle on the same checkpoint. ``check(c)`` False: ``c`` is taken as it is (its contents
+    checked later, lmtrain.training.intact)."""
+    for c in reversed(candidates):
         if not check(c):
             return c
         why = verify_contents(c.path, c.meta)
         if why is None:
             return c
         where = f"; moved aside to {quarantine(c.path).name}" if move_aside else ""
-        warn(f"skipping damaged checkpoint {c.path}: {why}{where}")
+        warn(f"{skipping} {c.path}: {why}{where}")
     return None
+
+
+def verified(directory: Path, check=lambda c: True) -> tuple[Checkpoint | None, str | None]:
+    """(the checkpoint, None) for a complete directory (:func:`verify`) whose contents match their CRC-32s (unless
+    ``check(c)`` is False: checked later), else (None, why not)."""
+    meta, why = verify(directory)
+    if meta is None:
+        return None, why
+    c = Checkpoint(int(meta["step"]), directory, meta)
+    if check(c) and (why := verify_contents(directory, meta)) is not None:
+        return None, why
+    return c, None
 
 
 def set_latest(root: Path, ckpt_dir: Path) -> None:

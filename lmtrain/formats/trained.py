@@ -36,13 +36,11 @@ def load_model_state(ckpt: ck.Checkpoint) -> dict[str, torch.Tensor]:
     """The model's parameters (``model.`` prefix removed) from a single-file or sharded checkpoint, on the CPU.
 
     From a sharded (distributed checkpoint) one only the model's tensors are read, assembled from every rank's file
-    in this one process: not the optimizer state (twice the model again), and nothing written to disk. Damaged
-    contents (a CRC-32 that differs from the one recorded at save, or, in a checkpoint from before CRCs, a file that
-    does not read) are one InputError naming the checkpoint."""
+    in this one process: not the optimizer state (twice the model again), and nothing written to disk. Its contents
+    are checked against their CRC-32s where it is chosen (:func:`load_run`); a file that does not read all the same
+    (a checkpoint from before the CRCs) is one InputError naming the checkpoint."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
 
-    if (why := ck.verify_contents(ckpt.path, ckpt.meta)) is not None:
-        raise InputError(f"checkpoint {ckpt.path} is not usable: {why}")
     try:
         if ckpt.meta.get("format") == "sharded":
             sd = _sharded_model_tensors(ckpt.path)
@@ -80,12 +78,11 @@ def load_run(run_dir: Path, checkpoint: str | None = None, device: str = "cpu"):
     cfg = read_config(run_dir)
     root = run_dir / "checkpoints"
     if checkpoint:
-        meta, why = ck.verify(root / checkpoint)
-        if meta is None:
+        ckpt, why = ck.verified(root / checkpoint)  # complete, and its contents those saved
+        if ckpt is None:
             raise InputError(f"checkpoint {root / checkpoint} is not usable: {why}")
-        ckpt = ck.Checkpoint(int(meta["step"]), root / checkpoint, meta)
     else:
-        ckpt = ck.newest_intact(root, move_aside=False)  # a damaged newest one is named and skipped, and left as it is
+        ckpt = ck.newest_intact(ck.scan(root))  # a damaged newest one is named and skipped, and left as it is
         if ckpt is None:
             raise InputError(f"{run_dir} has no complete checkpoint under {root}: train with callbacks.checkpoint on first")
     fields = {k: v for k, v in cfg["model"].items() if not str(k).startswith("_")}

@@ -439,7 +439,7 @@ def resume_point(cfg: DictConfig, root: Path | None) -> ck.Checkpoint | None:
     if root is None:
         return None
     if cfg.get("resume", True):
-        return ck.newest_intact(root, move_aside=_global_rank() == 0, check=checked_here(cfg))
+        return ck.newest_intact(ck.scan(root), move_aside=_global_rank() == 0, check=checked_here(cfg))
     existing = [d for d in root.iterdir() if ck.NAME_RE.match(d.name)] if root.is_dir() else []
     if existing and not cfg.get("overwrite", False):
         raise ConfigError(
@@ -471,8 +471,8 @@ def checked_here(cfg: DictConfig):
     """Whether this process checks a checkpoint's contents before the launch (a predicate on the checkpoint): all of
     them in a one-process run and every single file; a sharded one resumed by several processes is checked spread
     over them once their process group is up (lmtrain.training.intact)."""
-    several = world_size(cfg) > 1
-    return lambda c: not (several and c.meta.get("format") == "sharded")
+    processes = world_size(cfg)
+    return lambda c: ck.checked_by_each_process(c, processes)
 
 
 def open_checkpoint(path: Path, check=lambda c: True) -> ck.Checkpoint:
@@ -480,12 +480,10 @@ def open_checkpoint(path: Path, check=lambda c: True) -> ck.Checkpoint:
     if path.is_file() and path.name == ck.SINGLE_FILE and (path.parent / ck.META).exists():
         path = path.parent
     if path.is_dir():
-        meta, why = ck.verify(path)
-        if meta is not None and check(ck.Checkpoint(int(meta["step"]), path, meta)):
-            why = ck.verify_contents(path, meta)
-        if why is not None:
+        checkpoint, why = ck.verified(path, check)
+        if checkpoint is None:
             raise CheckpointError(f"ckpt_path={path} is not a usable checkpoint: {why}")
-        return ck.Checkpoint(int(meta["step"]), path, meta)
+        return checkpoint
     if not path.is_file():
         raise CheckpointError(f"ckpt_path={path} does not exist")
     return ck.Checkpoint(-1, path, {"format": "lightning-file"})
