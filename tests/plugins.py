@@ -31,11 +31,18 @@ class DamageCheckpoint(L.Callback):
 
         from lmtrain.formats import checkpoint as ck
 
+        from callbacks.checkpoint import Checkpointer
+
+        if trainer.global_step != self.at or not trainer.is_global_zero:
+            return
+        for cb in trainer.callbacks:  # an asynchronous save of that checkpoint may still be writing or verifying it
+            if isinstance(cb, Checkpointer):
+                cb.wait()
         path = Path(self.dirpath) / ck.step_name(self.step) / ck.SINGLE_FILE
-        if trainer.global_step == self.at and trainer.is_global_zero and path.is_file():
-            data = bytearray(path.read_bytes())
-            data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
-            path.write_bytes(bytes(data))
+        if path.is_file():
+            with open(path, "r+b") as f:  # in place: the file is never truncated, only 64 bytes change
+                f.seek(path.stat().st_size // 2)
+                f.write(bytes(64))
 
 
 class RecordBatches(L.Callback):
