@@ -42,6 +42,7 @@ from lmtrain.errors import InputError
 from lmtrain.formats import checkpoint as ck
 from lmtrain.formats import corrections, logbook
 from lmtrain.training.contracts import CheckpointStore, RequestsRollback, StepChecker, StopsTraining
+from lmtrain.training.intact import spread_contents
 from lmtrain.training.logs import log_direct
 
 ACTIONS = ("warn", "skip", "stop", "rollback")
@@ -322,11 +323,15 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
         if not healthy:
             self._stop(trainer, f"step {step}: no healthy checkpoint before step {before} to roll back to; stopping ({why})", step)
             return True
-        # the newest healthy one whose contents are those saved (a damaged one passed over, naming it); a sharded one
-        # of several processes is not read here (each would read it whole): the next attempt checks it spread over them
-        target = ck.newest_intact(
-            healthy, check=lambda c: ck.checked_by_each_process(c, trainer.world_size), skipping="rollback: passing over damaged checkpoint"
-        )
+        # the newest healthy one whose contents are those saved (a damaged one passed over, naming it); a sharded one of
+        # several processes is checked spread over them (every process is here, at the same step: the statistics that
+        # decided the rollback are reduced over the run), and the next attempt does not check it again
+        def contents(c: ck.Checkpoint) -> str | None:
+            if ck.checked_by_each_process(c, trainer.world_size):
+                return ck.verify_contents(c.path, c.meta)
+            return spread_contents(trainer, c)
+
+        target = ck.newest_intact(healthy, contents=contents, skipping="rollback: passing over damaged checkpoint")
         if target is None:
             self._stop(trainer, f"step {step}: every healthy checkpoint before step {before} is damaged; stopping ({why})", step)
             return True

@@ -20,29 +20,26 @@ class FailAtStep(L.Callback):
 
 
 class DamageCheckpoint(L.Callback):
-    """At the start of optimizer step ``at``, zero 64 bytes in the middle of checkpoint ``step``'s file in place (its
-    size kept): bit rot between a save and its use."""
+    """At the start of optimizer step ``at``, zero 64 bytes in the middle of checkpoint ``step``'s ``file`` in place
+    (its size kept): bit rot between a save and its use."""
 
-    def __init__(self, dirpath: str, step: int, at: int) -> None:
-        self.dirpath, self.step, self.at = dirpath, step, at
+    def __init__(self, dirpath: str, step: int, at: int, file: str = "checkpoint.pt") -> None:
+        self.dirpath, self.step, self.at, self.file = dirpath, step, at, file
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         from pathlib import Path
 
+        from lmtrain.callbacks.checkpoint import Checkpointer  # the class Hydra instantiates
         from lmtrain.formats import checkpoint as ck
-
-        from callbacks.checkpoint import Checkpointer
 
         if trainer.global_step != self.at or not trainer.is_global_zero:
             return
-        for cb in trainer.callbacks:  # an asynchronous save of that checkpoint may still be writing or verifying it
-            if isinstance(cb, Checkpointer):
-                cb.wait()
-        path = Path(self.dirpath) / ck.step_name(self.step) / ck.SINGLE_FILE
-        if path.is_file():
-            with open(path, "r+b") as f:  # in place: the file is never truncated, only 64 bytes change
-                f.seek(path.stat().st_size // 2)
-                f.write(bytes(64))
+        (saver,) = [cb for cb in trainer.callbacks if isinstance(cb, Checkpointer)]
+        saver.wait()  # an asynchronous save of that checkpoint may still be writing, checksumming or reading it back
+        path = Path(self.dirpath) / ck.step_name(self.step) / self.file
+        with open(path, "r+b") as f:  # in place: the file is never truncated, only 64 bytes change
+            f.seek(path.stat().st_size // 2)
+            f.write(bytes(64))
 
 
 class RecordBatches(L.Callback):

@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from lmtrain.formats import checkpoint as ck
+from lmtrain.formats import corrections
 from lmtrain.training.config import ConfigError, validate_config
 from tests.conftest import TINY, make_cfg, run_train_cli
 from tests.test_checkpoint import _losses
@@ -90,6 +91,21 @@ def test_a_sharded_run_resumes_exactly_and_its_checkpoint_serves_the_tools(tmp_p
     assert "__1_0.distcp has CRC-32" in res.stderr and "moved aside: the next start resumes from the checkpoint before" in res.stderr
     root = tmp_path / "runs" / "cut" / "checkpoints"
     assert ck.newest(root).step == 6 and any(p.name.startswith(".step-0000008.corrupt") for p in root.iterdir())
+    # a rollback: step 9's checkpoint, healthy when saved, has rank 1's shard damaged at step 10; the spike at step 11
+    # is rolled back past it (the two ranks checking it spread over them, at the step they agree on) to step 6, and the
+    # run finishes
+    spike = tmp_path / "runs" / "spike" / "checkpoints"
+    res = _run(
+        tmp_path, dataset_dir, "spike", *drop, "callbacks=default", "callbacks.disk_guard.margin_gb=0",
+        "callbacks.checkpoint.every_n_steps=3", "callbacks.divergence.warmup_steps=5", "trainer.val_check_interval=100",
+        "callbacks.divergence.act_growth={ratio: 10.0, action: warn}", "trainer.max_steps=12", "scheduler.total_steps=12",
+        "fault=loss_spike", "callbacks.fault.step=11", "+callbacks.damage._target_=tests.plugins.DamageCheckpoint",
+        f"+callbacks.damage.dirpath={spike}", "+callbacks.damage.step=9", "+callbacks.damage.at=10", "+callbacks.damage.file=__1_0.distcp",
+    )  # fmt: skip
+    assert "__1_0.distcp has CRC-32" in res.stderr and f"rollback: passing over damaged checkpoint {spike / 'step-0000009'}" in res.stderr
+    (entry,) = corrections.load(tmp_path / "runs" / "spike")
+    assert entry["reason"] == "rollback" and entry["signal_step"] == 11 and entry["from_step"] == 6, entry
+    assert ck.newest(spike).step == 12
 
 
 @pytest.mark.parametrize(

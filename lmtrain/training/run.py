@@ -226,7 +226,8 @@ def _decide(cfg: DictConfig, rollback: dict | None) -> _Attempt:
     callbacks = [c for c in callbacks if not isinstance(c, Profiler)]
     checkpointer = next((c for c in callbacks if isinstance(c, CheckpointStore)), None)  # lmtrain.callbacks.checkpoint.Checkpointer
     resume = resume_point(cfg, checkpointer.root if checkpointer is not None else None)
-    if resume is not None and resume.meta.get("crc32") and not checked_here(cfg)(resume):
+    # (a rollback's checkpoint was checked by the processes that chose it: lmtrain.callbacks.divergence)
+    if rollback is None and resume is not None and resume.meta.get("crc32") and not checked_here(cfg)(resume):
         from lmtrain.training.intact import SpreadContentsCheck
 
         callbacks.append(SpreadContentsCheck(resume, move_aside=not cfg.get("ckpt_path")))
