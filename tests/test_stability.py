@@ -95,7 +95,9 @@ def test_a_rollback_passes_over_a_checkpoint_damaged_since_its_save(tmp_path, da
     train(cfg)
     (entry,) = corrections.load(tmp_path / "run")
     assert entry["reason"] == "rollback" and entry["signal_step"] == 10 and entry["from_step"] == 4, entry
-    assert "rollback: passing over damaged checkpoint" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "rollback: passing over damaged checkpoint" in err
+    assert err.count("model tiny (opt): ") == 1, err  # said once a run, not again at the rollback's attempt
     assert max(c.step for c in ck.scan(ckpts)) == 16
 
 

@@ -257,8 +257,9 @@ def _build(att: _Attempt) -> None:
     validate_data(cfg, datamodule.manifest, len(datamodule.train_set))
 
     shape = meta_model(model_factory)
-    log.info(describe_model(shape))
-    if cfg.get("optimizer") and isinstance(cfg.optimizer.get("lr"), int | float):
+    if rollback is None:  # said once a run, not again at each rollback's attempt
+        log.info(describe_model(shape))
+    if rollback is None and cfg.get("optimizer") and isinstance(cfg.optimizer.get("lr"), int | float):
         from lmtrain.nn.model import num_params
         from lmtrain.nn.optim import lr_warning
 
