@@ -391,10 +391,17 @@ class Checkpointer(Checkpoint, CheckpointStore):
         except OSError as exc:
             error = exc
         ok = trainer.strategy.reduce_boolean_decision(error is None, all=True)
+        crcs = None
+        if ok:
+            try:
+                share = self._read_back(trainer, partial)
+            except OSError:
+                share = None  # rank zero reads this rank's share itself (and meets the error, if it is the file's)
+            crcs = self._gather_crcs(trainer, share, group=None)
         if ok and trainer.is_global_zero:
             try:
                 self._stage("before_commit", meta["step"], partial)
-                self._commit(partial, final, meta)
+                self._commit(partial, final, meta, crcs)
             except OSError as exc:
                 error = exc
         ok = trainer.strategy.broadcast(ok and error is None, src=0)
@@ -462,11 +469,21 @@ class Checkpointer(Checkpoint, CheckpointStore):
         rank_zero = trainer.is_global_zero
 
         def finish() -> None:
+            crcs = None
             try:
                 future.result()  # every rank's shards and the checkpoint's .metadata are written
+                crcs = self._read_back(trainer, partial)
+            except BaseException as exc:  # noqa: BLE001
+                if rank_zero:
+                    self._failed(step, partial, exc)
+            # every rank gets here, failed or not (its share is None then): the gather is on the save's own group
+            gathered = self._gather_crcs(trainer, crcs, group=self._group)
+            if crcs is None:
+                return
+            try:
                 if rank_zero:
                     self._stage("before_commit", step, partial)
-                    self._commit(partial, final, meta)
+                    self._commit(partial, final, meta, gathered)
             except BaseException as exc:  # noqa: BLE001
                 if rank_zero:
                     self._failed(step, partial, exc)
@@ -491,8 +508,27 @@ class Checkpointer(Checkpoint, CheckpointStore):
             self.failures = 0 if ok else self.failures + 1
         self._raise_if_too_many()
 
-    def _commit(self, partial: Path, final: Path, meta: dict) -> None:
-        ck.commit(partial, final, meta, checksums=self.checksums)
+    def _read_back(self, trainer, partial: Path) -> dict[str, str]:
+        """This rank's share of a sharded checkpoint's CRC-32s (lmtrain.formats.checkpoint.crc_reader), once every rank
+        has written; raises OSError when a file does not read."""
+        if not self.checksums:
+            return {}
+        per_node = max(1, trainer.world_size // max(1, trainer.num_nodes))
+        mine = [rel for rel in ck.dir_files(partial) if ck.crc_reader(rel, trainer.world_size, per_node) == trainer.global_rank]
+        return {rel: ck.file_crc32(partial / rel) for rel in mine}
+
+    @staticmethod
+    def _gather_crcs(trainer, crcs: dict | None, group) -> dict | None:
+        """Every rank's share of the CRC-32s, merged on rank zero; a rank that could not read its share sends None and
+        rank zero reads those files itself at the commit. A collective of ``group``; None on the other ranks."""
+        import torch.distributed as dist
+
+        parts = [None] * trainer.world_size if trainer.is_global_zero else None
+        dist.gather_object(crcs, parts, dst=0, group=group)
+        return None if parts is None else {rel: crc for part in parts if part for rel, crc in part.items()}
+
+    def _commit(self, partial: Path, final: Path, meta: dict, crcs: dict | None = None) -> None:
+        ck.commit(partial, final, meta, checksums=self.checksums, known_crc32=crcs)
         self._stage("after_commit", meta["step"], final)
         got, why = ck.verify(final)  # read back what the filesystem holds now
         if got is None:

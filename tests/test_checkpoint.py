@@ -83,6 +83,27 @@ def test_quarantine_moves_a_bad_checkpoint_aside_and_repoints_latest(tmp_path):
     assert moved.name.startswith(".step-0000002.corrupt") and ck.read_latest(root) == "step-0000001"
 
 
+def test_each_rank_reads_back_its_share_of_a_sharded_checkpoint(tmp_path):
+    """A sharded checkpoint's CRC-32s are read back spread over the ranks: rank r's shards by a rank on the next node
+    (of 2 nodes of 2 here, rank r + 2), the files no rank owns alone by rank 0; none reads the whole checkpoint."""
+    from types import SimpleNamespace
+
+    from lmtrain.callbacks.checkpoint import Checkpointer
+
+    files = [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "__3_1.distcp", "meta.pt"]
+    for i, rel in enumerate(files):
+        (tmp_path / rel).write_bytes(bytes([i]) * (100 + i))
+    saver = Checkpointer(dirpath=str(tmp_path / "ck"))
+    shares = [
+        saver._read_back(SimpleNamespace(world_size=4, num_nodes=2, global_rank=r), tmp_path) for r in range(4)
+    ]  # fmt: skip
+    assert [sorted(s) for s in shares] == [[".metadata", "__2_0.distcp", "meta.pt"], ["__3_0.distcp", "__3_1.distcp"], ["__0_0.distcp"], ["__1_0.distcp"]]
+    assert {k: v for s in shares for k, v in s.items()} == {rel: ck.file_crc32(tmp_path / rel) for rel in files}
+    one_node = [saver._read_back(SimpleNamespace(world_size=2, num_nodes=1, global_rank=r), tmp_path) for r in range(2)]
+    assert sorted(one_node[1]) == ["__1_0.distcp"]  # its own shard (there is no rank 2 or 3: their files are rank 0's)
+    assert "__3_0.distcp" in one_node[0] and "__2_0.distcp" in one_node[0]
+
+
 # -- resume -----------------------------------------------------------------------------------------
 def test_identical_continuation_after_kill_9_and_kill_mid_save(tmp_path, dataset_dir):
     """Reference run; then the same run killed at step 6 (kill -9), re-run and killed while writing step 12's

@@ -95,6 +95,21 @@ def file_crc32(path: Path, chunk: int = 16 << 20) -> str:
     return f"{crc:08x}"
 
 
+SHARD_RE = re.compile(r"__(\d+)_\d+\.distcp")  # distributed checkpoint's data file of rank N
+
+
+def crc_reader(rel: str, world_size: int, per_node: int) -> int:
+    """The rank that reads back a sharded checkpoint's file ``rel`` for its CRC-32 once every rank has written: rank
+    r's shards (``__r_k.distcp``) are read by rank (r + per_node) % world_size, a process on the next node where there
+    is one (the CRC-32 is then of what the shared filesystem holds, not of the writer's own page cache; on one node,
+    the writer itself); the files no single rank owns (``.metadata``, ``meta.pt``) by rank 0. Each process reads its
+    share, none reads the whole checkpoint."""
+    m = SHARD_RE.fullmatch(rel)
+    if m is None or int(m.group(1)) >= world_size:
+        return 0
+    return (int(m.group(1)) + per_node) % world_size
+
+
 def verify_contents(directory: Path, meta: dict) -> str | None:
     """None when every file's CRC-32 matches the one ``meta.json`` recorded (or none was recorded), else what differs."""
     for rel, want in (meta.get("crc32") or {}).items():
@@ -231,13 +246,15 @@ def read_latest(root: Path) -> str | None:
         return None
 
 
-def commit(partial: Path, final: Path, meta: dict, checksums: bool = True) -> None:
-    """Write ``meta.json`` last into the partial directory (with each file's CRC-32 unless ``checksums=False``), then
+def commit(partial: Path, final: Path, meta: dict, checksums: bool = True, known_crc32: dict | None = None) -> None:
+    """Write ``meta.json`` last into the partial directory (with each file's CRC-32 unless ``checksums=False``: those
+    in ``known_crc32``, computed by the processes of a sharded save (:func:`crc_reader`), and the rest here), then
     rename it into place and publish ``latest``."""
     files = dir_files(partial)
     meta = {**meta, "files": files, "format_version": FORMAT_VERSION, "saved_at": time.time()}
     if checksums:
-        meta["crc32"] = {rel: file_crc32(partial / rel) for rel in sorted(files)}
+        known = known_crc32 or {}
+        meta["crc32"] = {rel: known.get(rel) or file_crc32(partial / rel) for rel in sorted(files)}
     write_json_atomic(partial / META, meta)
     fsync_dir(partial)
     if final.exists():  # a stale copy of the same step (an earlier attempt): replace it
