@@ -14,6 +14,25 @@ from omegaconf import DictConfig, open_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+TEST_DEPS = ROOT / "tests" / ".deps"  # tests/requirements.txt, installed here by _test_deps()
+
+
+def _test_deps() -> None:
+    """The pins of tests/requirements.txt installed into tests/.deps (once; again when a pin changes), that folder on
+    this process's path and on no other's: the processes the tests start import what a user's install has."""
+    pins = [line.split("#")[0].strip() for line in (ROOT / "tests" / "requirements.txt").read_text().splitlines()]
+    pins = [p for p in pins if p]
+    missing = [p for p in pins if not (TEST_DEPS / "{}-{}.dist-info".format(*p.replace("-", "_").split("=="))).is_dir()]
+    if missing:
+        print(f"[tests] installing {', '.join(missing)} into {TEST_DEPS} (tests/requirements.txt)", file=sys.stderr)
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "--upgrade"]
+        res = subprocess.run([*pip, "--target", str(TEST_DEPS), *missing], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise SystemExit(f"could not install the tests' dependencies {missing} into {TEST_DEPS}: {res.stderr.strip()[-2000:]}")
+    sys.path.append(str(TEST_DEPS))
+
+
+_test_deps()
 
 import lmtrain.training.config  # noqa: E402,F401  (registers the run-name resolver)
 from lmtrain.data.corpus import python_stdlib_files  # noqa: E402

@@ -13,7 +13,7 @@ the handlers do with them:
   (tests/test_fsdp.py), resumes on other layouts (tests/test_reshard.py).
 * ``python -m lmtrain.data.prepare``, ``lmtrain.plan``, ``lmtrain.control``, ``lmtrain.generate``, ``lmtrain.report`` and
   ``lmtrain.export``: run here, with the README's arguments, on a run named ``my-run`` trained here for 4 steps.
-* ``pip install transformers==V``: the version requirements.txt pins for the tests; ``python -c "..."``: run as written
+* ``pip install transformers==V``: the version tests/requirements.txt pins (in tests/.deps); ``python -c "..."``: run as written
   in the folder where the README's earlier lines left their files (the Hugging Face export of ``my-run``).
 * ``lmtrain train ARGS`` is ``python train.py ARGS`` and ``lmtrain TOOL ARGS`` is ``python -m lmtrain.TOOL ARGS``
   (``prepare``: ``lmtrain.data.prepare``), handled as those; tests/test_install.py runs the installed ``lmtrain``
@@ -24,6 +24,7 @@ the handlers do with them:
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -35,7 +36,7 @@ import torch
 
 from lmtrain.errors import InputError
 from lmtrain.training.config import check_machine, validate_config
-from tests.conftest import ROOT, TINY, make_cfg
+from tests.conftest import ROOT, TEST_DEPS, TINY, make_cfg
 
 README = ROOT / "README.md"
 PAGES = [README, *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "BENCHMARKS.md")]
@@ -170,12 +171,13 @@ def test_every_readme_command_line_works(readme_world, corpus_jsonl, tmp_path, m
                 claimed.append(command)
                 continue
             words = shlex.split(command)
-            if words[:2] == ["pip", "install"]:  # the version pinned for the tests (requirements.txt), installed already
-                assert all(w in (ROOT / "requirements.txt").read_text().split() for w in words[2:]), command
+            if words[:2] == ["pip", "install"]:  # the version pinned for the tests (tests/requirements.txt), installed already
+                assert all(w in (ROOT / "tests" / "requirements.txt").read_text().split() for w in words[2:]), command
                 claimed.append(command)
                 continue
             if words[:2] == ["python", "-c"]:  # run as written, where the README's earlier lines left their files
-                res = subprocess.run(words, capture_output=True, text=True, cwd=root, timeout=300)
+                env = {**os.environ, "PYTHONPATH": str(TEST_DEPS)}  # with what that pip install gives
+                res = subprocess.run(words, capture_output=True, text=True, cwd=root, timeout=300, env=env)
                 assert res.returncode == 0 and res.stdout.strip(), (command, res.stderr[-2000:])
                 claimed.append(command)
                 continue
