@@ -323,6 +323,7 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
         if not healthy:
             self._stop(trainer, f"step {step}: no healthy checkpoint before step {before} to roll back to; stopping ({why})", step)
             return True
+
         # the newest healthy one whose contents are those saved (a damaged one passed over, naming it); a sharded one of
         # several processes is checked spread over them (every process is here, at the same step: the statistics that
         # decided the rollback are reduced over the run), and the next attempt does not check it again

@@ -14,25 +14,37 @@ from omegaconf import DictConfig, open_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-TEST_DEPS = ROOT / "tests" / ".deps"  # tests/requirements.txt, installed here by _test_deps()
+# tests/requirements.txt, installed by _test_deps() beside the environment that runs the tests (the virtual
+# environment's folder, else the user's cache), outside the checkout
+_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lmtrain"
+TEST_DEPS = (
+    Path(sys.prefix) / "lmtrain-test-deps"
+    if os.access(sys.prefix, os.W_OK)
+    else _CACHE / f"test-deps-{sys.version_info[0]}.{sys.version_info[1]}"
+)
 
 
-def _test_deps() -> None:
-    """The pins of tests/requirements.txt installed into tests/.deps (once; again when a pin changes), that folder on
-    this process's path and on no other's: the processes the tests start import what a user's install has."""
+def _test_deps() -> str:
+    """The pins of tests/requirements.txt installed into TEST_DEPS (once; again when a pin changes), that folder on this
+    process's path and on no other's: the processes the tests start import what a user's install has."""
     pins = [line.split("#")[0].strip() for line in (ROOT / "tests" / "requirements.txt").read_text().splitlines()]
     pins = [p for p in pins if p]
     missing = [p for p in pins if not (TEST_DEPS / "{}-{}.dist-info".format(*p.replace("-", "_").split("=="))).is_dir()]
     if missing:
-        print(f"[tests] installing {', '.join(missing)} into {TEST_DEPS} (tests/requirements.txt)", file=sys.stderr)
         pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "--upgrade"]
         res = subprocess.run([*pip, "--target", str(TEST_DEPS), *missing], capture_output=True, text=True)
         if res.returncode != 0:
             raise SystemExit(f"could not install the tests' dependencies {missing} into {TEST_DEPS}: {res.stderr.strip()[-2000:]}")
     sys.path.append(str(TEST_DEPS))
+    return f"test dependencies (tests/requirements.txt): {', '.join(pins)} in {TEST_DEPS}" + (" (installed now)" if missing else "")
 
 
-_test_deps()
+_TEST_DEPS_SAID = _test_deps()
+
+
+def pytest_report_header(config) -> str:
+    return _TEST_DEPS_SAID
+
 
 import lmtrain.training.config  # noqa: E402,F401  (registers the run-name resolver)
 from lmtrain.data.corpus import python_stdlib_files  # noqa: E402

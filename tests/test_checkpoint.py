@@ -94,10 +94,13 @@ def test_each_rank_reads_back_its_share_of_a_sharded_checkpoint(tmp_path):
     for i, rel in enumerate(files):
         (tmp_path / rel).write_bytes(bytes([i]) * (100 + i))
     saver = Checkpointer(dirpath=str(tmp_path / "ck"))
-    shares = [
-        saver._read_back(SimpleNamespace(world_size=4, num_nodes=2, global_rank=r), tmp_path) for r in range(4)
-    ]  # fmt: skip
-    assert [sorted(s) for s in shares] == [[".metadata", "__2_0.distcp", "meta.pt"], ["__3_0.distcp", "__3_1.distcp"], ["__0_0.distcp"], ["__1_0.distcp"]]
+    shares = [saver._read_back(SimpleNamespace(world_size=4, num_nodes=2, global_rank=r), tmp_path) for r in range(4)]
+    assert [sorted(s) for s in shares] == [
+        [".metadata", "__2_0.distcp", "meta.pt"],
+        ["__3_0.distcp", "__3_1.distcp"],
+        ["__0_0.distcp"],
+        ["__1_0.distcp"],
+    ]
     assert {k: v for s in shares for k, v in s.items()} == {rel: ck.file_crc32(tmp_path / rel) for rel in files}
     one_node = [saver._read_back(SimpleNamespace(world_size=2, num_nodes=1, global_rank=r), tmp_path) for r in range(2)]
     assert sorted(one_node[1]) == ["__1_0.distcp"]  # its own shard (there is no rank 2 or 3: their files are rank 0's)

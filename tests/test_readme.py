@@ -13,7 +13,7 @@ the handlers do with them:
   (tests/test_fsdp.py), resumes on other layouts (tests/test_reshard.py).
 * ``python -m lmtrain.data.prepare``, ``lmtrain.plan``, ``lmtrain.control``, ``lmtrain.generate``, ``lmtrain.report`` and
   ``lmtrain.export``: run here, with the README's arguments, on a run named ``my-run`` trained here for 4 steps.
-* ``pip install transformers==V``: the version tests/requirements.txt pins (in tests/.deps); ``python -c "..."``: run as written
+* ``pip install transformers==V``: the version tests/requirements.txt pins (tests/conftest.py's TEST_DEPS); ``python -c "..."``: run as written
   in the folder where the README's earlier lines left their files (the Hugging Face export of ``my-run``).
 * ``lmtrain train ARGS`` is ``python train.py ARGS`` and ``lmtrain TOOL ARGS`` is ``python -m lmtrain.TOOL ARGS``
   (``prepare``: ``lmtrain.data.prepare``), handled as those; tests/test_install.py runs the installed ``lmtrain``
