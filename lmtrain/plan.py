@@ -42,7 +42,7 @@ from lmtrain import config_dir
 from lmtrain.training.config import ConfigError, validate_config
 
 STRATEGIES = ("ddp", "fsdp", "hsdp")
-AC = ("none", "op", "selective", "full")
+AC = ("none", "op", "selective", "full")  # every strategy.activation_checkpointing (strategies.AC_MODES), most memory first
 GB = 1e9
 MARGIN = 0.9
 DEFAULT_TFLOPS = 0.5 * 989.0

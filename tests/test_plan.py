@@ -94,6 +94,9 @@ def test_activation_checkpointing_and_sharding_shrink_memory(capsys):
     assert m["fsdp"]["none"]["optimizer"] == pytest.approx(m["ddp"]["none"]["optimizer"] / 16)
     assert m["hsdp"]["none"]["optimizer"] == pytest.approx(m["ddp"]["none"]["optimizer"] / 8)
     assert p["largest_preset_on_one_node"] in ("opt-30b", "opt-66b", "opt-13b")
+    from lmtrain.training.strategies import AC_MODES
+
+    assert set(m["fsdp"]) == set(AC_MODES)  # every strategy.activation_checkpointing mode is counted, no other
 
 
 def test_chunked_loss_counts_one_chunk_of_logits(capsys):
