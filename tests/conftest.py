@@ -25,18 +25,32 @@ TEST_DEPS = (
 
 
 def _test_deps() -> str:
-    """The pins of tests/requirements.txt installed into TEST_DEPS (once; again when a pin changes), that folder on this
-    process's path and on no other's: the processes the tests start import what a user's install has."""
+    """The pins of tests/requirements.txt installed into TEST_DEPS (once; again when a pin changes) unless the
+    environment has that version already, that folder on this process's path and on no other's: the processes the
+    tests start import what a user's install has. Where pip cannot install them (no network), pytest's header says so
+    and the tests that import them fail."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def present(pin: str) -> bool:
+        name, want = pin.split("==")
+        if (TEST_DEPS / f"{name.replace('-', '_')}-{want}.dist-info").is_dir():
+            return True
+        try:
+            return version(name) == want
+        except PackageNotFoundError:
+            return False
+
     pins = [line.split("#")[0].strip() for line in (ROOT / "tests" / "requirements.txt").read_text().splitlines()]
     pins = [p for p in pins if p]
-    missing = [p for p in pins if not (TEST_DEPS / "{}-{}.dist-info".format(*p.replace("-", "_").split("=="))).is_dir()]
+    missing = [p for p in pins if not present(p)]
+    said = f"test dependencies (tests/requirements.txt): {', '.join(pins)}, in {TEST_DEPS} or the environment"
     if missing:
         pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "--upgrade"]
         res = subprocess.run([*pip, "--target", str(TEST_DEPS), *missing], capture_output=True, text=True)
-        if res.returncode != 0:
-            raise SystemExit(f"could not install the tests' dependencies {missing} into {TEST_DEPS}: {res.stderr.strip()[-2000:]}")
+        last = (res.stderr.strip().splitlines() or ["?"])[-1]
+        said += f"; installed {', '.join(missing)} now" if res.returncode == 0 else f"; COULD NOT INSTALL {', '.join(missing)}: {last}"
     sys.path.append(str(TEST_DEPS))
-    return f"test dependencies (tests/requirements.txt): {', '.join(pins)} in {TEST_DEPS}" + (" (installed now)" if missing else "")
+    return said
 
 
 _TEST_DEPS_SAID = _test_deps()
