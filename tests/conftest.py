@@ -32,6 +32,8 @@ def _test_deps() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     def present(pin: str) -> bool:
+        if pin.count("==") != 1:
+            raise SystemExit(f"tests/requirements.txt: {pin!r} is not one exact pin (name==version)")
         name, want = pin.split("==")
         if (TEST_DEPS / f"{name.replace('-', '_')}-{want}.dist-info").is_dir():
             return True

@@ -83,10 +83,14 @@ def test_loss_spike_rolls_back_to_a_healthy_checkpoint_with_a_lower_learning_rat
     assert out.returncode == 0 and "rolling back to step-0000008" in out.stdout
 
 
-def test_a_rollback_passes_over_a_checkpoint_damaged_since_its_save(tmp_path, dataset_dir, capsys):
+def test_a_rollback_passes_over_a_checkpoint_damaged_since_its_save(tmp_path, dataset_dir, capsys, monkeypatch):
     """The healthy step-8 checkpoint is damaged in place at step 9 (its size kept); the spike at step 10 rolls back
-    past it, naming it, to step 4, and the run finishes."""
+    past it, naming it, to step 4, and the run finishes. Each checkpoint's contents are read once, where the rollback
+    chooses it, not again by the attempt that loads it."""
     ckpts = tmp_path / "run" / "checkpoints"
+    read = []
+    verify_contents = ck.verify_contents
+    monkeypatch.setattr(ck, "verify_contents", lambda directory, meta: read.append(directory.name) or verify_contents(directory, meta))
     cfg = make_cfg(
         TINY + STABLE + ["fault=loss_spike", "callbacks.fault.step=10", "+callbacks.damage._target_=tests.plugins.DamageCheckpoint",
                          f"+callbacks.damage.dirpath={ckpts}", "+callbacks.damage.step=8", "+callbacks.damage.at=9"],
@@ -99,6 +103,7 @@ def test_a_rollback_passes_over_a_checkpoint_damaged_since_its_save(tmp_path, da
     assert "rollback: passing over damaged checkpoint" in err
     assert err.count("model tiny (opt): ") == 1, err  # said once a run, not again at the rollback's attempt
     assert max(c.step for c in ck.scan(ckpts)) == 16
+    assert read == ["step-0000008", "step-0000004"], read
 
 
 def test_growing_activations_stop_the_run_without_saving_the_bad_state(tmp_path, dataset_dir):

@@ -200,19 +200,16 @@ def checked_by_each_process(c: Checkpoint, world_size: int) -> bool:
 def newest_intact(
     candidates: list[Checkpoint],
     move_aside: bool = False,
-    check=lambda c: True,
     skipping: str = "skipping damaged checkpoint",
     contents=lambda c: verify_contents(c.path, c.meta),
 ) -> Checkpoint | None:
     """The newest of ``candidates`` (oldest first, as :func:`scan` gives them) whose contents match their recorded
     CRC-32s: a damaged one is passed over with a warning (``skipping`` and its path) naming the file and, with
     ``move_aside`` (one process of a run), moved aside (:func:`quarantine`). Every process reads the same bytes, so all
-    of a run's processes settle on the same checkpoint. ``check(c)`` False: ``c`` is taken as it is (its contents
-    checked later, lmtrain.training.intact). ``contents(c)``: None when intact, else what is damaged (a check spread
-    over a run's processes: lmtrain.training.intact.spread_contents)."""
+    of a run's processes settle on the same checkpoint. ``contents(c)``: None when intact (or left to a later check,
+    lmtrain.training.intact), else what is damaged; a check spread over a run's processes is
+    lmtrain.training.intact.spread_contents."""
     for c in reversed(candidates):
-        if not check(c):
-            return c
         why = contents(c)
         if why is None:
             return c

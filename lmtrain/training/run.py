@@ -225,9 +225,10 @@ def _decide(cfg: DictConfig, rollback: dict | None) -> _Attempt:
         raise ConfigError("more than one profiler: keep one of trainer.profiler and the callbacks group's profiler")
     callbacks = [c for c in callbacks if not isinstance(c, Profiler)]
     checkpointer = next((c for c in callbacks if isinstance(c, CheckpointStore)), None)  # lmtrain.callbacks.checkpoint.Checkpointer
-    resume = resume_point(cfg, checkpointer.root if checkpointer is not None else None)
-    # (a rollback's checkpoint was checked by the processes that chose it: lmtrain.callbacks.divergence)
-    if rollback is None and resume is not None and resume.meta.get("crc32") and not checked_here(cfg)(resume):
+    # a rollback's checkpoint was checked by the processes that chose it (lmtrain.callbacks.divergence): not read again
+    check = checked_here(cfg) if rollback is None else (lambda c: False)
+    resume = resume_point(cfg, checkpointer.root if checkpointer is not None else None, check)
+    if rollback is None and resume is not None and resume.meta.get("crc32") and not check(resume):
         from lmtrain.training.intact import SpreadContentsCheck
 
         callbacks.append(SpreadContentsCheck(resume, move_aside=not cfg.get("ckpt_path")))
@@ -429,19 +430,22 @@ def _overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
-def resume_point(cfg: DictConfig, root: Path | None) -> ck.Checkpoint | None:
+def resume_point(cfg: DictConfig, root: Path | None, check=lambda c: True) -> ck.Checkpoint | None:
     """Where training continues from: ``ckpt_path``, else (``resume=true``) the newest complete checkpoint under
-    ``root`` (the run's checkpoint directory; None: the run keeps no checkpoints).
+    ``root`` (the run's checkpoint directory; None: the run keeps no checkpoints) whose contents are those saved, read
+    here where ``check(c)`` (:func:`checked_here`), else left to a later check.
 
     With ``resume=false`` a run whose checkpoint directory already holds checkpoints is refused unless
     ``overwrite=true``, which deletes them. Decided before any expensive work.
     """
     if cfg.get("ckpt_path"):
-        return open_checkpoint(Path(cfg.ckpt_path), check=checked_here(cfg))
+        return open_checkpoint(Path(cfg.ckpt_path), check=check)
     if root is None:
         return None
     if cfg.get("resume", True):
-        return ck.newest_intact(ck.scan(root), move_aside=_global_rank() == 0, check=checked_here(cfg))
+        return ck.newest_intact(
+            ck.scan(root), move_aside=_global_rank() == 0, contents=lambda c: ck.verify_contents(c.path, c.meta) if check(c) else None
+        )
     existing = [d for d in root.iterdir() if ck.NAME_RE.match(d.name)] if root.is_dir() else []
     if existing and not cfg.get("overwrite", False):
         raise ConfigError(
