@@ -68,6 +68,11 @@ class HostCopy:
     Training changes the originals in place, so an asynchronous save writes from copies. Allocating pinned memory
     is slow (seconds for tens of GB), so the buffers are allocated once and reused while the checkpoint's
     tensors keep their shapes and dtypes (they do, step after step).
+
+    A shard of a sharded state (a ``DTensor``) is copied into a ``DTensor`` of the same layout whose local tensor is
+    in host memory. ``DTensor.from_local`` cannot build one: it moves a host tensor to the mesh's device, which made
+    every asynchronous sharded save hold a second copy of the state on the GPU while the background thread wrote it,
+    and, on 2 GPUs, some rollbacks resumed a checkpoint whose first step was NaN (tests/test_fsdp.py's two-GPU test).
     """
 
     def __init__(self) -> None:
@@ -84,10 +89,17 @@ class HostCopy:
         return out
 
     def _buffer(self, t: torch.Tensor, pin: bool) -> torch.Tensor:
+        """Buffer ``i`` for ``t``: kept from the last save when it matches (for a DTensor, its layout too), else new."""
         i, self._i = self._i, self._i + 1
-        if i < len(self.buffers) and self.buffers[i].shape == t.shape and self.buffers[i].dtype == t.dtype:
-            return self.buffers[i]
-        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and t.device.type == "cuda")
+        old = self.buffers[i] if i < len(self.buffers) else None
+        if old is not None and type(old) is type(t) and old.shape == t.shape and old.dtype == t.dtype:
+            if not isinstance(t, DTensor) or (old.placements == t.placements and old.device_mesh == t.device_mesh):
+                return old
+        pin = pin and t.device.type == "cuda"
+        if isinstance(t, DTensor):  # the same layout around a host tensor (empty_like allocates the local part only)
+            buf = torch.empty_like(t, device="cpu", pin_memory=pin)
+        else:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
         if i < len(self.buffers):
             self.buffers[i] = buf
         else:
@@ -95,15 +107,14 @@ class HostCopy:
         return buf
 
     def _copy(self, obj, pin: bool):
-        if isinstance(obj, DTensor):  # a shard of a sharded (FSDP2) state: copy this rank's part, keep its layout
-            local = self._copy(obj.to_local(), pin)
-            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride())
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, torch.Tensor):  # a DTensor (a shard of a sharded state) is copied as its local part
             t = obj.detach()
-            key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            local = t.to_local() if isinstance(t, DTensor) else t
+            key = (local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride(), isinstance(t, DTensor))
             if key not in self._seen:
                 buf = self._buffer(t, pin)
-                buf.copy_(t, non_blocking=pin and t.device.type == "cuda")
+                target = buf.to_local() if isinstance(buf, DTensor) else buf
+                target.copy_(local, non_blocking=pin and local.device.type == "cuda")
                 self._seen[key] = buf
             return self._seen[key]
         if isinstance(obj, dict):

@@ -108,6 +108,43 @@ def test_each_rank_reads_back_its_share_of_a_sharded_checkpoint(tmp_path):
 
 
 # -- resume -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_host_copy_of_a_sharded_state_stays_in_host_memory_and_is_reused(tmp_path, device):
+    """An asynchronous sharded save writes from lmtrain.callbacks.checkpoint.HostCopy: every shard's copy is a DTensor
+    of the same layout whose local part is in host memory (pinned under CUDA), filled again at the next save. Before,
+    DTensor.from_local moved each copy back to the GPU: the whole state twice in GPU memory during every write."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from lmtrain.callbacks.checkpoint import HostCopy
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("pinned host copies of GPU shards: run on a GPU (docs/BENCHMARKS.md)")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh(device, (1,))
+        weight = distribute_tensor(torch.randn(8, 4, device=device), mesh, [Shard(0)])
+        state = {"model": {"w": weight, "tied": weight}, "opt": {"step": torch.tensor(3.0), "m": torch.randn(5, device=device)}}
+        copy = HostCopy()
+        first = copy(state)
+        staged = first["model"]["w"]
+        assert isinstance(staged, DTensor) and staged.placements == weight.placements and staged.shape == weight.shape
+        assert staged.to_local().device.type == "cpu" and first["opt"]["m"].device.type == "cpu"
+        assert staged.to_local().is_pinned() == (device == "cuda")
+        assert first["model"]["tied"] is staged  # tied weights stay one tensor
+        assert torch.equal(staged.to_local(), weight.to_local().cpu()) and torch.equal(first["opt"]["m"], state["opt"]["m"].cpu())
+        with torch.no_grad():
+            weight.mul_(2)  # training changes the original in place: the copy does not follow until the next save
+        assert not torch.equal(staged.to_local(), weight.to_local().cpu())
+        second = copy(state)
+        assert second["model"]["w"] is staged and torch.equal(staged.to_local(), weight.to_local().cpu())
+        assert len(copy.buffers) == 3  # the shard (tied: one copy), the step and the moment
+    finally:
+        dist.destroy_process_group()
+
+
 def test_identical_continuation_after_kill_9_and_kill_mid_save(tmp_path, dataset_dir):
     """Reference run; then the same run killed at step 6 (kill -9), re-run and killed while writing step 12's
     checkpoint, re-run to the end: per-step train/loss identical to the reference, to the last digit. Then the same

@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 from lmtrain.formats import checkpoint as ck
 from lmtrain.formats import corrections
@@ -91,21 +92,54 @@ def test_a_sharded_run_resumes_exactly_and_its_checkpoint_serves_the_tools(tmp_p
     assert "__1_0.distcp has CRC-32" in res.stderr and "moved aside: the next start resumes from the checkpoint before" in res.stderr
     root = tmp_path / "runs" / "cut" / "checkpoints"
     assert ck.newest(root).step == 6 and any(p.name.startswith(".step-0000008.corrupt") for p in root.iterdir())
-    # a rollback: step 9's checkpoint, healthy when saved, has rank 1's shard damaged at step 10; the spike at step 11
-    # is rolled back past it (the two ranks checking it spread over them, at the step they agree on) to step 6, and the
-    # run finishes
+    _rollback_past_a_damaged_shard(tmp_path, dataset_dir, drop)
+
+
+def _rollback_past_a_damaged_shard(tmp_path, dataset_dir, layout: list[str], base: list[str] = BASE) -> None:
+    """Step 9's checkpoint, healthy when saved, has rank 1's shard damaged at step 10; the spike at step 11 is rolled
+    back past it (the two ranks checking it spread over them, at the step they agree on) to step 6, and the run
+    finishes at step 12."""
     spike = tmp_path / "runs" / "spike" / "checkpoints"
-    res = _run(
-        tmp_path, dataset_dir, "spike", *drop, "callbacks=default", "callbacks.disk_guard.margin_gb=0",
+    args = [*base, f"paths.runs={tmp_path / 'runs'}", "run_name=spike", f"data.path={dataset_dir}", "data.prepare=null", *layout]
+    res = run_train_cli([
+        *args, "callbacks=default", "callbacks.disk_guard.margin_gb=0",
         "callbacks.checkpoint.every_n_steps=3", "callbacks.divergence.warmup_steps=5", "trainer.val_check_interval=100",
         "callbacks.divergence.act_growth={ratio: 10.0, action: warn}", "trainer.max_steps=12", "scheduler.total_steps=12",
         "fault=loss_spike", "callbacks.fault.step=11", "+callbacks.damage._target_=tests.plugins.DamageCheckpoint",
         f"+callbacks.damage.dirpath={spike}", "+callbacks.damage.step=9", "+callbacks.damage.at=10", "+callbacks.damage.file=__1_0.distcp",
-    )  # fmt: skip
+    ], tmp_path)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
     assert "__1_0.distcp has CRC-32" in res.stderr and f"rollback: passing over damaged checkpoint {spike / 'step-0000009'}" in res.stderr
     (entry,) = corrections.load(tmp_path / "runs" / "spike")
     assert entry["reason"] == "rollback" and entry["signal_step"] == 11 and entry["from_step"] == 6, entry
-    assert ck.newest(spike).step == 12
+    last = ck.newest(spike)
+    assert last.step == 12 and last.meta["crc32"] == {f: ck.file_crc32(last.path / f) for f in last.meta["files"]}, last.meta
+
+
+GPU = [a for a in BASE if not a.startswith(("trainer.accelerator", "trainer.precision"))]
+GPU += ["trainer.accelerator=gpu", "trainer.precision=bf16-mixed"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL between 2 GPUs (run there: docs/BENCHMARKS.md)")
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_on_two_gpus_sharded_saves_are_checked_and_a_rollback_passes_over_a_damaged_shard(tmp_path, dataset_dir, async_save):
+    """The collectives of the CPU tests above, over NCCL: a synchronous save gathers its read-back CRC-32s on the
+    default (NCCL) group, an asynchronous one on its own gloo group; the rollback checks its candidates on both ranks;
+    a resume of a damaged checkpoint stops on both ranks (exit 2) naming the file."""
+    layout = ["strategy=fsdp", "trainer.devices=2", "data.batch_size=4", f"callbacks.checkpoint.async_save={async_save}"]
+    _rollback_past_a_damaged_shard(tmp_path, dataset_dir, layout, GPU)
+    root = tmp_path / "runs" / "spike" / "checkpoints"
+    shard = root / "step-0000012" / "__0_0.distcp"
+    with open(shard, "r+b") as f:
+        f.seek(shard.stat().st_size // 2)
+        f.write(bytes(64))
+    args = [*GPU, f"paths.runs={tmp_path / 'runs'}", "run_name=spike", f"data.path={dataset_dir}", "data.prepare=null", *layout]
+    res = run_train_cli([*args, "trainer.max_steps=14", "scheduler.total_steps=14"], tmp_path)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "__0_0.distcp has CRC-32" in res.stderr and "moved aside" in res.stderr, res.stderr[-3000:]
+    assert ck.newest(root).step == 9 and any(p.name.startswith(".step-0000012.corrupt") for p in root.iterdir())
 
 
 @pytest.mark.parametrize(

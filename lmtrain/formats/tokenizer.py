@@ -79,7 +79,7 @@ class JsonTokenizer:
         if not found:
             raise TokenizerError(
                 f"{self.path}: which special token separates documents? None of {list(SEPARATOR_NAMES)} is one of its special "
-                f"tokens ({sorted(specials) or 'none'}): put a {JSON_CONFIG} with \"eos_token\" beside it"
+                f'tokens ({sorted(specials) or "none"}): put a {JSON_CONFIG} with "eos_token" beside it'
             )
         return found[0]
 
