@@ -17,6 +17,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,89 @@ def test_the_bench_refuses_a_config_without_the_throughput_callback(tmp_path):
     validate_config(
         throughput.bench_config(make_cfg(["~callbacks.divergence", "scheduler.warmup_steps=1"], tmp_path), 12, tmp_path / "bench")
     )
+
+
+# -- the command lines docs/BENCHMARKS.md shows (tests/test_readme.py covers README.md and the other docs) -----------
+
+BENCHMARKS = ROOT / "docs" / "BENCHMARKS.md"
+COMMAND = re.compile(r"^(?:\w+=\S+ )*(?:python3?|torchrun|bash) ")
+TEMPLATE = re.compile(r"\.\.\.|\[|\||\$|\bSIZE\b|\bRUN\b")  # a line written as a pattern (RAW=..., [--no-raw], $M13): left out
+EXTERNAL = (
+    "raw_gpt_baseline.py",
+    "raw_fsdp_baseline.py",
+    "../shared/",
+    "pip install",
+    'python -c "import',
+)  # not ours: the shared baselines, the GPU machine's setup, imports timed
+
+
+def benchmark_commands() -> list[str]:
+    """The complete command lines of docs/BENCHMARKS.md: its inline code and its fenced blocks (a block's
+    ``NAME="..."`` lines expanded in the lines after them), without comments and without the lines written as
+    templates."""
+    text = BENCHMARKS.read_text()
+    lines = []
+    for block in re.findall(r"^```\w*\n(.*?)^```", text, flags=re.M | re.S):
+        names: dict[str, str] = {}
+        for line in block.splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if m := re.fullmatch(r'(\w+)="([^"]*)"', line):
+                names[m[1]] = m[2]
+                continue
+            for name, value in names.items():
+                line = line.replace(f"${name}", value)
+            lines.append(line)
+    lines += re.findall(r"`([^`\n]+)`", re.sub(r"^```.*?^```", "", text, flags=re.M | re.S))
+    return sorted({c for c in lines if COMMAND.match(c) and not TEMPLATE.search(c)})
+
+
+def _check_benchmark_command(command: str, tmp_path: Path, throughput) -> None:
+    argv = shlex.split(command)
+    while "=" in argv[0]:  # VAR=value prefixes
+        argv.pop(0)
+    if argv[0] == "bash":  # a bench script and its modes (its trainer commands: test_every_bench_script_trainer_command_validates)
+        script = ROOT / argv[1]
+        assert script.is_file(), f"{command}: no {argv[1]}"
+        modes = [m for m in _modes(script) if m]
+        unknown = [a for a in argv[2:] if not a.isdigit() and a not in modes]
+        assert not unknown, f"{command}: {script.name} has no mode {unknown} (modes: {modes})"
+        return
+    if argv[:2] == ["python", "-m"] or argv[:2] == ["python3", "-m"]:
+        tool = argv[2]
+        res = subprocess.run([sys.executable, "-m", tool, *argv[3:]], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+        assert res.returncode == 0, f"{command}\n{res.stderr[-2000:]}"
+        return
+    entry = next(a for a in argv if a.endswith(".py"))
+    rest = argv[argv.index(entry) + 1 :]
+    assert (ROOT / entry).is_file(), f"{command}: no {entry}"
+    if entry == "train.py":
+        validate_config(make_cfg(rest, tmp_path))
+    elif entry == "bench/throughput.py":
+        args, overrides = throughput.parse_args(rest)
+        validate_config(throughput.bench_config(make_cfg(overrides, tmp_path), args.steps, tmp_path / "bench", args.profile))
+    else:  # another bench script: its options exist, and any config overrides it passes on compose and validate
+        source = (ROOT / entry).read_text()
+        missing = [o for o in rest if o.startswith("--") and f'"{o.split("=")[0]}"' not in source]
+        assert not missing, f"{command}: {entry} has no option {missing}"
+        overrides = [a for a in rest if "=" in a and not a.startswith("-")]
+        if overrides:
+            validate_config(make_cfg(overrides, tmp_path))
+
+
+def test_every_command_line_of_the_benchmarks_page_validates(tmp_path):
+    """What a reader copies from docs/BENCHMARKS.md: trainer and bench commands compose from the real config tree and
+    pass validate_config (they are meant for GPUs: the machine check is not run), bench scripts exist with the modes
+    and options named, and the ``python -m lmtrain.TOOL`` lines run here. Lines written as templates (``$M13 ...``,
+    ``[--no-raw]``, ``RAW=...``) and the lines that are not ours (the shared raw baselines, the GPU machine's
+    set-up, the timed imports) are left out; the count below keeps the rest from silently shrinking."""
+    throughput = _throughput()
+    commands = [c for c in benchmark_commands() if not any(e in c for e in EXTERNAL)]
+    assert len(commands) >= 20, commands
+    failed = []
+    for command in commands:
+        try:
+            _check_benchmark_command(command, tmp_path, throughput)
+        except (Exception, SystemExit) as exc:  # every failing line is listed, not only the first
+            failed.append(f"{command}\n  {exc!r}"[:1500])
+    assert not failed, "\n".join(failed)

@@ -1,6 +1,6 @@
 """Every command line of the README and of docs/, as a user copies it.
 
-The ``bash`` blocks of README.md and docs/*.md (but docs/BENCHMARKS.md, whose commands need GPUs) are read, continuation lines joined and comments dropped; each command is claimed
+The ``bash`` blocks of README.md and docs/*.md (but docs/BENCHMARKS.md, whose commands need GPUs: tests/test_bench_scripts.py validates those) are read, continuation lines joined and comments dropped; each command is claimed
 by exactly one handler below, and a command no handler claims fails the test (a new README line needs a test). What
 the handlers do with them:
 
