@@ -4,6 +4,7 @@
 #   bash bench/restart_gpu.sh reshard      # opt-350m: fsdp on 2 GPUs -> 1 GPU -> 2 GPUs beside an uninterrupted run
 #   bash bench/restart_gpu.sh stall        # opt-1.3b under fsdp on 2 GPUs: stall per save, synchronous and asynchronous
 #   bash bench/restart_gpu.sh goodput      # opt-1.3b on one GPU, 1,000 steps with the default callbacks: the summary's goodput
+#   bash bench/restart_gpu.sh stall7b      # llama-7b as experiment=llama-7b trains it on 2 GPUs: one asynchronous save at step 3, its stall and the GPU memory
 #
 # Everything goes to $OUT (default /tmp/restart_gpu) as logs; the last lines printed are the figures.
 set -euo pipefail
@@ -22,7 +23,7 @@ for k in keys:
 EOF
 }
 
-case "${1:?reshard or stall}" in
+case "${1:?reshard, stall, stall7b or goodput}" in
 reshard)
   R="trainer=gpu model=opt-350m model.dropout=0 data.seq_len=1024 global_batch_size=16 data.batch_size=8 strategy=fsdp optimizer.lr=3e-4 scheduler.warmup_steps=10 scheduler.total_steps=30 callbacks.checkpoint.every_n_steps=10 $QUIET"
   python3 train.py $R trainer.devices=2 trainer.max_steps=30 run_name=ref > "$OUT/ref.log" 2>&1
@@ -51,6 +52,13 @@ stall)
     grep -h "goodput" "$OUT/stall-$mode.log" | head -1
     rm -rf "$OUT/runs/async-$mode/checkpoints"
   done
+  ;;
+stall7b)  # a 7B save where training holds 63 GiB per GPU: the host copy must not take GPU memory (84 GB of state, one checkpoint on disk)
+  S7="trainer=gpu model=llama-7b data.seq_len=4096 data.batch_size=2 strategy=fsdp strategy.compile=true strategy.init_device=meta strategy.activation_checkpointing=op trainer.devices=2 optimizer.lr=3e-5 scheduler.warmup_steps=2 scheduler.total_steps=5 trainer.max_steps=5 callbacks.checkpoint.every_n_steps=3 callbacks.checkpoint.save_on_train_end=false callbacks.checkpoint.async_save=true ~callbacks.divergence $QUIET"
+  python3 train.py $S7 run_name=stall7b > "$OUT/stall7b.log" 2>&1 || { echo "stall7b FAILED"; tail -30 "$OUT/stall7b.log"; }
+  echo "STALL7B"; metrics "$OUT/runs/stall7b" ckpt/stall_s ckpt/collect_s ckpt/write_s ckpt/size_gb perf/max_memory_gib
+  grep -h "finished run\|goodput  \|checkpoints:" "$OUT/stall7b.log"
+  rm -rf "$OUT/runs/stall7b/checkpoints"
   ;;
 goodput)
   G="trainer=gpu model=opt-1.3b data.seq_len=1024 data.batch_size=16 optimizer.lr=2e-4 trainer.max_steps=1000 logger=csv trainer.enable_progress_bar=false paths.runs=$OUT/runs"
