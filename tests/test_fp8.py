@@ -57,3 +57,19 @@ def test_a_model_too_narrow_for_fp8_to_pay_is_told_so():
         narrow, wide = Decoder(preset("opt-125m")), Decoder(preset("opt-1.3b"))
     assert "module.fp8=rowwise at d_model=768: on an H100, FP8 was slower than bf16 below d_model 2048" in width_warning(narrow, "rowwise")
     assert width_warning(wide, "tensorwise") is None
+
+
+def test_checking_for_torchao_prints_nothing(tmp_path):
+    """The config check imports torchao (module.fp8 set): in a fresh process it says nothing on the console. torchao
+    0.18 under torch 2.13 made torch's pytree log a deprecation line per process, and torchao warns about each
+    optional kernel library it cannot load: neither is the user's to act on."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = "from lmtrain.training.fp8 import config_problems; print(config_problems('tensorwise'))"
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stderr[-2000:]
+    assert res.stderr == "", res.stderr[-2000:]

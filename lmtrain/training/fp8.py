@@ -32,16 +32,24 @@ RECIPES = ("tensorwise", "rowwise")
 _TORCHAO = "torchao==0.18.0"
 
 
+# Loggers quieted while torchao is imported: torchao's own warns about each optional kernel library this machine
+# cannot load (none is used here); torch's pytree warns that torchao 0.18 registers an Enum the way torch 2.13
+# deprecates (a line per process that is not the user's to act on).
+_IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+
+
 def _torchao_missing() -> str | None:
-    log = logging.getLogger("torchao")
-    level = log.level
-    log.setLevel(logging.ERROR)  # its import warns about each optional kernel library this machine cannot load (none is used here)
+    logs = [logging.getLogger(name) for name in _IMPORT_NOISE]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
     try:
         import torchao.float8  # noqa: F401
     except ImportError as exc:
         return f"module.fp8 needs torchao ({exc}): pip install {_TORCHAO} (in requirements.txt)"
     finally:
-        log.setLevel(level)
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
     return None
 
 
