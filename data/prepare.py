@@ -359,10 +359,8 @@ def _build(files, tmp: Path, settings: dict, fp: str, workers: int, shard_tokens
     return manifest
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m lmtrain.data.prepare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.data.prepare") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verify", metavar="DIR", help="check a prepared dataset (sizes, checksums, token ids) and exit")
     p.add_argument("--input", nargs="+", help="files, directories, or 'python-stdlib'")
     p.add_argument("--output", help="dataset directory to create")

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv = [module.__file__, *rest]
         module.cli()
         return 0
-    return int(module.main(rest) or 0)
+    return int(module.main(rest, prog=f"lmtrain {name}") or 0)  # usage lines name the tool as it was called
 
 
 if __name__ == "__main__":

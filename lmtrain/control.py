@@ -23,8 +23,8 @@ from lmtrain.formats import checkpoint as ck
 from lmtrain.formats import corrections
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lmtrain.control", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.control") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")
     sub = p.add_subparsers(dest="command", required=True)
     lr = sub.add_parser("lr", help="correct the learning rate")

@@ -194,8 +194,8 @@ def load(export_dir: str | Path, device: str = "cpu", dtype: str | None = None):
     return model.to(DTYPES[dtype or meta["dtype"]]).eval(), enc, meta
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lmtrain.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.export") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")
     p.add_argument("--out", required=True, help="the folder to write")
     p.add_argument("--checkpoint", default=None, help="a step-N directory name (default: the newest complete one)")

@@ -8,12 +8,10 @@ from pathlib import Path
 from lmtrain.formats.logbook import FILE, read
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.logbook") -> int:
     import argparse
 
-    p = argparse.ArgumentParser(
-        prog="python -m lmtrain.logbook", description="Print a run's logbook (RUN_DIR/logbook.jsonl) as a timeline."
-    )
+    p = argparse.ArgumentParser(prog=prog, description="Print a run's logbook (RUN_DIR/logbook.jsonl) as a timeline.")
     p.add_argument("run_dir", help="the run directory, e.g. runs/my-run")
     args = p.parse_args(argv)
     if not (Path(args.run_dir) / FILE).is_file():

@@ -239,12 +239,12 @@ def table(p: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.plan") -> int:
     from hydra import compose, initialize_config_dir
 
     args = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in args):
-        print(__doc__)
+        print(__doc__.replace("python -m lmtrain.plan", prog))  # the examples as the user called it
         return 0
     cluster = {"gpus": 8, "gpus_per_node": 8, "memory_gb": 80.0, "tflops_per_gpu": None, "tokens_per_sec_per_gpu": None}
     budget: dict = {"tokens": None, "flops": None}

@@ -83,6 +83,7 @@ def test_the_installed_command_trains_on_two_ranks_and_its_tools_read_the_run(in
 
     for cmd, expect in (
         (["lmtrain", "logbook", str(run)], r"\bstart\b"),
+        (["lmtrain", "logbook", "--help"], r"^usage: lmtrain logbook run_dir|^usage: lmtrain logbook \[-h\]"),  # named as called
         (["lmtrain", "report", str(run)], r"wrote .*loss\.png"),
         (["lmtrain", "generate", str(run), "--prompt", "def ", "--max-new-tokens", "4"], r"def "),
         ([sys.executable, "-m", "lmtrain", "plan", "model=opt-125m", "cluster.gpus=8"], r"opt-125m"),
