@@ -19,8 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+from lmtrain.errors import InputError
 from lmtrain.formats import checkpoint as ck
 from lmtrain.formats import corrections
+from lmtrain.formats.rundir import config_path
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.control") -> int:
@@ -35,8 +37,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.control")
     sub.add_parser("status", help="corrections in force and the newest checkpoint")
     args = p.parse_args(argv)
     run_dir = Path(args.run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        print(f"error: {run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
+    try:
+        config_path(run_dir)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.command == "status":
         entries = corrections.load(run_dir)

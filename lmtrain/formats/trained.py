@@ -12,15 +12,14 @@ import yaml
 from lmtrain.errors import InputError
 from lmtrain.formats import checkpoint as ck
 from lmtrain.formats.manifest import read_manifest
+from lmtrain.formats.rundir import config_path
 from lmtrain.formats.tokenizer import eos_id, load_tokenizer
 from lmtrain.nn.model import Decoder, ModelConfig
 
 
 def read_config(run_dir: Path) -> dict:
     """The run's resolved config (``RUN_DIR/config.yaml``) as plain data."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise InputError(f"{run_dir} is not a run directory (no config.yaml)")
+    path = config_path(run_dir)
     try:
         cfg = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:  # one line: the problem and where (PyYAML's own text spans several)

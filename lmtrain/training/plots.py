@@ -10,6 +10,7 @@ from pathlib import Path
 
 from lmtrain.errors import InputError
 from lmtrain.formats import corrections, logbook
+from lmtrain.formats.rundir import config_path
 
 SERIES = ("train/loss", "val/loss", "train/lr", "train/loss_scale", "train/skipped_steps")  # the last two: fp16 runs
 PER_SET = "val/loss/"  # and each validation set's own loss (a mixture's sources, extra held-out sets): val/loss/<name>
@@ -35,7 +36,7 @@ def from_mlflow(
         from omegaconf import OmegaConf
 
         if tracking_uri is None:
-            cfg = OmegaConf.load(run_dir / "config.yaml")
+            cfg = OmegaConf.load(config_path(run_dir))
             node = (cfg.get("logger") or {}).get("mlflow")
             if node is None:
                 return None
@@ -151,8 +152,7 @@ def write_plots(run_dir: Path, metrics: dict[str, dict[int, float]]) -> list[Pat
 
 def report(run_dir: Path, tracking_uri: str | None = None) -> tuple[list[Path], dict[str, dict[int, float]]]:
     run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise InputError(f"{run_dir} is not a run directory (no config.yaml)")
+    config_path(run_dir)
     csv_log = run_dir / "csv" / "metrics.csv"
     try:
         metrics = from_csv(run_dir) if tracking_uri is None else None

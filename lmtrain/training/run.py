@@ -22,6 +22,7 @@ from lmtrain.errors import InputError, RunStopped
 from lmtrain.formats import checkpoint as ck
 from lmtrain.formats import corrections, logbook
 from lmtrain.formats.checkpoint import CheckpointError, check_compatible, config_hash
+from lmtrain.formats.rundir import CONFIG
 from lmtrain.training import compat
 from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data, world_size
 from lmtrain.training.contracts import CheckpointStore, RequestsRollback, StopsTraining
@@ -324,10 +325,10 @@ def _accept(att: _Attempt) -> None:
     changes = _config_changes(run_dir, cfg) if trainer.is_global_zero and resume is not None and rollback is None else {}
     if trainer.is_global_zero:
         try:
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            (run_dir / CONFIG).write_text(OmegaConf.to_yaml(cfg, resolve=True))
             (run_dir / "overrides.yaml").write_text(OmegaConf.to_yaml(_overrides()))
         except OSError as exc:
-            raise InputError(f"cannot write {run_dir / 'config.yaml'}: {exc.strerror or exc} (disk full?)") from exc
+            raise InputError(f"cannot write {run_dir / CONFIG}: {exc.strerror or exc} (disk full?)") from exc
     console.start_file(run_dir, f"run {cfg.run_name}: {' '.join(_overrides()) or '(no overrides)'}", trainer.is_global_zero)
     att.mlflow = _mlflow_locations(trainer)
     if rollback is None:
@@ -415,7 +416,7 @@ def _config_changes(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
     """What the resumed config changes against the previous attempt's ``config.yaml`` (flat keys -> [old, new]).
     Everything here was accepted: what a resume cannot take (another model, another data stream) was refused."""
     try:
-        old = flat_params(OmegaConf.load(run_dir / "config.yaml"))
+        old = flat_params(OmegaConf.load(run_dir / CONFIG))
     except (OSError, ValueError):  # no previous config (a checkpoint given by path), or an unreadable one
         return {}
     new = flat_params(cfg)
@@ -576,5 +577,5 @@ def _log_config(trainer, cfg: DictConfig, run_dir: Path) -> None:
         if isinstance(lg, MLFlowLogger):
             params = {k: (str(v)[:6000] if not isinstance(v, (int, float, bool)) else v) for k, v in flat_params(cfg).items()}
             lg.log_hyperparams(params)
-            lg.experiment.log_artifact(lg.run_id, str(run_dir / "config.yaml"))
+            lg.experiment.log_artifact(lg.run_id, str(run_dir / CONFIG))
             lg.experiment.set_tag(lg.run_id, "run_dir", str(run_dir.resolve()))
