@@ -1,2 +1,2 @@
-"""The files a run reads and writes: tokenizers, dataset manifests, checkpoint directories, learning-rate
-corrections, the logbook, metric logs and model presets. Imports neither Lightning nor Hydra."""
+"""The files a run reads and writes: the run directory, tokenizers, dataset manifests, checkpoint directories,
+learning-rate corrections, the logbook, metric logs and model presets. Imports neither Lightning nor Hydra."""
