@@ -71,8 +71,8 @@ class HostCopy:
 
     A shard of a sharded state (a ``DTensor``) is copied into a ``DTensor`` of the same layout whose local tensor is
     in host memory. ``DTensor.from_local`` cannot build one: it moves a host tensor to the mesh's device, which made
-    every asynchronous sharded save hold a second copy of the state on the GPU while the background thread wrote it,
-    and, on 2 GPUs, some rollbacks resumed a checkpoint whose first step was NaN (tests/test_fsdp.py's two-GPU test).
+    every asynchronous sharded save hold a second copy of the state on the GPU while the background thread wrote it
+    (found by tests/test_fsdp.py's two-GPU test, whose asynchronous case failed with it: docs/BENCHMARKS.md).
     """
 
     def __init__(self) -> None:
