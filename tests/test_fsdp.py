@@ -274,3 +274,18 @@ def test_slurm_style_launch_two_nodes(tmp_path, dataset_dir, one_process_losses)
     for s in one:
         assert got[s] == pytest.approx(one[s], rel=1e-5, abs=1e-5), s
     assert ck.newest(run / "checkpoints").meta["world_size"] == 2
+
+
+def test_hsdp_takes_every_fsdp_option_under_the_same_name_and_default():
+    """HSDPStrategy lists FSDP2Strategy's arguments again (config keys are checked against a signature) and passes
+    them on by name: the two lists cannot drift apart."""
+    import inspect
+
+    from lmtrain.training.strategies import FSDP2Strategy, HSDPStrategy
+
+    fsdp = inspect.signature(FSDP2Strategy.__init__).parameters
+    hsdp = inspect.signature(HSDPStrategy.__init__).parameters
+    assert [n for n in hsdp if n != "shard_size"] == list(fsdp)
+    assert {n: hsdp[n].default for n in fsdp} == {n: p.default for n, p in fsdp.items()}
+    strategy = HSDPStrategy(shard_size=2, activation_checkpointing="selective", timeout_s=60)
+    assert (strategy.shard_size, strategy.activation_checkpointing) == (2, "selective")

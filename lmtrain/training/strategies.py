@@ -213,16 +213,16 @@ class HSDPStrategy(FSDP2Strategy):
         timeout_s: int = 1800,
         reduce_dtype: str = "float32",
     ) -> None:
-        super().__init__(
-            mixed_precision,
-            activation_checkpointing,
-            compile,
-            cpu_offload,
-            reshard_after_forward,
-            init_device,
-            process_group_backend,
-            timeout_s,
-            reduce_dtype,
+        super().__init__(  # by name: the parent's arguments are this one's, listed again so that config keys are checked
+            mixed_precision=mixed_precision,
+            activation_checkpointing=activation_checkpointing,
+            compile=compile,
+            cpu_offload=cpu_offload,
+            reshard_after_forward=reshard_after_forward,
+            init_device=init_device,
+            process_group_backend=process_group_backend,
+            timeout_s=timeout_s,
+            reduce_dtype=reduce_dtype,
         )
         if shard_size is not None and shard_size < 1:
             raise StrategyError(f"strategy.shard_size={shard_size} must be a positive number of ranks")
