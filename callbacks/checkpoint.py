@@ -615,17 +615,36 @@ def host_available_bytes() -> int | None:
 
 def failure_reason(exc: BaseException) -> str:
     """Why a save failed, on one line. Distributed checkpoint's ``CheckpointException`` carries each failed rank's
-    exception with its whole remote traceback in its text: named here by rank and root cause alone."""
-    if isinstance(exc, OSError):
-        return f"{exc.strerror or exc} (errno {exc.errno})"
+    exception with its whole remote traceback in its text: named here by rank and root cause alone. torch.save's zip
+    writer answers a failed write (a full disk, a file-size limit) with ``RuntimeError: [enforce fail at
+    inline_container.cc:...] . unexpected pos 704 vs 598``, raised while handling the write's OSError: that OSError
+    is the reason given. Writing its own file (distributed checkpoint's shards) it keeps no OSError: the short write
+    is said in words."""
     failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException: rank -> (exception, stack)
     if isinstance(failures, dict) and failures:
         return "; ".join(
             f"rank {rank}: {failure_reason(wrapped[0] if isinstance(wrapped, tuple) else wrapped)}"
             for rank, wrapped in sorted(failures.items())
         )
+    os_error = _os_error(exc)
+    if os_error is not None:
+        return f"{os_error.strerror or os_error} (errno {os_error.errno})"
     text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else '(no message)'}"
+    first = text.splitlines()[0] if text else "(no message)"
+    if "inline_container.cc" in first and "unexpected pos" in first:  # the zip writer's own file (distributed checkpoint): no errno kept
+        return f"a file's write stopped short, as on a full disk or past a file-size limit ({type(exc).__name__}: {first})"
+    return f"{type(exc).__name__}: {first}"
+
+
+def _os_error(exc: BaseException | None) -> OSError | None:
+    """``exc`` itself when it is an OSError, else the OSError it was raised from or while handling, if any."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def alert(checkpointer: Checkpointer, kind: str, message: str) -> None:

@@ -4,7 +4,10 @@ fault drills (kill -9, kill mid-save, ENOSPC, truncation) and the disk guard."""
 from __future__ import annotations
 
 import csv
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ from lmtrain.formats import logbook
 from lmtrain.formats.checkpoint import CheckpointError
 from lmtrain.training.config import ConfigError
 from lmtrain.training.run import train
-from tests.conftest import TINY, make_cfg, run_train_cli
+from tests.conftest import ROOT, TINY, make_cfg, run_train_cli
 
 # A run that checkpoints every 4 steps; dropout on, so the RNG state matters for an identical continuation.
 CKPT = [
@@ -289,8 +292,14 @@ def test_enospc_is_alerted_training_goes_on_and_repeated_failures_stop_the_run(t
     assert "ALERT: checkpoint at step 4 FAILED (No space left on device (errno 28))" in out.stderr
     root = tmp_path / "runs" / "e" / "checkpoints"
     assert [c.step for c in ck.scan(root)] == [8] and not list(root.glob(".step-*"))
-    out = _cli(tmp_path, dataset_dir, "e1", "fault=enospc", "callbacks.fault.step=4", "callbacks.checkpoint.max_consecutive_failures=1")
-    assert out.returncode == 2
+    # a real failed write, not the drill: files capped at 200 kB, so torch.save's write of the first checkpoint fails
+    # as on a full disk; its zip writer says "unexpected pos ...": the alert names the write's own error instead
+    args = TINY + CKPT + [f"paths.runs={tmp_path / 'runs'}", "run_name=e1", f"data.path={dataset_dir}", "data.prepare=null"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LMTRAIN_RUN_ID": ""}
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, "callbacks.checkpoint.max_consecutive_failures=1"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300, preexec_fn=_files_up_to_200_kb)  # fmt: skip
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "ALERT: checkpoint at step 4 FAILED (File too large (errno 27))" in out.stderr, out.stderr[-3000:]
     assert "1 consecutive checkpoint saves failed" in out.stderr and "Traceback" not in out.stderr
     assert ck.read_latest(tmp_path / "runs" / "e1" / "checkpoints") is None
 
@@ -358,12 +367,6 @@ def test_a_sharded_save_failing_in_the_background_writer_is_alerted_and_repeated
     `fsdp`, files capped at 200 kB so each shard's write fails as on a full disk): every failed save is alerted, its
     partial directory removed, training goes on past the first, the second in a row stops the run (exit 2, one line),
     and no checkpoint is claimed that was not written."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT
-
     args = TINY + CKPT + [
         f"paths.runs={tmp_path / 'runs'}", "run_name=bg", f"data.path={dataset_dir}", "data.prepare=null", "strategy=fsdp",
         "trainer.devices=1", "callbacks.checkpoint.async_save=true", "callbacks.checkpoint.every_n_steps=2",
@@ -376,6 +379,7 @@ def test_a_sharded_save_failing_in_the_background_writer_is_alerted_and_repeated
     alerts = [line for line in res.stderr.splitlines() if "ALERT: checkpoint at step" in line]
     assert [a.split(" FAILED (")[0].rsplit(" ", 1)[-1] for a in alerts] == ["2", "4"], res.stderr[-3000:]
     assert all(" FAILED (rank 0: " in a and a.endswith("the run stops at 2") for a in alerts), alerts  # one line each, the cause named
+    assert "a file's write stopped short, as on a full disk" in alerts[0], alerts  # distributed checkpoint keeps no errno
     assert "2 consecutive checkpoint saves failed" in res.stderr and "Traceback" not in res.stderr
     root = tmp_path / "runs" / "bg" / "checkpoints"
     assert ck.read_latest(root) is None and not ck.scan(root) and not list(root.glob(".step-*"))
