@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 
 import torch
 from torch import nn
@@ -34,7 +35,8 @@ _TORCHAO = "torchao==0.18.0"
 
 # Loggers quieted while torchao is imported: torchao's own warns about each optional kernel library this machine
 # cannot load (none is used here); torch's pytree warns that torchao 0.18 registers an Enum the way torch 2.13
-# deprecates (a line per process that is not the user's to act on).
+# deprecates (a line per process that is not the user's to act on). Python 3.12 also compiles torchao 0.18's
+# docstrings with SyntaxWarnings (invalid escape sequences; seen on the GPU machine's Python).
 _IMPORT_NOISE = ("torchao", "torch.utils._pytree")
 
 
@@ -44,7 +46,9 @@ def _torchao_missing() -> str | None:
     for log in logs:
         log.setLevel(logging.ERROR)
     try:
-        import torchao.float8  # noqa: F401
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SyntaxWarning)
+            import torchao.float8  # noqa: F401
     except ImportError as exc:
         return f"module.fp8 needs torchao ({exc}): pip install {_TORCHAO} (in requirements.txt)"
     finally:
