@@ -8,6 +8,16 @@ import torch
 from lmtrain.training.contracts import SaveGuard
 
 
+def damage_in_place(path) -> None:
+    """Zero 64 bytes in the middle of the file at ``path`` in place: bit rot, the size kept (never truncated)."""
+    from pathlib import Path
+
+    path = Path(path)
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        f.write(bytes(64))
+
+
 class FailAtStep(L.Callback):
     """Raise at the start of optimizer step ``step`` (a crash inside training), on every rank or on ``rank`` only."""
 
@@ -36,10 +46,7 @@ class DamageCheckpoint(L.Callback):
             return
         (saver,) = [cb for cb in trainer.callbacks if isinstance(cb, Checkpointer)]
         saver.wait()  # an asynchronous save of that checkpoint may still be writing, checksumming or reading it back
-        path = Path(self.dirpath) / ck.step_name(self.step) / self.file
-        with open(path, "r+b") as f:  # in place: the file is never truncated, only 64 bytes change
-            f.seek(path.stat().st_size // 2)
-            f.write(bytes(64))
+        damage_in_place(Path(self.dirpath) / ck.step_name(self.step) / self.file)
 
 
 class RecordBatches(L.Callback):

@@ -19,6 +19,7 @@ from lmtrain.formats.checkpoint import CheckpointError
 from lmtrain.training.config import ConfigError
 from lmtrain.training.run import train
 from tests.conftest import ROOT, TINY, make_cfg, run_train_cli
+from tests.plugins import damage_in_place
 
 # A run that checkpoints every 4 steps; dropout on, so the RNG state matters for an identical continuation.
 CKPT = [
@@ -255,9 +256,7 @@ def test_ckpt_path_accepts_a_step_directory_and_refuses_a_damaged_one(tmp_path, 
     other = make_cfg(TINY + CKPT + [f"ckpt_path={step4}", "trainer.max_steps=6"], tmp_path / "o", dataset_dir)
     train(other)
     assert ck.newest(tmp_path / "o" / "run" / "checkpoints").step == 6
-    data = bytearray((step8 / ck.SINGLE_FILE).read_bytes())
-    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)  # inside the tensors' bytes, the size unchanged
-    (step8 / ck.SINGLE_FILE).write_bytes(bytes(data))
+    damage_in_place(step8 / ck.SINGLE_FILE)  # inside the tensors' bytes, the size unchanged
     assert ck.verify(step8)[0] is not None  # complete by size
     with pytest.raises(
         CheckpointError, match=r"ckpt_path=.*step-0000008 is not a usable checkpoint: checkpoint.pt has CRC-32 \w{8}, \w{8} was recorded"

@@ -15,6 +15,7 @@ from lmtrain.formats import checkpoint as ck
 from lmtrain.formats import corrections
 from lmtrain.training.config import ConfigError, validate_config
 from tests.conftest import TINY, make_cfg, run_train_cli
+from tests.plugins import damage_in_place
 from tests.test_checkpoint import _losses
 
 BASE = [a for a in TINY if not a.startswith(("trainer.devices", "data.batch_size"))] + [
@@ -82,10 +83,7 @@ def test_a_sharded_run_resumes_exactly_and_its_checkpoint_serves_the_tools(tmp_p
     assert torch.equal(exported(ids), ref(ids))
     # rank 1's shard damaged in place (its size kept): the two ranks resuming it each check half the files' CRC-32s
     # once their process group is up, agree, and stop (exit 2) naming the file, the checkpoint moved aside
-    shard = last.path / "__1_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
-    shard.write_bytes(bytes(data))
+    damage_in_place(last.path / "__1_0.distcp")
     args = [*BASE, f"paths.runs={tmp_path / 'runs'}", "run_name=cut", f"data.path={dataset_dir}", "data.prepare=null", *drop]
     res = run_train_cli([*args, "trainer.max_steps=10", "scheduler.total_steps=10"], tmp_path)
     assert res.returncode == 2, res.stderr[-3000:]
@@ -131,10 +129,7 @@ def test_on_two_gpus_sharded_saves_are_checked_and_a_rollback_passes_over_a_dama
     layout = ["strategy=fsdp", "trainer.devices=2", "data.batch_size=4", f"callbacks.checkpoint.async_save={async_save}"]
     _rollback_past_a_damaged_shard(tmp_path, dataset_dir, layout, GPU)
     root = tmp_path / "runs" / "spike" / "checkpoints"
-    shard = root / "step-0000012" / "__0_0.distcp"
-    with open(shard, "r+b") as f:
-        f.seek(shard.stat().st_size // 2)
-        f.write(bytes(64))
+    damage_in_place(root / "step-0000012" / "__0_0.distcp")
     args = [*GPU, f"paths.runs={tmp_path / 'runs'}", "run_name=spike", f"data.path={dataset_dir}", "data.prepare=null", *layout]
     res = run_train_cli([*args, "trainer.max_steps=14", "scheduler.total_steps=14"], tmp_path)
     assert res.returncode == 2, res.stderr[-3000:]
