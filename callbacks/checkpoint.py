@@ -9,11 +9,11 @@ Single-process and DDP runs write one file from rank zero; sharded strategies (F
 ``ModelParallelStrategy``) write a PyTorch distributed checkpoint, every rank its own part. Asynchronous saves
 (``async_save``, by default wherever the host has the memory for the copy) copy the state to host memory (the
 only stall: pinned buffers kept from one save to the next), then write it in the background: a single file from
-rank zero's thread, or every rank's shards through distributed checkpoint's ``async_save`` (its collectives on a
-gloo group of their own, so they never interleave with training's). Rank zero commits, verifies and prunes when
-the write is done, as a synchronous save does; the next save (and the end of training) waits for the previous one
-first, so the disk guard measures the disk with every earlier checkpoint fully written, and every rank learns
-there whether it succeeded.
+rank zero's thread, or every rank's shards through distributed checkpoint from a thread on each rank, put on that
+rank's GPU (its collectives on a gloo group of their own, so they never interleave with training's). Rank zero
+commits, verifies and prunes when the write is done, as a synchronous save does; the next save (and the end of
+training) waits for the previous one first, so the disk guard measures the disk with every earlier checkpoint fully
+written, and every rank learns there whether it succeeded.
 """
 
 from __future__ import annotations
@@ -122,21 +122,6 @@ class HostCopy:
         if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
             return type(obj)(self._copy(v, pin) for v in obj)
         return obj
-
-
-class _Staged:
-    """Distributed checkpoint's stager for a state already copied to host memory (:class:`HostCopy`): nothing to do."""
-
-    should_synchronize_after_execute = False
-
-    def stage(self, state_dict: dict) -> dict:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class Checkpointer(Checkpoint, CheckpointStore):
@@ -453,9 +438,15 @@ class Checkpointer(Checkpoint, CheckpointStore):
         return self._async
 
     def _save_sharded_async(self, trainer, checkpoint: dict, partial: Path, final: Path, meta: dict, t0: float) -> bool:
-        """Every rank stages its shards in host memory and writes them in the background (distributed checkpoint's
-        ``async_save``); rank zero commits when the write is complete. Failures are settled across ranks at the next
-        save or the end of training (:meth:`_settle`)."""
+        """Every rank copies its shards to host memory and writes them from a thread of its own (distributed
+        checkpoint's ``save`` on the saves' gloo group); rank zero commits when the write is complete. Failures are
+        settled across ranks at the next save or the end of training (:meth:`_settle`).
+
+        The thread is ours, not distributed checkpoint's ``async_save`` executor, so that it can be put on this rank's
+        GPU first: a new thread starts on GPU 0, and the file writer's loader asks for the current CUDA stream, which
+        on every other rank opened a CUDA context (about half a GB) on GPU 0. With a 7B model filling GPU 0 that
+        failed ("CUDA error: out of memory", rank 1, docs/BENCHMARKS.md); elsewhere it took rank zero's memory unseen.
+        The writer is also told to copy nothing ahead (``per_thread_copy_ahead=0``): its tensors are in host memory."""
         import torch.distributed.checkpoint as dcp
 
         from lmtrain.training.reshard import METADATA_FILE, sharded_layout
@@ -475,14 +466,16 @@ class Checkpointer(Checkpoint, CheckpointStore):
                 self._failed(step, partial, error or OSError("another rank could not start its save"))
             return False
         staged = self._host_copy(tensors)  # this rank's shards into pinned buffers kept between saves
-        future = dcp.async_save(staged, checkpoint_id=partial, process_group=self._group, async_stager=_Staged())
         self.last_stall_s = time.perf_counter() - t0
-        rank_zero = trainer.is_global_zero
+        rank_zero, device = trainer.is_global_zero, trainer.strategy.root_device
 
         def finish() -> None:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
             crcs = None
             try:
-                future.result()  # every rank's shards and the checkpoint's .metadata are written
+                writer = dcp.FileSystemWriter(partial, per_thread_copy_ahead=0)
+                dcp.save(staged, storage_writer=writer, process_group=self._group)  # every rank's shards and .metadata
                 crcs = self._read_back(trainer, partial)
             except BaseException as exc:  # noqa: BLE001
                 if rank_zero:

@@ -49,6 +49,28 @@ class DamageCheckpoint(L.Callback):
         damage_in_place(Path(self.dirpath) / ck.step_name(self.step) / self.file)
 
 
+class RecordCudaContexts(L.Callback):
+    """When fit ends (after the last save's write), write the GPUs on which this rank's process holds a CUDA context
+    to ``dirpath/cuda-contexts-RANK.json``: its own GPU only, or it takes memory on another rank's."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = dirpath
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        import json
+        from pathlib import Path
+
+        from lmtrain.callbacks.checkpoint import Checkpointer
+
+        for cb in trainer.callbacks:
+            if isinstance(cb, Checkpointer):
+                cb.wait(raise_errors=False)
+        opened = [i for i in range(torch.cuda.device_count()) if torch._C._cuda_hasPrimaryContext(i)]
+        record = {"rank": trainer.global_rank, "device": torch.cuda.current_device(), "contexts": opened}
+        Path(self.dirpath).mkdir(parents=True, exist_ok=True)
+        (Path(self.dirpath) / f"cuda-contexts-{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
 class RecordBatches(L.Callback):
     """Save every training step's input batch, keyed by global step, to ``path`` when training ends."""
 

@@ -6,6 +6,7 @@ refused before any process starts."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -125,9 +126,14 @@ GPU += ["trainer.accelerator=gpu", "trainer.precision=bf16-mixed"]
 def test_on_two_gpus_sharded_saves_are_checked_and_a_rollback_passes_over_a_damaged_shard(tmp_path, dataset_dir, async_save):
     """The collectives of the CPU tests above, over NCCL: a synchronous save gathers its read-back CRC-32s on the
     default (NCCL) group, an asynchronous one on its own gloo group; the rollback checks its candidates on both ranks;
-    a resume of a damaged checkpoint stops on both ranks (exit 2) naming the file."""
+    a resume of a damaged checkpoint stops on both ranks (exit 2) naming the file. No rank opens a CUDA context on
+    another's GPU (a save's writer thread, on GPU 0 unless told, once did: rank 1's 7B save ran out of memory there)."""
     layout = ["strategy=fsdp", "trainer.devices=2", "data.batch_size=4", f"callbacks.checkpoint.async_save={async_save}"]
-    _rollback_past_a_damaged_shard(tmp_path, dataset_dir, layout, GPU)
+    contexts = tmp_path / "contexts"
+    record = ["+callbacks.contexts._target_=tests.plugins.RecordCudaContexts", f"+callbacks.contexts.dirpath={contexts}"]
+    _rollback_past_a_damaged_shard(tmp_path, dataset_dir, [*layout, *record], GPU)
+    seen = [json.loads((contexts / f"cuda-contexts-{rank}.json").read_text()) for rank in (0, 1)]
+    assert [(r["device"], r["contexts"]) for r in seen] == [(0, [0]), (1, [1])], seen
     root = tmp_path / "runs" / "spike" / "checkpoints"
     damage_in_place(root / "step-0000012" / "__0_0.distcp")
     args = [*GPU, f"paths.runs={tmp_path / 'runs'}", "run_name=spike", f"data.path={dataset_dir}", "data.prepare=null", *layout]
