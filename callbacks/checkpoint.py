@@ -88,6 +88,11 @@ class HostCopy:
         del self.buffers[self._i :]
         return out
 
+    def release(self) -> None:
+        """Give the buffers back (after a copy that failed part of the way: what it did allocate is freed)."""
+        self.buffers.clear()
+        self._seen = {}
+
     def _buffer(self, t: torch.Tensor, pin: bool) -> torch.Tensor:
         """Buffer ``i`` for ``t``: kept from the last save when it matches (for a DTensor, its layout too), else new."""
         i, self._i = self._i, self._i + 1
@@ -330,8 +335,8 @@ class Checkpointer(Checkpoint, CheckpointStore):
             return self._save_sharded(trainer, checkpoint, partial, final, meta, t0)
         if not trainer.is_global_zero:
             return True
-        if asynchronous:
-            snapshot = self._host_copy(checkpoint)
+        snapshot = self._copy_to_host(checkpoint) if asynchronous else None
+        if snapshot is not None:
             self.last_stall_s = time.perf_counter() - t0
             self._thread = threading.Thread(
                 target=self._write_single, args=(trainer, snapshot, partial, final, meta, t0), name=f"lmtrain-save-{step}", daemon=True
@@ -437,6 +442,22 @@ class Checkpointer(Checkpoint, CheckpointStore):
                     )
         return self._async
 
+    def _copy_to_host(self, state):
+        """``state`` copied to host memory for an asynchronous save, or None where this host cannot hold the copy (the
+        allocation failed: host memory, pinned memory). Then the buffers are given back and this save and every later
+        one are synchronous, said once: a run forced to ``async_save=true`` on a host short of memory keeps its
+        checkpoints instead of stopping at its first save."""
+        try:
+            return self._host_copy(state)
+        except (RuntimeError, MemoryError) as exc:  # torch's host allocators: RuntimeError (OutOfMemoryError, AcceleratorError)
+            self._host_copy.release()
+            self._async = False
+            log.warning(
+                f"checkpoints: an asynchronous save needs a copy of the state in host memory, and this host could not "
+                f"allocate it ({failure_reason(exc)}); saving synchronously instead (callbacks.checkpoint.async_save)"
+            )
+            return None
+
     def _save_sharded_async(self, trainer, checkpoint: dict, partial: Path, final: Path, meta: dict, t0: float) -> bool:
         """Every rank copies its shards to host memory and writes them from a thread of its own (distributed
         checkpoint's ``save`` on the saves' gloo group); rank zero commits when the write is complete. Failures are
@@ -465,7 +486,13 @@ class Checkpointer(Checkpoint, CheckpointStore):
             if trainer.is_global_zero:
                 self._failed(step, partial, error or OSError("another rank could not start its save"))
             return False
-        staged = self._host_copy(tensors)  # this rank's shards into pinned buffers kept between saves
+        staged = self._copy_to_host(tensors)  # this rank's shards into pinned buffers kept between saves
+        if not trainer.strategy.reduce_boolean_decision(staged is not None, all=True):  # a rank had no memory for it:
+            self._unsettled, self._async, staged = False, False, None  # every rank saves synchronously, now and later
+            self._host_copy.release()
+            if trainer.is_global_zero:
+                log.warning(f"checkpoints: step {step} and later saves are synchronous on every rank (a rank could not copy its shards)")
+            return self._save_sharded(trainer, checkpoint, partial, final, meta, t0)
         self.last_stall_s = time.perf_counter() - t0
         rank_zero, device = trainer.is_global_zero, trainer.strategy.root_device
 

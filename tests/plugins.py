@@ -71,6 +71,33 @@ class RecordCudaContexts(L.Callback):
         (Path(self.dirpath) / f"cuda-contexts-{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
+class LimitHostMemory(L.Callback):
+    """From the end of optimizer step ``step`` (before that step's checkpoint) to the start of the next, this process
+    may map only ``margin_mb`` more memory than it has (RLIMIT_AS): an allocation beyond that fails, as on a host
+    out of memory. On ``rank`` only, or every rank."""
+
+    def __init__(self, step: int, margin_mb: int, rank: int | None = None) -> None:
+        self.step, self.margin_mb, self.rank = step, margin_mb, rank
+        self.saved = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import resource
+
+        if trainer.global_step != self.step or self.rank not in (None, trainer.global_rank):
+            return
+        with open("/proc/self/status") as f:
+            (vm_kb,) = [int(line.split()[1]) for line in f if line.startswith("VmSize:")]
+        self.saved = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (vm_kb * 1024 + self.margin_mb * 2**20, self.saved[1]))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import resource
+
+        if self.saved is not None:
+            resource.setrlimit(resource.RLIMIT_AS, self.saved)
+            self.saved = None
+
+
 class RecordBatches(L.Callback):
     """Save every training step's input batch, keyed by global step, to ``path`` when training ends."""
 

@@ -223,6 +223,40 @@ def test_async_save_auto_saves_synchronously_where_the_host_lacks_the_memory(tmp
         train(_with_run_dir(_cfg(tmp_path, dataset_dir, "callbacks.checkpoint.async_save=maybe"), tmp_path))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_async_save_true_on_a_host_out_of_memory_saves_synchronously_and_keeps_every_checkpoint(tmp_path, dataset_dir, layout, monkeypatch):
+    """``async_save=true`` where the host cannot hold the copy: at step 2 the process may map only 64 MB more (a real
+    RLIMIT_AS, set by tests.plugins.LimitHostMemory) and the copy of a state of about 180 MB (90 MB a rank when
+    sharded on 2 ranks) fails to allocate. The failure is said once with its cause, the save is made synchronously,
+    on every rank when one rank ran short (``sharded``: rank 1 only), and so are the later ones: the run finishes
+    with every checkpoint written and verified. glibc is told to map every block of 64 kB or more by itself, so that
+    the process's mapped size is what it uses (no freed heap for the copy to reuse) and the 64 MB are the margin."""
+    tunables = [t for t in [os.environ.get("GLIBC_TUNABLES"), "glibc.malloc.mmap_threshold=65536"] if t]
+    monkeypatch.setenv("GLIBC_TUNABLES", ":".join(tunables))
+    wide = ["model.d_model=512", "model.n_layers=4", "model.n_heads=8"]
+    args = TINY + CKPT + wide + [
+        f"paths.runs={tmp_path / 'runs'}", "run_name=mem", f"data.path={dataset_dir}", "data.prepare=null",
+        "callbacks.checkpoint.async_save=true", "callbacks.checkpoint.every_n_steps=2", "trainer.max_steps=6",
+        "scheduler.total_steps=6", "+callbacks.memory._target_=tests.plugins.LimitHostMemory", "+callbacks.memory.step=2",
+        "+callbacks.memory.margin_mb=64",
+    ]  # fmt: skip
+    if layout == "sharded":
+        args = [a for a in args if not a.startswith("trainer.devices")]
+        args += ["strategy=fsdp", "trainer.devices=2", "data.batch_size=2", "+callbacks.memory.rank=1"]
+    res = run_train_cli(args, tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    said = [line for line in res.stderr.splitlines() if "this host could not allocate it" in line]
+    assert len(said) == 1 and "saving synchronously instead" in said[0], res.stderr[-4000:]
+    assert "can't allocate memory" in said[0] or "out of memory" in said[0].lower(), said
+    if layout == "sharded":
+        assert "step 2 and later saves are synchronous on every rank" in res.stderr, res.stderr[-4000:]
+    root = tmp_path / "runs" / "mem" / "checkpoints"
+    assert [c.step for c in ck.scan(root)] == [2, 4, 6] and all(ck.verify(c.path)[0] for c in ck.scan(root))
+    assert "ALERT" not in res.stderr and "Traceback" not in res.stderr
+
+
 def _with_run_dir(cfg, tmp_path):
     cfg.run_dir = str(tmp_path / "runs" / "r")
     return cfg
