@@ -56,9 +56,10 @@ def _throughput():
     return module
 
 
-def _record(script: Path, mode: str, tmp_path: Path) -> list[list[str]]:
+def _record(script: Path, mode: str, tmp_path: Path, args: tuple[str, ...] = ()) -> list[list[str]]:
+    """The commands ``bash SCRIPT [MODE] [ARGS...]`` runs, each as its argument list (see the module's docstring)."""
     shims = tmp_path / "shims"
-    record = tmp_path / f"record-{script.stem}-{mode}"
+    record = tmp_path / f"record-{script.stem}-{mode}-{'-'.join(args)}"
     shims.mkdir(exist_ok=True)
     record.mkdir()
     for name, text in (("python3", RECORDER), ("torchrun", RECORDER), ("nvidia-smi", RECORDER), ("timeout", TIMEOUT)):
@@ -74,7 +75,8 @@ def _record(script: Path, mode: str, tmp_path: Path) -> list[list[str]]:
         "RAW": "raw_gpt_baseline.py",
         "RAW_DIR": str(tmp_path),
     }
-    res = subprocess.run(["bash", str(copy), *([mode] if mode else [])], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    argv = ["bash", str(copy), *([mode] if mode else []), *args]
+    res = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, (script.name, mode, res.stdout[-2000:], res.stderr[-2000:])
     return [f.read_bytes().decode().split("\0")[:-1] for f in sorted(record.iterdir())]
 
@@ -84,8 +86,11 @@ CASES = [(s, m) for s in sorted(BENCH.glob("*.sh")) for m in _modes(s)]
 
 @pytest.mark.parametrize("script,mode", CASES, ids=[f"{s.stem}-{m}" if m else s.stem for s, m in CASES])
 def test_every_bench_script_trainer_command_validates(script, mode, tmp_path):
-    throughput = _throughput()
-    calls = _record(script, mode, tmp_path)
+    _validate_recorded(_record(script, mode, tmp_path), f"{script.name} {mode}", tmp_path, _throughput())
+
+
+def _validate_recorded(calls: list[list[str]], what: str, tmp_path: Path, throughput) -> None:
+    """Each recorded ``train.py`` and ``bench/throughput.py`` command composes and validates; there is at least one."""
     checked, failed = 0, []
     for argv in calls:
         entry = next((a for a in argv if a in ("train.py", "bench/throughput.py")), None)
@@ -102,7 +107,7 @@ def test_every_bench_script_trainer_command_validates(script, mode, tmp_path):
         except InputError as exc:
             failed.append(f"{shlex.join(argv)}\n  {exc}")
         checked += 1
-    assert checked, f"{script.name} {mode}: no trainer command recorded (calls: {calls})"
+    assert checked, f"{what}: no trainer command recorded (calls: {calls})"
     assert not failed, "\n".join(failed)
 
 
@@ -148,6 +153,7 @@ def benchmark_commands() -> list[str]:
                 line = line.replace(f"${name}", value)
             lines.append(line)
     lines += re.findall(r"`([^`\n]+)`", re.sub(r"^```.*?^```", "", text, flags=re.M | re.S))
+    lines = [re.sub(r"^(?:\w+=\.\.\. )+", "", line) for line in lines]  # RAW=... before a script: the path is the reader's
     return sorted({c for c in lines if COMMAND.match(c) and not TEMPLATE.search(c)})
 
 
@@ -159,6 +165,9 @@ def _check_benchmark_command(command: str, tmp_path: Path, throughput) -> None:
         script = ROOT / argv[1]
         assert script.is_file(), f"{command}: no {argv[1]}"
         modes = [m for m in _modes(script) if m]
+        if not modes:  # a script of positional parameters (gpu_scaling.sh SIZE BATCH): run with them, its commands checked
+            _validate_recorded(_record(script, "", tmp_path, tuple(argv[2:])), command, tmp_path, throughput)
+            return
         unknown = [a for a in argv[2:] if not a.isdigit() and a not in modes]
         assert not unknown, f"{command}: {script.name} has no mode {unknown} (modes: {modes})"
         return
@@ -188,12 +197,13 @@ def _check_benchmark_command(command: str, tmp_path: Path, throughput) -> None:
 def test_every_command_line_of_the_benchmarks_page_validates(tmp_path):
     """What a reader copies from docs/BENCHMARKS.md: trainer and bench commands compose from the real config tree and
     pass validate_config (they are meant for GPUs: the machine check is not run), bench scripts exist with the modes
-    and options named, and the ``python -m lmtrain.TOOL`` lines run here. Lines written as templates (``$M13 ...``,
-    ``[--no-raw]``, ``RAW=...``) and the lines that are not ours (the shared raw baselines, the GPU machine's
+    and options named, and the ``python -m lmtrain.TOOL`` lines run here. A leading ``RAW=...`` (a path that is the
+    reader's) is dropped; lines written as templates (``$M13 ...``, ``[--no-raw]``, ``SIZE``; ``$M13`` means
+    different settings in different sections) and the lines that are not ours (the shared raw baselines, the GPU machine's
     set-up, the timed imports) are left out; the count below keeps the rest from silently shrinking."""
     throughput = _throughput()
     commands = [c for c in benchmark_commands() if not any(e in c for e in EXTERNAL)]
-    assert len(commands) >= 20, commands
+    assert len(commands) >= 28, commands
     failed = []
     for command in commands:
         try:
