@@ -44,8 +44,8 @@ def _rng_state() -> dict:
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
         "python": random.getstate(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # this rank's GPU only (see _set_rng_state)
+        state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
     return state
 
 
@@ -58,8 +58,16 @@ def _set_rng_state(state: dict) -> None:
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([as_tensor(b) for b in state["cuda"]])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, list):
+            # Saved before 2026-11-28: the state of every GPU the saving process saw. Setting them all broke a resume
+            # where fewer GPUs are visible (CUDA_VISIBLE_DEVICES of a smaller node: no such device); this rank's own
+            # device's state is the one its kernels drew from.
+            index = torch.cuda.current_device()
+            cuda = cuda[index] if index < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(as_tensor(cuda))
 
 
 class HostCopy:

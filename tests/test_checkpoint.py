@@ -112,6 +112,50 @@ def test_each_rank_reads_back_its_share_of_a_sharded_checkpoint(tmp_path):
 
 
 # -- resume -----------------------------------------------------------------------------------------
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA RNG states: run on a GPU (docs/BENCHMARKS.md)")
+def test_a_checkpoint_keeps_this_gpus_rng_state_and_restores_an_older_list_of_every_gpus():
+    """Each rank keeps its own GPU's CUDA RNG state. Checkpoints before 2026-11-28 kept every visible GPU's, and a
+    resume set them all, which fails where fewer GPUs are visible (no such device): from such a list this rank's
+    device's state is restored and the rest ignored."""
+    import torch
+
+    from lmtrain.callbacks.checkpoint import _rng_state, _set_rng_state
+
+    torch.cuda.init()
+    saved = _rng_state()
+    assert isinstance(saved["cuda"], bytes)
+    before = torch.cuda.get_rng_state()
+    torch.rand(1000, device="cuda")
+    _set_rng_state(saved)
+    assert torch.equal(torch.cuda.get_rng_state(), before)
+    other = torch.cuda.get_rng_state(torch.cuda.current_device()).clone()
+    torch.rand(1000, device="cuda")
+    ahead = torch.cuda.get_rng_state().numpy().tobytes()
+    n = torch.cuda.device_count() + 2  # saved where two more GPUs were visible than here
+    older = {**saved, "cuda": [ahead if i == torch.cuda.current_device() else other.numpy().tobytes() for i in range(n)]}
+    _set_rng_state(older)
+    assert torch.cuda.get_rng_state().numpy().tobytes() == ahead
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("torch").cuda.device_count() < 2, reason="needs 2 GPUs visible, then 1 (run there: docs/BENCHMARKS.md)")
+def test_a_gpu_run_resumes_where_fewer_gpus_are_visible(tmp_path, dataset_dir, monkeypatch):
+    """Saved by a one-GPU run on a machine where 2 GPUs are visible, resumed with CUDA_VISIBLE_DEVICES=0 (a node with
+    fewer GPUs): the resume continues (it used to stop at its first step, restoring a state for a GPU not there)."""
+    gpu = [a for a in TINY if not a.startswith(("trainer.accelerator", "trainer.precision"))]
+    args = gpu + CKPT + [
+        "trainer.accelerator=gpu", "trainer.precision=bf16-mixed", f"paths.runs={tmp_path / 'runs'}", "run_name=fewer",
+        f"data.path={dataset_dir}", "data.prepare=null", "callbacks.checkpoint.every_n_steps=2", "scheduler.total_steps=6",
+    ]  # fmt: skip
+    res = run_train_cli([*args, "trainer.max_steps=4"], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    res = run_train_cli([*args, "trainer.max_steps=6"], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from step-0000004" in (tmp_path / "runs" / "fewer" / "logbook.jsonl").read_text()
+    assert [c.step for c in ck.scan(tmp_path / "runs" / "fewer" / "checkpoints")][-1] == 6
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_the_host_copy_of_a_sharded_state_stays_in_host_memory_and_is_reused(tmp_path, device):
     """An asynchronous sharded save writes from lmtrain.callbacks.checkpoint.HostCopy: every shard's copy is a DTensor
