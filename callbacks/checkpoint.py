@@ -346,8 +346,9 @@ class Checkpointer(Checkpoint, CheckpointStore):
         snapshot = self._copy_to_host(checkpoint) if asynchronous else None
         if snapshot is not None:
             self.last_stall_s = time.perf_counter() - t0
+            write = _on_device(trainer.strategy.root_device, self._write_single)
             self._thread = threading.Thread(
-                target=self._write_single, args=(trainer, snapshot, partial, final, meta, t0), name=f"lmtrain-save-{step}", daemon=True
+                target=write, args=(trainer, snapshot, partial, final, meta, t0), name=f"lmtrain-save-{step}", daemon=True
             )
             self._thread.start()
             return True
@@ -502,11 +503,9 @@ class Checkpointer(Checkpoint, CheckpointStore):
                 log.warning(f"checkpoints: step {step} and later saves are synchronous on every rank (a rank could not copy its shards)")
             return self._save_sharded(trainer, checkpoint, partial, final, meta, t0)
         self.last_stall_s = time.perf_counter() - t0
-        rank_zero, device = trainer.is_global_zero, trainer.strategy.root_device
+        rank_zero = trainer.is_global_zero
 
         def finish() -> None:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
             crcs = None
             try:
                 writer = dcp.FileSystemWriter(partial, per_thread_copy_ahead=0)
@@ -532,7 +531,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
             if rank_zero:
                 self._succeeded(trainer, final, meta)
 
-        self._thread = threading.Thread(target=finish, name=f"lmtrain-save-{step}", daemon=True)
+        self._thread = threading.Thread(target=_on_device(trainer.strategy.root_device, finish), name=f"lmtrain-save-{step}", daemon=True)
         self._thread.start()
         return True
 
@@ -639,6 +638,18 @@ def host_available_bytes() -> int | None:
     except OSError:
         pass
     return None
+
+
+def _on_device(device: torch.device, fn):
+    """``fn`` for a save's thread, run with ``device`` as the thread's CUDA device: a new thread starts on GPU 0, and a
+    CUDA call there from any other rank's process opens a context (about half a GB) on GPU 0."""
+
+    def run(*args):
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return fn(*args)
+
+    return run
 
 
 def failure_reason(exc: BaseException) -> str:
