@@ -62,6 +62,18 @@ def pytest_report_header(config) -> str:
     return _TEST_DEPS_SAID
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """A test skipped for want of a GPU carries the ``gpu`` mark, so that ``python -m pytest -m gpu`` on a GPU
+    machine runs every one of them: one left unmarked stops the collection, named."""
+    unmarked = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("gpu") is None and any("GPU" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+    ]
+    if unmarked:
+        raise pytest.UsageError(f"skipped without a GPU but not marked gpu: {unmarked}")
+
+
 import lmtrain.training.config  # noqa: E402,F401  (registers the run-name resolver)
 from lmtrain.data.corpus import python_stdlib_files  # noqa: E402
 

@@ -112,6 +112,7 @@ def test_each_rank_reads_back_its_share_of_a_sharded_checkpoint(tmp_path):
 
 
 # -- resume -----------------------------------------------------------------------------------------
+@pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA RNG states: run on a GPU (docs/BENCHMARKS.md)")
 def test_a_checkpoint_keeps_this_gpus_rng_state_and_restores_an_older_list_of_every_gpus():
     """Each rank keeps its own GPU's CUDA RNG state. Checkpoints before 2026-11-28 kept every visible GPU's, and a
@@ -138,6 +139,7 @@ def test_a_checkpoint_keeps_this_gpus_rng_state_and_restores_an_older_list_of_ev
 
 
 @pytest.mark.slow
+@pytest.mark.gpu
 @pytest.mark.skipif(__import__("torch").cuda.device_count() < 2, reason="needs 2 GPUs visible, then 1 (run there: docs/BENCHMARKS.md)")
 def test_a_gpu_run_resumes_where_fewer_gpus_are_visible(tmp_path, dataset_dir, monkeypatch):
     """Saved by a one-GPU run on a machine where 2 GPUs are visible, resumed with CUDA_VISIBLE_DEVICES=0 (a node with
@@ -156,7 +158,7 @@ def test_a_gpu_run_resumes_where_fewer_gpus_are_visible(tmp_path, dataset_dir, m
     assert [c.step for c in ck.scan(tmp_path / "runs" / "fewer" / "checkpoints")][-1] == 6
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_the_host_copy_of_a_sharded_state_stays_in_host_memory_and_is_reused(tmp_path, device):
     """An asynchronous sharded save writes from lmtrain.callbacks.checkpoint.HostCopy: every shard's copy is a DTensor
     of the same layout whose local part is in host memory (pinned under CUDA), filled again at the next save. Before,

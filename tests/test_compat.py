@@ -159,6 +159,7 @@ def test_op_level_checkpointing_keeps_the_products_and_recomputes_the_rest(dropo
         )
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="FlexAttention's backward pass runs on a GPU only (run there: docs/BENCHMARKS.md)"
 )

@@ -121,6 +121,7 @@ GPU += ["trainer.accelerator=gpu", "trainer.precision=bf16-mixed"]
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL between 2 GPUs (run there: docs/BENCHMARKS.md)")
 @pytest.mark.parametrize("async_save", ["false", "true"])
 def test_on_two_gpus_sharded_saves_are_checked_and_a_rollback_passes_over_a_damaged_shard(tmp_path, dataset_dir, async_save):

@@ -323,6 +323,7 @@ def test_flex_attention_block_mask_trains_like_the_dense_document_mask(name):
         model(idx, idx, doc)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="liger-kernel's Triton kernels run on a GPU (checked there: docs/BENCHMARKS.md)")
 @pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
 def test_the_liger_fused_head_equals_the_plain_head_under_bf16(name):
