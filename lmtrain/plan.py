@@ -30,6 +30,11 @@ optimizer state, activations, logits; gradients only when ``trainer.accumulate_g
 and at the end of the backward pass (weights, gradients, optimizer state; under fsdp/hsdp one block's unsharded
 gradients in bf16 and fp32 for the reduce-scatter; the DDP buckets in both). Measured against both in
 docs/BENCHMARKS.md. A 10% margin is kept free.
+
+Checkpoints: fp32 weights and AdamW's two moments, 12 B/param on disk per save (llama-7b: 80.86 GB counted, 80.864 GB
+saved on 2 H100s); an asynchronous save first copies that state to host memory, per node: all of it on rank zero's
+node (ddp, one file), the node's shards (fsdp over every GPU), a whole replica (hsdp). ``async_save=auto`` wants twice
+the copy available; PyTorch's pinned host allocator rounds each block up to a power of two (llama-7b's shards: x1.39).
 """
 
 from __future__ import annotations
@@ -120,6 +125,13 @@ def memory(
     return out
 
 
+def checkpoint_bytes(params: int, gpus: int, node: int) -> dict:
+    """A save's size on disk and, per strategy, the host copy an asynchronous save holds on one node (module docstring)."""
+    size = 12 * params
+    nodes = max(1, gpus // node)
+    return {"size": size, "host_copy_per_node": {"ddp": size, "fsdp": size / nodes, "hsdp": size}}
+
+
 def fewest_gpus(cfg, params: int, seq: int, batch: int, node: int, mem_bytes: float, ac: str, accumulate: int = 1) -> int | None:
     """Fewest GPUs (whole nodes) on which fsdp fits the model, or None up to 65,536 GPUs."""
     world = node
@@ -173,6 +185,9 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
         s: {ac: {k: v / GB for k, v in memory(mcfg, nums["params"], seq, batch, s, gpus, node, ac, chunk, accum, fp8).items()} for ac in AC}
         for s in STRATEGIES
     }
+    ckpt = checkpoint_bytes(nums["params"], gpus, node)
+    out["checkpoint_gb"] = ckpt["size"] / GB
+    out["async_host_copy_gb_per_node"] = {s: v / GB for s, v in ckpt["host_copy_per_node"].items()}
     out["fits"] = {s: {ac: out["memory_gb_per_gpu"][s][ac]["total"] * GB <= MARGIN * mem_bytes for ac in AC} for s in STRATEGIES}
     fewest = fewest_gpus(mcfg, nums["params"], seq, batch, node, mem_bytes, "full", accum)
     out["fewest_gpus_fsdp_full_ac"] = fewest
@@ -230,6 +245,12 @@ def table(p: dict) -> str:
                 f"{m['logits']:.2f} | {m['total']:.2f} | {'forward' if m['forward_peak'] >= m['backward_peak'] else 'backward'} | "
                 f"{'yes' if p['fits'][s][ac] else 'no'} |"
             )
+    copy = p["async_host_copy_gb_per_node"]
+    lines.append(
+        f"checkpoint: {p['checkpoint_gb']:.2f} GB per save on disk (fp32 weights, AdamW state); an asynchronous save's host "
+        f"copy per node: ddp {copy['ddp']:.2f}, fsdp {copy['fsdp']:.2f}, hsdp {copy['hsdp']:.2f} GB "
+        "(async_save=auto wants twice that available)"
+    )
     few = p["fewest_gpus_fsdp_full_ac"]
     lines.append(
         f"fewest GPUs that fit it (fsdp, full activation checkpointing): {few if few else 'more than 65,536'}"

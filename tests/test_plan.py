@@ -71,6 +71,17 @@ def test_memory_prediction_against_measured_peaks(capsys, args, strategy, measur
     assert band[0] <= predicted_gib / measured_gib <= band[1], f"predicted {predicted_gib:.1f} GiB, measured {measured_gib}"
 
 
+def test_checkpoint_size_against_a_measured_save_and_the_host_copy_per_node(capsys):
+    """llama-7b's save on 2 H100s measured 80.864 GB (docs/BENCHMARKS.md, session 29): 12 B/param counts it; the host
+    copy of an asynchronous save per node is the whole state under ddp and hsdp, the node's share under fsdp."""
+    one = _plan(capsys, "experiment=llama-7b", "data.path=/tmp/unused", "cluster.gpus=2", "cluster.gpus_per_node=2")
+    assert one["checkpoint_gb"] == pytest.approx(80.864, rel=1e-3)
+    assert one["async_host_copy_gb_per_node"] == pytest.approx({"ddp": 80.86, "fsdp": 80.86, "hsdp": 80.86}, rel=1e-3)
+    four = _plan(capsys, "experiment=llama-7b", "data.path=/tmp/unused", "cluster.gpus=32", "cluster.gpus_per_node=8")
+    assert four["async_host_copy_gb_per_node"]["fsdp"] == pytest.approx(80.864 / 4, rel=1e-3)
+    assert four["async_host_copy_gb_per_node"]["hsdp"] == pytest.approx(80.864, rel=1e-3)
+
+
 def test_gradients_count_at_the_forward_peak_only_when_accumulating(capsys):
     args = [*B13, "model.vocab_size=50304", "data.seq_len=1024", "data.batch_size=16", "cluster.gpus=1"]
     one = _plan(capsys, *args)["memory_gb_per_gpu"]["ddp"]["none"]
