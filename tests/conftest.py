@@ -98,11 +98,14 @@ TINY = [
 ]
 
 
-def run_train_cli(args: list[str], cwd: Path, extra_path: list[Path] = (), timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python train.py ARGS` in a fresh process, as a user runs it (a fresh run name per call)."""
+def run_train_cli(
+    args: list[str], cwd: Path, extra_path: list[Path] = (), timeout: int = 300, preexec_fn=None
+) -> subprocess.CompletedProcess:
+    """`python train.py ARGS` in a fresh process, as a user runs it (a fresh run name per call); ``preexec_fn`` runs in
+    the child before it starts (a resource limit: a disk that fills up)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [*extra_path, ROOT])), "LMTRAIN_RUN_ID": ""}
     cmd = [sys.executable, str(ROOT / "train.py"), *args]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn)
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,6 @@ from __future__ import annotations
 import csv
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ from lmtrain.formats import logbook
 from lmtrain.formats.checkpoint import CheckpointError
 from lmtrain.training.config import ConfigError
 from lmtrain.training.run import train
-from tests.conftest import ROOT, TINY, make_cfg, run_train_cli
+from tests.conftest import TINY, make_cfg, run_train_cli
 from tests.plugins import damage_in_place
 
 # A run that checkpoints every 4 steps; dropout on, so the RNG state matters for an identical continuation.
@@ -374,9 +372,7 @@ def test_enospc_is_alerted_training_goes_on_and_repeated_failures_stop_the_run(t
     # a real failed write, not the drill: files capped at 200 kB, so torch.save's write of the first checkpoint fails
     # as on a full disk; its zip writer says "unexpected pos ...": the alert names the write's own error instead
     args = TINY + CKPT + [f"paths.runs={tmp_path / 'runs'}", "run_name=e1", f"data.path={dataset_dir}", "data.prepare=null"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LMTRAIN_RUN_ID": ""}
-    out = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, "callbacks.checkpoint.max_consecutive_failures=1"], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=300, preexec_fn=_files_up_to_200_kb)  # fmt: skip
+    out = run_train_cli([*args, "callbacks.checkpoint.max_consecutive_failures=1"], tmp_path, preexec_fn=_files_up_to_200_kb)
     assert out.returncode == 2, out.stderr[-3000:]
     assert "ALERT: checkpoint at step 4 FAILED (File too large (errno 27))" in out.stderr, out.stderr[-3000:]
     assert "1 consecutive checkpoint saves failed" in out.stderr and "Traceback" not in out.stderr
@@ -441,7 +437,7 @@ def _files_up_to_200_kb():  # a disk that fills up: any file write past 200 kB f
 
 
 @pytest.mark.distributed
-def test_a_sharded_save_failing_in_the_background_writer_is_alerted_and_repeated_failures_stop_the_run(tmp_path, dataset_dir):
+def test_a_sharded_save_failing_in_the_background_writer_is_alerted_and_repeated_failures_stop_the_run(tmp_path, dataset_dir, monkeypatch):
     """A real write failure inside distributed checkpoint's background writer (the asynchronous sharded save of
     `fsdp`, files capped at 200 kB so each shard's write fails as on a full disk): every failed save is alerted, its
     partial directory removed, training goes on past the first, the second in a row stops the run (exit 2, one line),
@@ -451,9 +447,8 @@ def test_a_sharded_save_failing_in_the_background_writer_is_alerted_and_repeated
         "trainer.devices=1", "callbacks.checkpoint.async_save=true", "callbacks.checkpoint.every_n_steps=2",
         "callbacks.checkpoint.max_consecutive_failures=2", "model.dropout=0",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1", "LMTRAIN_RUN_ID": ""}
-    res = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300, preexec_fn=_files_up_to_200_kb)  # fmt: skip
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    res = run_train_cli(args, tmp_path, preexec_fn=_files_up_to_200_kb)
     assert res.returncode == 2, res.stderr[-3000:]
     alerts = [line for line in res.stderr.splitlines() if "ALERT: checkpoint at step" in line]
     assert [a.split(" FAILED (")[0].rsplit(" ", 1)[-1] for a in alerts] == ["2", "4"], res.stderr[-3000:]
