@@ -18,10 +18,12 @@ written, and every rank learns there whether it succeeded.
 
 from __future__ import annotations
 
+import mmap
 import os
 import random
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -70,12 +72,31 @@ def _set_rng_state(state: dict) -> None:
             torch.cuda.set_rng_state(as_tensor(cuda))
 
 
+def _pin(t: torch.Tensor) -> None:
+    """Page-lock ``t``'s memory for CUDA (``cudaHostRegister``), so copies from the GPU into it run asynchronously."""
+    rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 1))  # 1: cudaHostRegisterPortable
+    if rc != 0:
+        raise RuntimeError(f"cudaHostRegister of {t.nbytes / 1e9:.2f} GB of host memory failed (cudaError {rc})")
+
+
+def _unpin(pointers: list[int]) -> None:
+    while pointers:
+        torch.cuda.cudart().cudaHostUnregister(pointers.pop())
+
+
 class HostCopy:
     """Copies of a checkpoint's tensors in host memory, into buffers kept from one save to the next.
 
-    Training changes the originals in place, so an asynchronous save writes from copies. Allocating pinned memory
-    is slow (seconds for tens of GB), so the buffers are allocated once and reused while the checkpoint's
-    tensors keep their shapes and dtypes (they do, step after step).
+    Training changes the originals in place, so an asynchronous save writes from copies. Pinning memory is slow
+    (seconds for tens of GB), so the buffers are allocated once and reused while the checkpoint's tensors keep
+    their shapes and dtypes (they do, step after step).
+
+    Each buffer is anonymous memory of exactly its tensor's size in pages of its own (``mmap``), registered with
+    CUDA (``cudaHostRegister``) where its original is on the GPU. PyTorch's pinned allocator (``pin_memory=True``)
+    rounds every block up to a power of two: for a 7B model's shards on one of two ranks it held 56.37 GB for
+    40.43 GB of shards and took 32-37 s; this holds 40.43 GB and pinned them in 24-25 s (bench/pinned_host.py on an
+    H200 host, docs/BENCHMARKS.md). Pages of its own: two registrations may not share a page, which two small heap
+    blocks of ``torch.empty`` can. Buffers are unregistered when dropped, and when this object is.
 
     A shard of a sharded state (a ``DTensor``) is copied into a ``DTensor`` of the same layout whose local tensor is
     in host memory. ``DTensor.from_local`` cannot build one: it moves a host tensor to the mesh's device, which made
@@ -85,55 +106,79 @@ class HostCopy:
 
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor] = []
+        self.pinned: list[int] = []  # addresses registered with CUDA, of buffers still held
+        weakref.finalize(self, _unpin, self.pinned).atexit = False  # never after CUDA is torn down at exit
+        self.last_pinned_bytes, self.last_pin_s = 0, 0.0  # newly pinned by the last call (0: every buffer reused)
 
     def __call__(self, obj):
-        self._i = 0
+        self._i, self._copies, self._to_pin = 0, [], []
         self._seen: dict = {}  # one copy per original (tied weights stay tied, as torch.save would keep them)
-        pin = torch.cuda.is_available()
-        out = self._copy(obj, pin)
-        if pin:
-            torch.cuda.synchronize()
+        out = self._copy(obj)
+        self._drop(self.buffers[self._i :])
         del self.buffers[self._i :]
+        t0 = time.perf_counter()
+        for t in self._to_pin:  # one at a time: from 8 threads it took no less (bench/pinned_host.py)
+            _pin(t)
+            self.pinned.append(t.data_ptr())  # only once registered: release() unregisters exactly these
+        self.last_pinned_bytes, self.last_pin_s = sum(t.nbytes for t in self._to_pin), time.perf_counter() - t0
+        for target, source in self._copies:
+            target.copy_(source, non_blocking=source.device.type == "cuda")
+        if any(source.device.type == "cuda" for _, source in self._copies):
+            torch.cuda.synchronize()
+        self._copies = self._to_pin = []
         return out
 
     def release(self) -> None:
         """Give the buffers back (after a copy that failed part of the way: what it did allocate is freed)."""
+        self._drop(self.buffers)
         self.buffers.clear()
-        self._seen = {}
+        self._seen, self._copies, self._to_pin = {}, [], []
 
-    def _buffer(self, t: torch.Tensor, pin: bool) -> torch.Tensor:
+    def _drop(self, buffers: list[torch.Tensor]) -> None:
+        gone = {(b.to_local() if isinstance(b, DTensor) else b).data_ptr() for b in buffers}
+        _unpin([p for p in self.pinned if p in gone])
+        self.pinned[:] = [p for p in self.pinned if p not in gone]
+
+    def _buffer(self, t: torch.Tensor) -> torch.Tensor:
         """Buffer ``i`` for ``t``: kept from the last save when it matches (for a DTensor, its layout too), else new."""
         i, self._i = self._i, self._i + 1
         old = self.buffers[i] if i < len(self.buffers) else None
         if old is not None and type(old) is type(t) and old.shape == t.shape and old.dtype == t.dtype:
             if not isinstance(t, DTensor) or (old.placements == t.placements and old.device_mesh == t.device_mesh):
                 return old
-        pin = pin and t.device.type == "cuda"
-        if isinstance(t, DTensor):  # the same layout around a host tensor (empty_like allocates the local part only)
-            buf = torch.empty_like(t, device="cpu", pin_memory=pin)
+        local = t.to_local() if isinstance(t, DTensor) else t
+        nbytes = local.numel() * local.element_size()
+        if nbytes:  # exact size, pages of its own
+            pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: mmap's default
+            # (MAP_SHARED) would share the pages with a process forked later, as a data loader's workers are
+            buf = torch.frombuffer(pages, dtype=torch.uint8).view(local.dtype).view(local.shape)
+            if local.device.type == "cuda":
+                self._to_pin.append(buf)
         else:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-        if i < len(self.buffers):
+            buf = torch.empty(local.shape, dtype=local.dtype)
+        if isinstance(t, DTensor):  # the same layout around the host tensor
+            buf = DTensor(buf, t._spec, requires_grad=False)
+        if old is not None:
+            self._drop([old])
             self.buffers[i] = buf
         else:
             self.buffers.append(buf)
         return buf
 
-    def _copy(self, obj, pin: bool):
+    def _copy(self, obj):
         if isinstance(obj, torch.Tensor):  # a DTensor (a shard of a sharded state) is copied as its local part
             t = obj.detach()
             local = t.to_local() if isinstance(t, DTensor) else t
             key = (local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride(), isinstance(t, DTensor))
             if key not in self._seen:
-                buf = self._buffer(t, pin)
-                target = buf.to_local() if isinstance(buf, DTensor) else buf
-                target.copy_(local, non_blocking=pin and local.device.type == "cuda")
+                buf = self._buffer(t)
+                self._copies.append((buf.to_local() if isinstance(buf, DTensor) else buf, local))
                 self._seen[key] = buf
             return self._seen[key]
         if isinstance(obj, dict):
-            return type(obj)((k, self._copy(v, pin)) for k, v in obj.items())
+            return type(obj)((k, self._copy(v)) for k, v in obj.items())
         if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-            return type(obj)(self._copy(v, pin) for v in obj)
+            return type(obj)(self._copy(v) for v in obj)
         return obj
 
 
@@ -457,8 +502,14 @@ class Checkpointer(Checkpoint, CheckpointStore):
         one are synchronous, said once: a run forced to ``async_save=true`` on a host short of memory keeps its
         checkpoints instead of stopping at its first save."""
         try:
-            return self._host_copy(state)
-        except (RuntimeError, MemoryError) as exc:  # torch's host allocators: RuntimeError (OutOfMemoryError, AcceleratorError)
+            copy = self._host_copy(state)
+            if self._host_copy.last_pinned_bytes:
+                log.info(
+                    f"checkpoints: pinned {self._host_copy.last_pinned_bytes / 1e9:.2f} GB of host memory for asynchronous "
+                    f"saves in {self._host_copy.last_pin_s:.1f} s (kept: later saves reuse it)"
+                )
+            return copy
+        except (RuntimeError, MemoryError, OSError) as exc:  # mmap: OSError; cudaHostRegister, torch: RuntimeError
             self._host_copy.release()
             self._async = False
             log.warning(
