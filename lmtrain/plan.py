@@ -34,7 +34,8 @@ docs/BENCHMARKS.md. A 10% margin is kept free.
 Checkpoints: fp32 weights and AdamW's two moments, 12 B/param on disk per save (llama-7b: 80.86 GB counted, 80.864 GB
 saved on 2 H100s); an asynchronous save first copies that state to host memory, per node: all of it on rank zero's
 node (ddp, one file), the node's shards (fsdp over every GPU), a whole replica (hsdp). ``async_save=auto`` wants twice
-the copy available; PyTorch's pinned host allocator rounds each block up to a power of two (llama-7b's shards: x1.39).
+the copy available; the copy's pinned buffers are exactly its size (callbacks.checkpoint.HostCopy registers memory of
+its own rather than PyTorch's pinned allocator, which rounded llama-7b's shards up to x1.39).
 """
 
 from __future__ import annotations
