@@ -438,10 +438,13 @@ class Checkpointer(Checkpoint, CheckpointStore):
         trainer.strategy.barrier("lmtrain-ckpt-mkdir")
         self._stage("save_start", step, partial)
 
-    def _save_sharded(self, trainer, checkpoint: dict, partial: Path, final: Path, meta: dict, t0: float) -> bool:
+    def _save_sharded(self, trainer, checkpoint: dict, partial: Path, final: Path, meta: dict, t0: float, opened: bool = False) -> bool:
+        """Every rank writes its shards now; ``opened``: the partial directory is already made (an asynchronous save
+        that fell back to this one)."""
         error = None
         try:
-            self._open_partial(trainer, partial, meta["step"])
+            if not opened:
+                self._open_partial(trainer, partial, meta["step"])
             trainer.strategy.save_checkpoint(checkpoint, partial)  # every rank writes its shards
         except OSError as exc:
             error = exc
@@ -552,7 +555,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
             self._host_copy.release()
             if trainer.is_global_zero:
                 log.warning(f"checkpoints: step {step} and later saves are synchronous on every rank (a rank could not copy its shards)")
-            return self._save_sharded(trainer, checkpoint, partial, final, meta, t0)
+            return self._save_sharded(trainer, checkpoint, partial, final, meta, t0, opened=True)
         self.last_stall_s = time.perf_counter() - t0
         rank_zero = trainer.is_global_zero
 
