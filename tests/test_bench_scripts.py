@@ -126,7 +126,10 @@ def test_the_bench_refuses_a_config_without_the_throughput_callback(tmp_path):
 
 BENCHMARKS = ROOT / "docs" / "BENCHMARKS.md"
 COMMAND = re.compile(r"^(?:\w+=\S+ )*(?:python3?|torchrun|bash) ")
-TEMPLATE = re.compile(r"\.\.\.|\[|\||\$|\bSIZE\b|\bRUN\b")  # a line written as a pattern (RAW=..., [--no-raw], $M13): left out
+FRAGMENT = re.compile(r"^(?:--[\w-]+(?: \d+)? )*\$M\d+\b")  # bench/throughput.py's arguments after the command: `--no-raw $M13 ...`
+TEMPLATE = re.compile(r"\.\.\.|\[|\||\$|\b(?:SIZE|RUN|NAME|MODEL|N|B)\b")  # a line written as a pattern (RAW=..., [--no-raw]): left out
+SHELL_VARIABLE = re.compile(r'\b(M\d+)="([^"]*)"')  # the pages' `M13="..."`: the trainer settings of the lines after it
+SCRIPT_VARIABLES = re.compile(r"variables of `bench/(\w+\.sh)`|Shell variables are the script's")  # from here on, its values
 EXTERNAL = (
     "raw_gpt_baseline.py",
     "raw_fsdp_baseline.py",
@@ -136,10 +139,19 @@ EXTERNAL = (
 )  # not ours: the shared baselines, the GPU machine's setup, imports timed
 
 
+def _script_variables(script: str) -> dict[str, str]:
+    return dict(SHELL_VARIABLE.findall((BENCH / script).read_text()))
+
+
 def benchmark_commands() -> list[str]:
-    """The complete command lines of docs/BENCHMARKS.md: its inline code and its fenced blocks (a block's
-    ``NAME="..."`` lines expanded in the lines after them), without comments and without the lines written as
-    templates."""
+    """The complete command lines of docs/BENCHMARKS.md: its inline code (which may wrap across lines) and its fenced
+    blocks (a block's ``NAME="..."`` lines expanded in the lines after them), without comments and without the lines
+    written as templates.
+
+    ``$M13``-style variables in inline code take the value the page last gave them before the line: a
+    ``M13="..."`` of the page, or, after a sentence naming a bench script's variables, that script's own. A row's
+    settings written as ``bench/throughput.py``'s arguments alone (``--no-raw $M13 data.batch_size=48``) are checked
+    as that command, and a row's trainer settings alone (``$M13 data.batch_size=32``) as ``train.py``'s."""
     text = BENCHMARKS.read_text()
     lines = []
     for block in re.findall(r"^```\w*\n(.*?)^```", text, flags=re.M | re.S):
@@ -152,7 +164,20 @@ def benchmark_commands() -> list[str]:
             for name, value in names.items():
                 line = line.replace(f"${name}", value)
             lines.append(line)
-    lines += re.findall(r"`([^`\n]+)`", re.sub(r"^```.*?^```", "", text, flags=re.M | re.S))
+    prose = re.sub(r"^```.*?^```", lambda m: " " * len(m[0]), text, flags=re.M | re.S)  # positions kept
+    events = [(m.start(), {m[1]: " ".join(m[2].split())}) for m in SHELL_VARIABLE.finditer(prose)]
+    events += [(m.start(), _script_variables(m[1] or "fast_paths_gpu.sh")) for m in SCRIPT_VARIABLES.finditer(prose)]
+    events.sort(key=lambda e: e[0])
+    for m in re.finditer(r"`([^`]+)`", prose):
+        line = " ".join(m[1].split())
+        variables: dict[str, str] = {}
+        for _, values in (e for e in events if e[0] < m.start()):
+            variables.update(values)
+        for name in sorted(variables, key=len, reverse=True):  # $M125 before $M12
+            line = re.sub(rf"\${name}\b", variables[name], line)
+        if FRAGMENT.match(" ".join(m[1].split())):  # with options: bench/throughput.py's; settings alone: the trainer's
+            line = ("python3 bench/throughput.py " if line.startswith("--") else "python3 train.py ") + line
+        lines.append(line)
     lines = [re.sub(r"^(?:\w+=\.\.\. )+", "", line) for line in lines]  # RAW=... before a script: the path is the reader's
     return sorted({c for c in lines if COMMAND.match(c) and not TEMPLATE.search(c)})
 
@@ -198,12 +223,12 @@ def test_every_command_line_of_the_benchmarks_page_validates(tmp_path):
     """What a reader copies from docs/BENCHMARKS.md: trainer and bench commands compose from the real config tree and
     pass validate_config (they are meant for GPUs: the machine check is not run), bench scripts exist with the modes
     and options named, and the ``python -m lmtrain.TOOL`` lines run here. A leading ``RAW=...`` (a path that is the
-    reader's) is dropped; lines written as templates (``$M13 ...``, ``[--no-raw]``, ``SIZE``; ``$M13`` means
-    different settings in different sections) and the lines that are not ours (the shared raw baselines, the GPU machine's
-    set-up, the timed imports) are left out; the count below keeps the rest from silently shrinking."""
+    reader's) is dropped; ``$M13`` is what the page last set it to (:func:`benchmark_commands`); lines written as
+    templates (``...``, ``[--no-raw]``, ``SIZE``, ``N``) and the lines that are not ours (the shared raw baselines, the GPU
+    machine's set-up, the timed imports) are left out; the count below keeps the rest from silently shrinking."""
     throughput = _throughput()
     commands = [c for c in benchmark_commands() if not any(e in c for e in EXTERNAL)]
-    assert len(commands) >= 28, commands
+    assert len(commands) >= 58, commands
     failed = []
     for command in commands:
         try:
