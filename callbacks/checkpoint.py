@@ -157,7 +157,7 @@ class HostCopy:
         else:
             buf = torch.empty(local.shape, dtype=local.dtype)
         if isinstance(t, DTensor):  # the same layout around the host tensor
-            buf = DTensor(buf, t._spec, requires_grad=False)
+            buf = compat.dtensor_around(buf, t)
         if old is not None:
             self._drop([old])
             self.buffers[i] = buf

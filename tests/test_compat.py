@@ -74,6 +74,27 @@ def test_forget_mesh_groups_on_a_real_gloo_mesh(tmp_path):
             dist.destroy_process_group()
 
 
+def test_dtensor_around_keeps_the_local_tensor_where_it_is(tmp_path):
+    """compat.dtensor_around: the layout of a real DTensor around a local tensor of another device, not moved (a meta
+    tensor on a CPU mesh here; a host buffer on a CUDA mesh in an asynchronous save, which DTensor.from_local moved to
+    the GPU: tests/test_checkpoint.py's host-copy test checks that case on a GPU), and a host tensor not copied."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        like = distribute_tensor(torch.randn(8, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
+        local = torch.empty(8, 4, device="meta")
+        around = compat.dtensor_around(local, like)
+        assert isinstance(around, DTensor) and around.to_local().device.type == "meta" and around.device_mesh == like.device_mesh
+        host = torch.zeros(8, 4)
+        assert compat.dtensor_around(host, like).to_local().data_ptr() == host.data_ptr()  # no copy
+        assert around.placements == like.placements and around.shape == like.shape and not around.requires_grad
+    finally:
+        dist.destroy_process_group()
+
+
 def test_which_strategies_save_sharded_checkpoints():
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 

@@ -170,3 +170,12 @@ def read_distributed_checkpoint(path) -> dict:
     state: dict = {}
     _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return state
+
+
+def dtensor_around(local: torch.Tensor, like):
+    """A ``DTensor`` of ``like``'s layout (mesh, placements, global shape) whose local tensor is ``local``, wherever
+    ``local`` is: the DTensor constructor with ``like._spec``. ``DTensor.from_local`` moves ``local`` to the mesh's
+    device, which for an asynchronous save's host copy put the whole state back on the GPU (callbacks.checkpoint)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, like._spec, requires_grad=False)
