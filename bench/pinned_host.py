@@ -10,6 +10,9 @@ of ``--shards`` (FSDP2 shards dim 0), and allocates one host buffer per shard, e
   rounds every block up to a power of two;
 - ``register``: ``torch.empty`` (pageable, exact size), then ``cudaHostRegister``;
 - ``touch-register``: the same with the pages first written by ``--threads`` threads, then registered;
+- ``register-portable``, ``mmap-register``, ``mmap-register-portable``, ``mmap-touch-register``: the same with
+  ``cudaHostRegisterPortable`` and/or HostCopy's memory (a private anonymous ``mmap`` per buffer), to tell apart what
+  makes HostCopy's pinning slower than ``register``; the rows report writing the pages and registering apart;
 - ``register-threads``: exact-size memory registered from ``--threads`` threads, a buffer each at a time;
 - ``hostcopy``: ``lmtrain.callbacks.checkpoint.HostCopy`` itself, copying GPU tensors of the shards' sizes (allocation and copy).
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -55,8 +59,8 @@ def pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def register(t: torch.Tensor) -> None:
-    rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+def register(t: torch.Tensor, flags: int = 0) -> None:
+    rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), flags))
     if rc != 0:
         raise RuntimeError(f"cudaHostRegister failed: {rc}")
 
@@ -68,22 +72,44 @@ def touch(t: torch.Tensor, threads: int) -> None:
         list(ex.map(lambda i: flat[i : i + step].zero_(), range(0, flat.numel(), step)))
 
 
-def allocate(method: str, sizes: list[int], threads: int) -> list[torch.Tensor]:
+def private_pages(n: int) -> torch.Tensor:
+    """Anonymous private memory of its own, as HostCopy allocates it."""
+    return torch.frombuffer(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
+
+
+# method -> (memory, cudaHostRegister flags, pages written first): the variants of plain registration, to tell apart
+# what makes HostCopy's pinning slower than torch.empty + cudaHostRegister (call 4-5 of docs/BENCHMARKS.md's session 30)
+REGISTER = {
+    "register": ("torch", 0, False),
+    "register-portable": ("torch", 1, False),
+    "mmap-register": ("mmap", 0, False),
+    "mmap-register-portable": ("mmap", 1, False),
+    "touch-register": ("torch", 0, True),
+    "mmap-touch-register": ("mmap", 1, True),
+    "mmap-touch": ("mmap", None, True),  # pages written, never registered: what a thread could do before the first save
+}
+
+
+def allocate(method: str, sizes: list[int], threads: int, phases: dict | None = None) -> list[torch.Tensor]:
+    """The buffers, the given way; ``phases`` gets the seconds spent writing pages first and registering."""
+    phases = {} if phases is None else phases
+    if method == "allocator":
+        return [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sizes]
     if method == "register-threads":
         bufs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
         with ThreadPoolExecutor(threads) as ex:
             list(ex.map(register, bufs))
         return bufs
-    bufs = []
-    for n in sizes:
-        if method == "allocator":
-            bufs.append(torch.empty(n, dtype=torch.uint8, pin_memory=True))
-            continue
-        t = torch.empty(n, dtype=torch.uint8)
-        if method == "touch-register":
+    memory, flags, first = REGISTER[method]
+    bufs = [private_pages(n) if memory == "mmap" else torch.empty(n, dtype=torch.uint8) for n in sizes]
+    t0 = time.perf_counter()
+    if first:
+        for t in bufs:
             touch(t, threads)
-        register(t)
-        bufs.append(t)
+    t1 = time.perf_counter()
+    for t in bufs if flags is not None else ():
+        register(t, flags)
+    phases.update(touch_s=round(t1 - t0, 2), register_s=round(time.perf_counter() - t1, 2))
     return bufs
 
 
@@ -109,8 +135,9 @@ def one(method: str, sizes: list[int], threads: int) -> dict:
             "all_pinned": all(b.is_pinned() for b in bufs),
         }
     torch.cuda.synchronize()
+    phases: dict = {}
     t0 = time.perf_counter()
-    bufs = allocate(method, sizes, threads)
+    bufs = allocate(method, sizes, threads, phases)
     alloc_s = time.perf_counter() - t0
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -127,6 +154,7 @@ def one(method: str, sizes: list[int], threads: int) -> dict:
         "held_gb": held / 1e9,
         "alloc_s": round(alloc_s, 2),
         "alloc_gb_per_s": round(asked / 1e9 / alloc_s, 2),
+        **phases,
         "copy_gb_per_s": round(asked / 1e9 / copy_s, 2),
         "all_pinned": all(b.is_pinned() for b in bufs),
     }
@@ -178,7 +206,12 @@ def main() -> None:
     p.add_argument("--model", default="llama-7b")
     p.add_argument("--shards", type=int, default=2)
     p.add_argument("--threads", type=int, default=8)
-    p.add_argument("--methods", nargs="+", default=["allocator", "register", "touch-register"])
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["allocator", "register", "touch-register"],
+        choices=["allocator", "register-threads", "hostcopy", *REGISTER],
+    )
     p.add_argument("--interference", nargs="*", default=None, help="methods to run in a background thread")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--bg", default=None, help=argparse.SUPPRESS)
