@@ -14,13 +14,14 @@ Planner keys (everything else is a training override: ``model=``, ``model.*``, `
 Memory per GPU, bf16 mixed precision with fp32 master weights and AdamW: weights 4 B/param, gradients 4 B/param,
 optimizer state 8 B/param, each divided by the shard group (ddp: 1, fsdp: all GPUs, hsdp: one node); activations
 per micro-batch from Korthikanti et al. (2022) with flash attention: 34 x seq x batch x d_model bytes per layer
-without recomputation, 2 x seq x batch x d_model per layer (the saved block inputs) plus one layer's full set with
+without recomputation for an OPT block, 37.5 for llama-7b's gated MLP (:func:`block_activations`), 2 x seq x batch x d_model per layer (the saved block inputs) plus one layer's full set with
 full activation checkpointing, half of the layers each way with selective (every other block), and with ``op`` (every
 block keeps its products' and attention's outputs) 22 x seq x batch x d_model per layer (of the 34: the block input 2,
 q, k and v 6, attention's output 2, the output projection's 2, the MLP's first product 8 and second 2; the norms,
-activation and dropout masks recomputed) plus one layer's full set; with ``module.fp8`` the full set is 27, the four
-products' inputs kept in float8 (one byte instead of two: 7 saved; measured: 3.0 GiB less for llama-7b at batch 2
-under fsdp x 2 with selective checkpointing, counted 3.5; the compiled 1.3B saved twice what is counted); plus the logits,
+activation and dropout masks recomputed) plus one layer's full set; with ``module.fp8`` the full set is 3 + f/d less
+(27 for an OPT block), the four products' inputs kept in float8 (one byte instead of two; measured: 3.0 GiB less for
+llama-7b at batch 2 under fsdp x 2 with selective checkpointing, counted 2.8; the compiled 1.3B saved twice what is
+counted); against llama-7b's ten measured peaks (bf16 and fp8, every checkpointing setting) the count is within 2.5%; plus the logits,
 batch x seq x vocab x 6 bytes (bf16 and the fp32 copy the loss takes; with ``module.loss_chunk_tokens=C``, C x vocab
 x 6 bytes plus the gradients the chunked head keeps: hidden states and head weight in fp32; with ``module.compile``
 or ``strategy.compile`` counted as whole-batch logits, since under compile it saved a tenth to a seventh of that); under ddp on more than one GPU, DDP's
@@ -74,6 +75,19 @@ def model_numbers(model_cfg, seq_len: int) -> dict:
     }
 
 
+def block_activations(cfg, fp8: bool = False) -> float:
+    """What one block keeps for its backward pass without recomputation, in bytes per token per unit of d_model
+    (Korthikanti et al. 2022 with flash attention, counted for each family's MLP of width f): the two norms' inputs
+    4, attention's input, q, k, v and output 10, the MLP's input 2, then GPT's MLP 4 f/d (its activation's input and
+    output) plus 2 (dropout masks; 34 at f = 4d, the count the OPT rows were measured against) or llama's gated MLP
+    8 f/d (the gate and up products, silu's output and their product: 37.5 for llama-7b, whose rows the 34 undercounted
+    by up to 5%). ``module.fp8``: the four products keep their inputs in float8, one byte instead of two, 3 + f/d less
+    (7 at f = 4d). Checkpointing by operator keeps the products' bf16 outputs and recomputes the casts, so its 22 stay."""
+    f = cfg.hidden_dim / cfg.d_model
+    full = 16 + (8 * f if cfg.family == "llama" else 4 * f + 2)
+    return full - (3 + f if fp8 else 0)
+
+
 def memory(
     cfg,
     params: int,
@@ -90,9 +104,7 @@ def memory(
     """Bytes per GPU (see the module docstring): each term, and ``total``, the larger of the two peaks."""
     shard = {"ddp": 1, "fsdp": world, "hsdp": min(node, world)}[strategy]
     L, d, V = cfg.n_layers, cfg.d_model, cfg.vocab_size
-    # module.fp8: the four block products keep their inputs for the backward pass in float8, 1 byte instead of 2 (7 of
-    # the 34); op-level checkpointing keeps the products' bf16 outputs and recomputes the casts, so its 22 stay
-    per_layer_full = (27 if fp8 else 34) * seq * batch * d
+    per_layer_full = block_activations(cfg, fp8) * seq * batch * d
     per_layer_saved = 2 * seq * batch * d
     if ac == "none":
         act = L * per_layer_full
