@@ -179,7 +179,14 @@ def document_block_mask(doc: torch.Tensor) -> BlockMask:
     def same_document_causal(b, h, q, kv):
         return (q >= kv) & (doc[b, q] == doc[b, kv])
 
-    return create_block_mask(same_document_causal, B, None, T, T, device=doc.device, _compile=doc.is_cuda)
+    build = _compiled_create_block_mask() if doc.is_cuda else create_block_mask
+    return build(same_document_causal, B, None, T, T, device=doc.device)
+
+
+@functools.cache
+def _compiled_create_block_mask():
+    """``torch.compile(create_block_mask)``: what its deprecated ``_compile=True`` does (PyTorch 2.13's source), once."""
+    return torch.compile(create_block_mask)
 
 
 @functools.cache
