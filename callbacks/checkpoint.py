@@ -96,7 +96,8 @@ class HostCopy:
     rounds every block up to a power of two: for a 7B model's shards on one of two ranks it held 56.37 GB for
     40.43 GB of shards and took 32-37 s; this holds 40.43 GB and pinned them in 24-25 s (bench/pinned_host.py on an
     H200 host, docs/BENCHMARKS.md). Pages of its own: two registrations may not share a page, which two small heap
-    blocks of ``torch.empty`` can. Buffers are unregistered when dropped, and when this object is.
+    blocks of ``torch.empty`` can, and a process forked later does not inherit them (``MADV_DONTFORK``). Buffers are
+    unregistered when dropped, and when this object is.
 
     A shard of a sharded state (a ``DTensor``) is copied into a ``DTensor`` of the same layout whose local tensor is
     in host memory. ``DTensor.from_local`` cannot build one: it moves a host tensor to the mesh's device, which made
@@ -149,8 +150,10 @@ class HostCopy:
         local = t.to_local() if isinstance(t, DTensor) else t
         nbytes = local.numel() * local.element_size()
         if nbytes:  # exact size, pages of its own
-            pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: mmap's default
-            # (MAP_SHARED) would share the pages with a process forked later, as a data loader's workers are
+            pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            pages.madvise(mmap.MADV_DONTFORK)  # never in a process forked later (a data loader's worker): Linux copies
+            # pinned private pages into the child at fork, or, where it does not, the parent's next write moves its
+            # page copy-on-write away from the one the GPU copies into (as RDMA libraries do it)
             buf = torch.frombuffer(pages, dtype=torch.uint8).view(local.dtype).view(local.shape)
             if local.device.type == "cuda":
                 self._to_pin.append(buf)

@@ -200,6 +200,39 @@ def test_the_host_copy_of_a_sharded_state_stays_in_host_memory_and_is_reused(tmp
         dist.destroy_process_group()
 
 
+def _mapped(address: int) -> bool:
+    """Whether this process maps ``address`` (/proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        if start <= address < end:
+            return True
+    return False
+
+
+def test_a_process_forked_after_a_save_does_not_inherit_the_host_copy():
+    """The host copy's buffers are marked MADV_DONTFORK: a data loader's worker forked after an asynchronous save does
+    not get them. Registered with CUDA (pinned), private pages would be copied whole into every child at fork (Linux
+    copies pinned anonymous pages eagerly), or, where it does not, the parent's next write would move its page
+    copy-on-write away from the one the GPU copies into. Checked in a real fork: the buffer is mapped in the parent,
+    not in the child."""
+    import torch
+
+    from lmtrain.callbacks.checkpoint import HostCopy
+
+    copy = HostCopy()
+    address = copy({"w": torch.randn(512, 512)})["w"].data_ptr()
+    assert _mapped(address)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: say whether it maps the buffer, and leave at once
+        os.write(write, b"1" if _mapped(address) else b"0")
+        os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"0" and status == 0
+    assert _mapped(address)
+
+
 def test_identical_continuation_after_kill_9_and_kill_mid_save(tmp_path, dataset_dir):
     """Reference run; then the same run killed at step 6 (kill -9), re-run and killed while writing step 12's
     checkpoint, re-run to the end: per-step train/loss identical to the reference, to the last digit. Then the same
