@@ -510,9 +510,11 @@ class Checkpointer(Checkpoint, CheckpointStore):
         try:
             copy = self._host_copy(state)
             if self._host_copy.last_pinned_bytes:
+                dist = torch.distributed
+                who = f"rank {dist.get_rank()} " if self._sharded and dist.is_initialized() else ""  # each pins its shards
                 log.info(
-                    f"checkpoints: pinned {self._host_copy.last_pinned_bytes / 1e9:.2f} GB of host memory for asynchronous "
-                    f"saves in {self._host_copy.last_pin_s:.1f} s (kept: later saves reuse it)"
+                    f"checkpoints: {who}pinned {self._host_copy.last_pinned_bytes / 1e9:.2f} GB of host memory for "
+                    f"asynchronous saves in {self._host_copy.last_pin_s:.1f} s (kept: later saves reuse it)"
                 )
             return copy
         except (RuntimeError, MemoryError, OSError) as exc:  # mmap: OSError; cudaHostRegister, torch: RuntimeError
