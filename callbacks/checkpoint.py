@@ -126,7 +126,7 @@ class HostCopy:
             target.copy_(source, non_blocking=source.device.type == "cuda")
         if any(source.device.type == "cuda" for _, source in self._copies):
             torch.cuda.synchronize()
-        self._copies = self._to_pin = []
+        self._copies, self._to_pin = [], []
         return out
 
     def release(self) -> None:
