@@ -11,7 +11,7 @@ of ``--shards`` (FSDP2 shards dim 0), and allocates one host buffer per shard, e
 - ``register``: ``torch.empty`` (pageable, exact size), then ``cudaHostRegister``;
 - ``touch-register``: the same with the pages first written by ``--threads`` threads, then registered;
 - ``register-portable``, ``mmap-register``, ``mmap-register-portable``, ``mmap-touch-register``: the same with
-  ``cudaHostRegisterPortable`` and/or HostCopy's memory (a private anonymous ``mmap`` per buffer), to tell apart what
+  ``cudaHostRegisterPortable`` and/or HostCopy's memory (``host_pages``: a private anonymous ``mmap`` per buffer), to tell apart what
   makes HostCopy's pinning slower than ``register``; the rows report writing the pages and registering apart;
 - ``register-threads``: exact-size memory registered from ``--threads`` threads, a buffer each at a time;
 - ``hostcopy``: ``lmtrain.callbacks.checkpoint.HostCopy`` itself, copying GPU tensors of the shards' sizes (allocation and copy).
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import subprocess
 import sys
@@ -39,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from lmtrain.callbacks.checkpoint import HostCopy, host_pages  # noqa: E402
 from lmtrain.formats.presets import preset  # noqa: E402
 from lmtrain.nn.model import Decoder  # noqa: E402
 
@@ -72,11 +72,6 @@ def touch(t: torch.Tensor, threads: int) -> None:
         list(ex.map(lambda i: flat[i : i + step].zero_(), range(0, flat.numel(), step)))
 
 
-def private_pages(n: int) -> torch.Tensor:
-    """Anonymous private memory of its own, as HostCopy allocates it."""
-    return torch.frombuffer(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
-
-
 # method -> (memory, cudaHostRegister flags, pages written first): the variants of plain registration, to tell apart
 # what makes HostCopy's pinning slower than torch.empty + cudaHostRegister (call 4-5 of docs/BENCHMARKS.md's session 30)
 REGISTER = {
@@ -101,7 +96,7 @@ def allocate(method: str, sizes: list[int], threads: int, phases: dict | None = 
             list(ex.map(register, bufs))
         return bufs
     memory, flags, first = REGISTER[method]
-    bufs = [private_pages(n) if memory == "mmap" else torch.empty(n, dtype=torch.uint8) for n in sizes]
+    bufs = [host_pages(n) if memory == "mmap" else torch.empty(n, dtype=torch.uint8) for n in sizes]
     t0 = time.perf_counter()
     if first:
         for t in bufs:
@@ -117,8 +112,6 @@ def one(method: str, sizes: list[int], threads: int) -> dict:
     torch.cuda.init()
     src = torch.empty(max(sizes) + len(sizes), dtype=torch.uint8, device="cuda")
     if method == "hostcopy":  # allocation and copy together, as a first asynchronous save does
-        from lmtrain.callbacks.checkpoint import HostCopy
-
         state = [src[i : i + n] for i, n in enumerate(sizes)]  # views of one GPU buffer, each at its own address
         t0 = time.perf_counter()
         copy = HostCopy()  # kept: dropping it unregisters the buffers
@@ -187,10 +180,9 @@ def interference(sizes: list[int], threads: int, method: str) -> dict:
 
     th = threading.Thread(target=bg)
     th.start()
-    ms, n = [], 0
+    ms = []
     while not done.is_set():
         ms.append(loop(1.0))
-        n += 1
     th.join()
     return {
         "method": method,

@@ -84,6 +84,21 @@ def _unpin(pointers: list[int]) -> None:
         torch.cuda.cudart().cudaHostUnregister(pointers.pop())
 
 
+def host_pages(nbytes: int) -> torch.Tensor:
+    """``nbytes`` (> 0) of anonymous private memory in pages of its own, as uint8, never in a process forked later (a data
+    loader's worker): registered with CUDA, Linux copies such pages into the child at fork, or, where it does not,
+    the parent's next write moves its page copy-on-write away from the one the GPU copies into (``MADV_DONTFORK``,
+    as RDMA libraries do it)."""
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pages.madvise(mmap.MADV_DONTFORK)
+    return torch.frombuffer(pages, dtype=torch.uint8)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (a shard), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class HostCopy:
     """Copies of a checkpoint's tensors in host memory, into buffers kept from one save to the next.
 
@@ -136,25 +151,21 @@ class HostCopy:
         self._seen, self._copies, self._to_pin = {}, [], []
 
     def _drop(self, buffers: list[torch.Tensor]) -> None:
-        gone = {(b.to_local() if isinstance(b, DTensor) else b).data_ptr() for b in buffers}
+        gone = {_local(b).data_ptr() for b in buffers}
         _unpin([p for p in self.pinned if p in gone])
         self.pinned[:] = [p for p in self.pinned if p not in gone]
 
-    def _buffer(self, t: torch.Tensor) -> torch.Tensor:
-        """Buffer ``i`` for ``t``: kept from the last save when it matches (for a DTensor, its layout too), else new."""
+    def _buffer(self, t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Buffer ``i`` for ``t`` (``local``: its local part): kept from the last save when it matches (for a DTensor,
+        its layout too), else new."""
         i, self._i = self._i, self._i + 1
         old = self.buffers[i] if i < len(self.buffers) else None
         if old is not None and type(old) is type(t) and old.shape == t.shape and old.dtype == t.dtype:
             if not isinstance(t, DTensor) or (old.placements == t.placements and old.device_mesh == t.device_mesh):
                 return old
-        local = t.to_local() if isinstance(t, DTensor) else t
         nbytes = local.numel() * local.element_size()
         if nbytes:  # exact size, pages of its own
-            pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            pages.madvise(mmap.MADV_DONTFORK)  # never in a process forked later (a data loader's worker): Linux copies
-            # pinned private pages into the child at fork, or, where it does not, the parent's next write moves its
-            # page copy-on-write away from the one the GPU copies into (as RDMA libraries do it)
-            buf = torch.frombuffer(pages, dtype=torch.uint8).view(local.dtype).view(local.shape)
+            buf = host_pages(nbytes).view(local.dtype).view(local.shape)
             if local.device.type == "cuda":
                 self._to_pin.append(buf)
         else:
@@ -171,11 +182,11 @@ class HostCopy:
     def _copy(self, obj):
         if isinstance(obj, torch.Tensor):  # a DTensor (a shard of a sharded state) is copied as its local part
             t = obj.detach()
-            local = t.to_local() if isinstance(t, DTensor) else t
+            local = _local(t)
             key = (local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride(), isinstance(t, DTensor))
             if key not in self._seen:
-                buf = self._buffer(t)
-                self._copies.append((buf.to_local() if isinstance(buf, DTensor) else buf, local))
+                buf = self._buffer(t, local)
+                self._copies.append((_local(buf), local))
                 self._seen[key] = buf
             return self._seen[key]
         if isinstance(obj, dict):

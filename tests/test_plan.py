@@ -62,7 +62,7 @@ L7 = ["model=llama-7b", "cluster.gpus=2", "data.seq_len=4096", "model.vocab_size
         (["model=opt-6.7b", "cluster.gpus=2", "data.seq_len=2048", "data.batch_size=1", *BIG], "ddp", 121.9, (0.97, 1.03)),
         (["model=opt-2.7b", "cluster.gpus=4", "data.seq_len=2048", "data.batch_size=1", *BIG], "ddp", 51.5, (0.95, 1.03)),
         # llama-7b at seq 4096 under fsdp x 2 (per-block compile, meta init), every checkpointing setting, bf16 and fp8:
-        # its gated MLP keeps more than an OPT block (lmtrain.plan.block_activations; the OPT count was 2-5% under)
+        # its gated MLP keeps more than an OPT block (lmtrain.plan.block_activations; the OPT count was up to 5% under)
         ([*L7, "data.batch_size=1"], "fsdp", 58.2, (0.97, 1.03)),
         ([*L7, "data.batch_size=2"], "fsdp/full", 52.9, (0.97, 1.03)),
         ([*L7, "data.batch_size=2"], "fsdp/selective", 59.9, (0.97, 1.03)),
