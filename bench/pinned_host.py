@@ -204,7 +204,13 @@ def main() -> None:
         default=["allocator", "register", "touch-register"],
         choices=["allocator", "register-threads", "hostcopy", *REGISTER],
     )
-    p.add_argument("--interference", nargs="*", default=None, help="methods to run in a background thread")
+    p.add_argument(
+        "--interference",
+        nargs="*",
+        default=None,
+        choices=["allocator", "register-threads", *REGISTER],
+        help="methods to run in a background thread",
+    )
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--bg", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
