@@ -9,6 +9,7 @@
 #   bash bench/fast_paths_gpu.sh head                                      # opt-1.3b: the plain head against liger-kernel's fused one
 #   bash bench/fast_paths_gpu.sh fsdp                                      # 2 GPUs: opt-1.3b fp8 under fsdp vs one GPU; llama-7b fp8 under fsdp
 #   RAW=... bash bench/fast_paths_gpu.sh fp8big                            # opt-1.3b: raw at batch 16 and 24, fp8 profiled, fp8 with the fused head at batch 24
+#   RAW=... bash bench/fast_paths_gpu.sh fp8accum                          # opt-1.3b: raw at batch 32, fp8 + fused head at batch 48 with and without fast accumulation and Inductor's tuning
 #   RAW=... bash bench/fast_paths_gpu.sh small32                           # opt-125m: raw at batch 32, bf16 with and without the fused head
 #   bash bench/fast_paths_gpu.sh op7b                                      # 2 GPUs: llama-7b bf16 at batch 2, checkpointing by operator beside selective
 #   bash bench/fast_paths_gpu.sh op7bfp8                                   # 2 GPUs: llama-7b fp8, checkpointing by operator, batch 3 and 2
@@ -63,7 +64,7 @@ llama7b() {  # PRECISION-CHECKPOINTING-bBATCH [noexpand]: one llama-7b run at se
   )
 }
 
-for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, small32, fsdp, fsdp7b, op7b, op7bfp8, alloc7b, allocop7b or loss}"; do
+for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, alloc7b, allocop7b or loss}"; do
 case "$mode" in
 fp8)
   raw raw-1.3b 1.3b --compile --batch 16 --steps 30
@@ -99,6 +100,13 @@ fp8big)
   bench fp8tw-1.3b-prof --no-raw --steps 30 --warmup 10 --profile 3 $M13 data.seq_len=1024 data.batch_size=16 module.fp8=tensorwise
   bench fp8tw-liger-1.3b-b24 --no-raw --steps 30 --warmup 10 $M13 data.seq_len=1024 data.batch_size=24 module.fp8=tensorwise module.loss_kernel=liger
   raw raw-1.3b-b24 1.3b --compile --batch 24 --steps 30
+  ;;
+fp8accum)  # opt-1.3b fp8 with the fused head at batch 48 against raw at its largest batch (32): fast accumulation, Inductor's tuning
+  raw raw-1.3b-b32 1.3b --compile --batch 32 --steps 20
+  F48="--no-raw --steps 16 --warmup 6 $M13 data.seq_len=1024 data.batch_size=48 module.fp8=tensorwise module.loss_kernel=liger"
+  TMO=170 bench fp8-liger-b48 $F48
+  TMO=170 bench fp8fast-liger-b48 $F48 module.fp8_fast_accum=true
+  TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 TMO=200 bench fp8fast-liger-b48-cdtune $F48 module.fp8_fast_accum=true
   ;;
 small32)
   raw raw-124m-b32 124m --compile --batch 32 --steps 40

@@ -34,6 +34,8 @@ def test_default_config_is_valid(tmp_path):
         (["optimizer.lr=-1"], r"optimizer.lr=-1 must be a positive number"),
         (["module.loss_kernel=liger"], r"module.loss_kernel=liger runs Triton kernels on a GPU; on the CPU use module.loss_chunk_tokens"),
         (["module.fp8=fp4"], r"module.fp8='fp4' is not one of \['tensorwise', 'rowwise'\] or null"),
+        (["module.fp8_fast_accum=true"], r"module.fp8_fast_accum=true changes the float8 matmuls, and module.fp8 is null"),
+        (["module.fp8=tensorwise", "module.fp8_fast_accum=yes"], r"module.fp8_fast_accum='yes' must be true or false"),
         (
             ["module.fp8=tensorwise", "trainer.precision=16-mixed"],
             r"module.fp8=tensorwise with trainer.precision=16-mixed: .* use bf16-mixed",

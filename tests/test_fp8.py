@@ -47,6 +47,30 @@ def test_fp8_trains_like_full_precision_keeps_parameter_names_and_resumes_exactl
     assert _losses(Path(resumed.run_dir)) == uninterrupted  # steps 3-5 resumed: the same printed values, 0 tolerance
 
 
+def test_fast_accumulation_reaches_every_float8_product_and_only_with_the_option():
+    """module.fp8_fast_accum: torchao's recipes accumulate only the forward product in fast mode; the option makes the
+    two backward ones fast too, in every converted layer, for both recipes, and leaves the recipe otherwise alone."""
+    from lmtrain.formats.presets import preset
+    from lmtrain.nn.model import Decoder
+    from lmtrain.training.fp8 import convert
+    from torchao.float8.float8_linear import Float8Linear
+
+    def accum(recipe, fast):
+        with torch.device("meta"):
+            model = convert(Decoder(preset("tiny")), recipe, sharded=False, device=torch.device("cpu"), fast_accum=fast)
+        layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+        assert len(layers) == 8
+        configs = {(c.gemm_config_output.use_fast_accum, c.gemm_config_grad_input.use_fast_accum, c.gemm_config_grad_weight.use_fast_accum,
+                    c.cast_config_input.scaling_granularity.value) for c in (m.config for m in layers)}  # fmt: skip
+        assert len(configs) == 1
+        return configs.pop()
+
+    assert accum("tensorwise", False) == (True, False, False, "tensorwise")
+    assert accum("tensorwise", True) == (True, True, True, "tensorwise")
+    assert accum("rowwise", False) == (True, False, False, "axiswise")
+    assert accum("rowwise", True) == (True, True, True, "axiswise")
+
+
 def test_a_model_too_narrow_for_fp8_to_pay_is_told_so():
     """The measured crossover (docs/BENCHMARKS.md): below d_model 2048 the trainer warns that FP8 saves memory, not time."""
     from lmtrain.formats.presets import preset

@@ -280,11 +280,13 @@ def validate_config(cfg: DictConfig) -> None:
 
     problems += _strategy_problems(cfg)
     module = cfg.get("module")
-    if module is not None and module.get("fp8") is not None:
+    if module is not None and (module.get("fp8") is not None or module.get("fp8_fast_accum", False) is not False):
         from lmtrain.training import fp8
 
         precision = str(trainer.get("precision", "32-true")) if trainer is not None else "32-true"
-        problems += fp8.config_problems(module.fp8, model_cfg=model_cfg, precision=precision)
+        problems += fp8.config_problems(
+            module.get("fp8"), model_cfg=model_cfg, precision=precision, fast_accum=module.get("fp8_fast_accum", False)
+        )
     if module is not None and module.get("loss_kernel") == "liger" and trainer is not None:
         if device_type(trainer.get("accelerator", "auto")) == "cpu":
             problems.append("module.loss_kernel=liger runs Triton kernels on a GPU; on the CPU use module.loss_chunk_tokens=N instead")

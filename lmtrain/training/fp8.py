@@ -64,10 +64,13 @@ def _block_linear_dims(model_cfg) -> dict[str, int]:
     return dims
 
 
-def config_problems(recipe, *, model_cfg=None, precision: str = "bf16-mixed") -> list[str]:
-    """What in the config forbids ``module.fp8=recipe`` (empty when it can run, or when ``recipe`` is None)."""
+def config_problems(recipe, *, model_cfg=None, precision: str = "bf16-mixed", fast_accum=False) -> list[str]:
+    """What in the config forbids ``module.fp8=recipe`` with ``module.fp8_fast_accum=fast_accum`` (empty when it can
+    run, or when both are unset)."""
+    if not isinstance(fast_accum, bool):
+        return [f"module.fp8_fast_accum={fast_accum!r} must be true or false"]
     if recipe is None:
-        return []
+        return ["module.fp8_fast_accum=true changes the float8 matmuls, and module.fp8 is null: set module.fp8=tensorwise or rowwise"] if fast_accum else []
     if recipe not in RECIPES:
         return [f"module.fp8={recipe!r} is not one of {list(RECIPES)} or null"]
     out = []
@@ -97,17 +100,23 @@ def device_problem(recipe: str | None, device: torch.device) -> str | None:
     return None
 
 
-def float8_config(recipe: str, *, sharded: bool, device: torch.device):
+def float8_config(recipe: str, *, sharded: bool, device: torch.device, fast_accum: bool = False):
     from torchao.float8 import Float8LinearConfig
+    from torchao.float8.config import Float8GemmConfig
 
     config = Float8LinearConfig.from_recipe_name(recipe)
+    if fast_accum:
+        # torchao's recipes accumulate the forward product in Hopper's fast mode and the two backward products with
+        # periodic promotion to fp32; this makes all three fast (module.fp8_fast_accum)
+        fast = Float8GemmConfig(use_fast_accum=True)
+        config = dataclasses.replace(config, gemm_config_output=fast, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
     if recipe == "tensorwise" and sharded and device.type == "cuda":
         # FSDP2 all-gathers the weights already cast to float8 (half of bf16's bytes); scales computed once per step
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     return config
 
 
-def convert(model: nn.Module, recipe: str, *, sharded: bool, device: torch.device) -> nn.Module:
+def convert(model: nn.Module, recipe: str, *, sharded: bool, device: torch.device, fast_accum: bool = False) -> nn.Module:
     """Swap the linear layers inside ``model.blocks`` for float8 ones in place (before sharding and compiling; works
     on the meta device). Attributes our initialisation reads (``residual_out``) carry over. torchao's presence was
     checked with the config (:func:`config_problems`, from LMModule)."""
@@ -121,7 +130,7 @@ def convert(model: nn.Module, recipe: str, *, sharded: bool, device: torch.devic
         raise InputError(f"module.fp8: the model {type(model).__name__} has no transformer blocks (lmtrain.nn.model.Decoder has)")
     marked = {name for name, m in blocks.named_modules() if getattr(m, "residual_out", False)}
     convert_to_float8_training(
-        blocks, module_filter_fn=lambda m, fqn: isinstance(m, nn.Linear), config=float8_config(recipe, sharded=sharded, device=device)
+        blocks, module_filter_fn=lambda m, fqn: isinstance(m, nn.Linear), config=float8_config(recipe, sharded=sharded, device=device, fast_accum=fast_accum)
     )
     for name, m in blocks.named_modules():
         if name in marked:
