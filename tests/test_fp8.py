@@ -50,10 +50,11 @@ def test_fp8_trains_like_full_precision_keeps_parameter_names_and_resumes_exactl
 def test_fast_accumulation_reaches_every_float8_product_and_only_with_the_option():
     """module.fp8_fast_accum: torchao's recipes accumulate only the forward product in fast mode; the option makes the
     two backward ones fast too, in every converted layer, for both recipes, and leaves the recipe otherwise alone."""
+    from torchao.float8.float8_linear import Float8Linear
+
     from lmtrain.formats.presets import preset
     from lmtrain.nn.model import Decoder
     from lmtrain.training.fp8 import convert
-    from torchao.float8.float8_linear import Float8Linear
 
     def accum(recipe, fast):
         with torch.device("meta"):

@@ -70,7 +70,11 @@ def config_problems(recipe, *, model_cfg=None, precision: str = "bf16-mixed", fa
     if not isinstance(fast_accum, bool):
         return [f"module.fp8_fast_accum={fast_accum!r} must be true or false"]
     if recipe is None:
-        return ["module.fp8_fast_accum=true changes the float8 matmuls, and module.fp8 is null: set module.fp8=tensorwise or rowwise"] if fast_accum else []
+        return (
+            ["module.fp8_fast_accum=true changes the float8 matmuls, and module.fp8 is null: set module.fp8=tensorwise or rowwise"]
+            if fast_accum
+            else []
+        )
     if recipe not in RECIPES:
         return [f"module.fp8={recipe!r} is not one of {list(RECIPES)} or null"]
     out = []
@@ -130,7 +134,9 @@ def convert(model: nn.Module, recipe: str, *, sharded: bool, device: torch.devic
         raise InputError(f"module.fp8: the model {type(model).__name__} has no transformer blocks (lmtrain.nn.model.Decoder has)")
     marked = {name for name, m in blocks.named_modules() if getattr(m, "residual_out", False)}
     convert_to_float8_training(
-        blocks, module_filter_fn=lambda m, fqn: isinstance(m, nn.Linear), config=float8_config(recipe, sharded=sharded, device=device, fast_accum=fast_accum)
+        blocks,
+        module_filter_fn=lambda m, fqn: isinstance(m, nn.Linear),
+        config=float8_config(recipe, sharded=sharded, device=device, fast_accum=fast_accum),
     )
     for name, m in blocks.named_modules():
         if name in marked:
