@@ -17,6 +17,7 @@
 #   bash bench/fast_paths_gpu.sh allocop7b                                 # 2 GPUs: llama-7b, checkpointing by operator, bf16 and fp8 at batch 2, with and without expandable segments
 #   bash bench/fast_paths_gpu.sh fsdp7b                                    # 2 GPUs: opt-1.3b fp8 scaling at batch 32; llama-7b in fp8 and bf16, batch 2-3, checkpointing selective, op or none
 #   bash bench/fast_paths_gpu.sh loss                                      # opt-1.3b, 1,000 steps in bf16 and in fp8: the loss curves
+#   bash bench/fast_paths_gpu.sh lossfast                                  # 2 GPUs: the same, fp8 with module.fp8_fast_accum=true
 #
 # Logs go to $OUT (default /tmp/fast_paths); the table rows printed at the end are the figures.
 set -euo pipefail
@@ -64,7 +65,7 @@ llama7b() {  # PRECISION-CHECKPOINTING-bBATCH [noexpand]: one llama-7b run at se
   )
 }
 
-for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, alloc7b, allocop7b or loss}"; do
+for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, alloc7b, allocop7b, loss or lossfast}"; do
 case "$mode" in
 fp8)
   raw raw-1.3b 1.3b --compile --batch 16 --steps 30
@@ -138,31 +139,35 @@ allocop7b)  # 2 GPUs: llama-7b with checkpointing by operator (bf16 and fp8 at b
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   for run in fp8-op-b2 bf16-op-b2; do llama7b "$run"; llama7b "$run" noexpand; done
   ;;
-loss)
+loss|lossfast)  # loss: bf16 and fp8 tensorwise, both on one GPU; lossfast: bf16 on GPU 0, fp8 with fast accumulation on GPU 1
   L="$M13 data.seq_len=1024 data.batch_size=8 optimizer.lr=2e-4 scheduler.warmup_steps=100 trainer.max_steps=1000 trainer.val_check_interval=500 trainer.limit_val_batches=20 trainer.enable_progress_bar=false callbacks.checkpoint.every_n_steps=0 callbacks.disk_guard.margin_gb=0 paths.runs=$OUT/runs"
-  # both at once on the one GPU (about 30 GiB each): the loss curves do not depend on speed; the timings of these runs are not figures
-  for fp8 in null tensorwise; do
-    python3 train.py $L module.fp8=$fp8 run_name=loss-$fp8 > "$OUT/loss-$fp8.log" 2>&1 &
+  # both at once (about 30 GiB each): the loss curves do not depend on speed; the timings of these runs are not figures
+  if [ "$mode" = loss ]; then runs=(null tensorwise); gpus=(0 0); else runs=(null tensorwise-fast); gpus=(0 1); fi
+  for i in 0 1; do
+    fp8=${runs[$i]%-fast}
+    extra=""
+    [ "${runs[$i]}" != "$fp8" ] && extra=module.fp8_fast_accum=true
+    CUDA_VISIBLE_DEVICES=${gpus[$i]} python3 train.py $L module.fp8=$fp8 $extra run_name=loss-${runs[$i]} > "$OUT/loss-${runs[$i]}.log" 2>&1 &
   done
   wait || true
-  for fp8 in null tensorwise; do
-    grep -h "finished run\|Error" "$OUT/loss-$fp8.log" || tail -20 "$OUT/loss-$fp8.log"
-    cp "$OUT/runs/loss-$fp8/csv/metrics.csv" "$OUT/metrics-$fp8.csv" 2>/dev/null || true
-    rm -rf "$OUT/runs/loss-$fp8/checkpoints"
+  for run in "${runs[@]}"; do
+    grep -h "finished run\|Error" "$OUT/loss-$run.log" || tail -20 "$OUT/loss-$run.log"
+    cp "$OUT/runs/loss-$run/csv/metrics.csv" "$OUT/metrics-$run.csv" 2>/dev/null || true
+    rm -rf "$OUT/runs/loss-$run/checkpoints"
   done
-  python3 - "$OUT" <<'EOF'
+  python3 - "$OUT" "${runs[@]}" <<'EOF'
 import csv, sys
-out = sys.argv[1]
+out, base, low = sys.argv[1:]
 def series(name, key):
     return {int(r["step"]): float(r[key]) for r in csv.DictReader(open(f"{out}/metrics-{name}.csv")) if r.get(key)}
-bf, f8 = series("null", "train/loss"), series("tensorwise", "train/loss")
+bf, f8 = series(base, "train/loss"), series(low, "train/loss")
 for lo in range(0, 1000, 100):
     a = [bf[s] for s in range(lo, lo + 100) if s in bf]; b = [f8[s] for s in range(lo, lo + 100) if s in f8]
-    print(f"steps {lo:4d}-{lo + 99:4d}  bf16 {sum(a) / len(a):.4f}  fp8 {sum(b) / len(b):.4f}  fp8/bf16 {sum(b) / len(b) / (sum(a) / len(a)):.4f}")
-vb, vf = series("null", "val/loss"), series("tensorwise", "val/loss")
-print("val/loss bf16", vb, "fp8", vf)
+    print(f"steps {lo:4d}-{lo + 99:4d}  bf16 {sum(a) / len(a):.4f}  {low} {sum(b) / len(b):.4f}  ratio {sum(b) / len(b) / (sum(a) / len(a)):.4f}")
+vb, vf = series(base, "val/loss"), series(low, "val/loss")
+print("val/loss bf16", vb, low, vf)
 last = max(vb)
-print(f"LOSS final val: bf16 {vb[last]:.4f} fp8 {vf[last]:.4f} ratio {vf[last] / vb[last]:.4f}")
+print(f"LOSS final val: bf16 {vb[last]:.4f} {low} {vf[last]:.4f} ratio {vf[last] / vb[last]:.4f}")
 EOF
   ;;
 esac

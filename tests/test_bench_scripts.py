@@ -42,11 +42,12 @@ exec "$@"
 
 
 def _modes(script: Path) -> list[str]:
-    """The case labels of a script that takes a mode (``name)`` lines at the case's depth), else ``[""]``."""
+    """The case labels of a script that takes a mode (``name)`` or ``one|other)`` lines at the case's depth), else
+    ``[""]``."""
     text = script.read_text()
     if 'case "$mode" in' not in text and not re.search(r'case "\$\{1:\?', text):
         return [""]
-    return re.findall(r"^(\w+)\)", text, flags=re.M)
+    return [mode for labels in re.findall(r"^(\w+(?:\|\w+)*)\)", text, flags=re.M) for mode in labels.split("|")]
 
 
 def _throughput():
