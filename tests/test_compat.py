@@ -180,6 +180,83 @@ def test_op_level_checkpointing_keeps_the_products_and_recomputes_the_rest(dropo
         )
 
 
+def test_op_level_checkpointing_writes_nothing_it_keeps_and_its_compile_advice_is_not_printed(capfd):
+    """Under compile, torch advises once per rank that a checkpointed region with a policy must not hold in-place
+    ops. Ours: in OPT and Llama blocks, with dropout and with float8 products, no op writes into a tensor the policy
+    keeps or into the block's input (PyTorch's own kernels write only into their fresh temporaries: dropout's mask,
+    rms_norm's sum), so the advice is dropped; torch's other warnings on that logger still print. A compiled
+    checkpointed model (``aot_eager``: no C compiler needed) then prints no such line."""
+    import logging
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lmtrain.nn.model import Decoder
+    from lmtrain.training import fp8 as fp8_module
+
+    class Writes(TorchDispatchMode):
+        """Every op that writes into a kept tensor (an input of the region or a product's output)."""
+
+        def __init__(self, inputs):
+            super().__init__()
+            self.kept, self.bad, self.seen = list(inputs), [], set()  # the kept tensors stay referenced: no reused storage
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func._schema.is_mutable:
+                self.seen.add(str(func))
+                values = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+                written = [values.get(a.name) for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+                kept = {t.untyped_storage().data_ptr() for t in self.kept}
+                if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in kept for t in written):
+                    self.bad.append(str(func))
+            out = func(*args, **kwargs)
+            if func in compat._KEPT:
+                self.kept += [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+            return out
+
+    for family in ("opt", "llama"):
+        for dropout, fp8 in ((0.0, False), (0.1, False), (0.1, True)):
+            torch.manual_seed(0)
+            model = Decoder(family=family, vocab_size=96, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, dropout=dropout)
+            if fp8:
+                fp8_module.convert(model, "tensorwise", sharded=False, device=torch.device("cpu"))
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = compat.checkpoint_wrapper(block, keep_products=True)
+            x = torch.randn(2, 16, 32, requires_grad=True)
+            rope = ((model.rope_cos[:16], model.rope_sin[:16]),) if family == "llama" else ()
+            with Writes([x]) as forward:
+                y = model.blocks[0](x, *rope)
+            with Writes([x, *forward.kept]) as recompute:
+                y.sum().backward()
+            assert forward.bad == recompute.bad == [], (family, dropout, fp8, forward.bad, recompute.bad)
+            if dropout:  # the check saw writes (the dropout mask's), none of them into kept tensors
+                assert "aten.bernoulli_.float" in forward.seen | recompute.seen, forward.seen
+
+    log = logging.getLogger("torch._higher_order_ops.wrap")
+
+    def record(msg):
+        return logging.LogRecord(log.name, logging.WARNING, __file__, 1, msg, (), None)
+
+    assert not log.filter(record(f"\nDetected that {compat.IN_PLACE_ADVICE}.\nPlease make sure ..."))
+    assert log.filter(record("another warning of that logger"))
+    records = []
+    catch = logging.Handler()
+    catch.emit = records.append  # what passes the logger's filters, however torch's logging prints it
+    log.addHandler(catch)
+    try:
+        torch.manual_seed(0)
+        model = Decoder(family="llama", vocab_size=96, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, dropout=0.0)
+        for i, block in enumerate(model.blocks):
+            block = compat.checkpoint_wrapper(block, keep_products=True)
+            block.compile(backend="aot_eager")
+            model.blocks[i] = block
+        model(torch.randint(0, 96, (2, 16)), torch.randint(0, 96, (2, 16))).backward()
+    finally:
+        log.removeHandler(catch)
+    assert not [r.getMessage() for r in records if "context_fn" in r.getMessage()]
+    assert "context_fn" not in capfd.readouterr().err
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="FlexAttention's backward pass runs on a GPU only (run there: docs/BENCHMARKS.md)"

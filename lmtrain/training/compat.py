@@ -9,6 +9,7 @@ name, rather than somewhere inside a run.
 from __future__ import annotations
 
 import gc
+import logging
 
 import torch
 
@@ -99,7 +100,20 @@ def checkpoint_wrapper(module: torch.nn.Module, keep_products: bool = False) -> 
 
     if not keep_products:
         return wrap(module, preserve_rng_state=True)
+    logging.getLogger("torch._higher_order_ops.wrap").addFilter(_drop_in_place_advice)  # once: a filter is added once
     return wrap(module, preserve_rng_state=True, context_fn=partial(create_selective_checkpoint_contexts, keep_products_policy))
+
+
+IN_PLACE_ADVICE = "context_fn is passed to torch.utils.checkpoint under torch.compile"
+
+
+def _drop_in_place_advice(record: logging.LogRecord) -> bool:
+    """Drops the warning torch logs, once per process and so once per rank, when a compiled block is checkpointed with
+    a policy: "Detected that context_fn is passed to torch.utils.checkpoint under torch.compile. Please make sure the
+    checkpointed region does not contain in-place ops". Our blocks write into nothing the policy keeps and into none
+    of their inputs (tests/test_compat.py checks both block families, with dropout and float8), so it is not the
+    user's to act on."""
+    return IN_PLACE_ADVICE not in record.getMessage()
 
 
 def _kept_ops() -> frozenset:
