@@ -9,10 +9,11 @@
 #   bash bench/fast_paths_gpu.sh head                                      # opt-1.3b: the plain head against liger-kernel's fused one
 #   bash bench/fast_paths_gpu.sh fsdp                                      # 2 GPUs: opt-1.3b fp8 under fsdp vs one GPU; llama-7b fp8 under fsdp
 #   RAW=... bash bench/fast_paths_gpu.sh fp8big                            # opt-1.3b: raw at batch 16 and 24, fp8 profiled, fp8 with the fused head at batch 24
-#   RAW=... bash bench/fast_paths_gpu.sh fp8accum                          # opt-1.3b: raw at batch 32, fp8 + fused head at batch 48 with and without fast accumulation and Inductor's tuning
+#   RAW=... bash bench/fast_paths_gpu.sh fp8accum                          # opt-1.3b: raw at batch 32, fp8 + fused head at batch 48 with and without fast accumulation
 #   RAW=... bash bench/fast_paths_gpu.sh small32                           # opt-125m: raw at batch 32, bf16 with and without the fused head
 #   bash bench/fast_paths_gpu.sh op7b                                      # 2 GPUs: llama-7b bf16 at batch 2, checkpointing by operator beside selective
 #   bash bench/fast_paths_gpu.sh op7bfp8                                   # 2 GPUs: llama-7b fp8, checkpointing by operator, batch 3 and 2
+#   bash bench/fast_paths_gpu.sh op7bfast                                  # 2 GPUs: llama-7b fp8, checkpointing by operator, batch 2, with and without module.fp8_fast_accum
 #   bash bench/fast_paths_gpu.sh alloc7b                                   # 2 GPUs: llama-7b fp8 without checkpointing, with and without expandable segments
 #   bash bench/fast_paths_gpu.sh allocop7b                                 # 2 GPUs: llama-7b, checkpointing by operator, bf16 and fp8 at batch 2, with and without expandable segments
 #   bash bench/fast_paths_gpu.sh fsdp7b                                    # 2 GPUs: opt-1.3b fp8 scaling at batch 32; llama-7b in fp8 and bf16, batch 2-3, checkpointing selective, op or none
@@ -47,25 +48,26 @@ raw() {  # NAME ARGS...: the shared raw baseline
   echo "$name $(tail -2 "$OUT/$name.log" | tr '\n' ' ')"
 }
 
-llama7b() {  # PRECISION-CHECKPOINTING-bBATCH [noexpand]: one llama-7b run at seq 4096 under fsdp on 2 GPUs (12 steps)
+llama7b() {  # PRECISION-CHECKPOINTING-bBATCH [noexpand] (PRECISION: bf16, fp8, or fp8fast with module.fp8_fast_accum): one llama-7b run at seq 4096 under fsdp on 2 GPUs (12 steps)
   # The short runs climb to optimizer.lr in 4 steps, and a 7B model spikes under such a warmup even at 3e-5 (bf16 and
   # fp8 alike, docs/BENCHMARKS.md): the divergence detector is left out, as throughput does not depend on the loss.
   # noexpand: without expandable segments (runs default to them: lmtrain.training.run), to see the allocator's share.
   local name=$1 precision ac batch
   IFS=- read -r precision ac batch <<< "$name"
-  local fp8=null
+  local fp8=null fast=false
   [ "$precision" = fp8 ] && fp8=tensorwise
+  [ "$precision" = fp8fast ] && fp8=tensorwise fast=true
   [ "$ac" = sel ] && ac=selective
   (
   if [ "${2:-}" = noexpand ]; then name=$name-noexpand; export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False; fi
   LMTRAIN_RUN_ID=$name TMO=150 bench "$name-7b" --no-raw --dir "/tmp/$name" --steps 12 --warmup 4 \
     trainer=gpu logger=csv model=llama-7b data.seq_len=4096 strategy=fsdp strategy.compile=true strategy.init_device=meta \
     trainer.devices=2 optimizer.lr=3e-5 scheduler.warmup_steps=4 ~callbacks.divergence \
-    module.fp8=$fp8 data.batch_size="${batch#b}" strategy.activation_checkpointing="$ac" --launcher
+    module.fp8=$fp8 module.fp8_fast_accum=$fast data.batch_size="${batch#b}" strategy.activation_checkpointing="$ac" --launcher
   )
 }
 
-for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, alloc7b, allocop7b, loss or lossfast}"; do
+for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, op7bfast, alloc7b, allocop7b, loss or lossfast}"; do
 case "$mode" in
 fp8)
   raw raw-1.3b 1.3b --compile --batch 16 --steps 30
@@ -102,12 +104,11 @@ fp8big)
   bench fp8tw-liger-1.3b-b24 --no-raw --steps 30 --warmup 10 $M13 data.seq_len=1024 data.batch_size=24 module.fp8=tensorwise module.loss_kernel=liger
   raw raw-1.3b-b24 1.3b --compile --batch 24 --steps 30
   ;;
-fp8accum)  # opt-1.3b fp8 with the fused head at batch 48 against raw at its largest batch (32): fast accumulation, Inductor's tuning
+fp8accum)  # opt-1.3b fp8 with the fused head at batch 48 against raw at its largest batch (32), with and without fast accumulation
   raw raw-1.3b-b32 1.3b --compile --batch 32 --steps 20
   F48="--no-raw --steps 16 --warmup 6 $M13 data.seq_len=1024 data.batch_size=48 module.fp8=tensorwise module.loss_kernel=liger"
-  TMO=170 bench fp8-liger-b48 $F48
-  TMO=170 bench fp8fast-liger-b48 $F48 module.fp8_fast_accum=true
-  TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 TMO=200 bench fp8fast-liger-b48-cdtune $F48 module.fp8_fast_accum=true
+  TMO=200 bench fp8-liger-b48 $F48
+  TMO=200 bench fp8fast-liger-b48 $F48 module.fp8_fast_accum=true
   ;;
 small32)
   raw raw-124m-b32 124m --compile --batch 32 --steps 40
@@ -125,6 +126,10 @@ fsdp7b)  # 2 GPUs: llama-7b at seq 4096 in fp8 and bf16; opt-1.3b fp8 scaling at
 op7b)  # 2 GPUs: llama-7b in bf16 with checkpointing by operator, beside the selective row it replaces
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   for run in bf16-sel-b2 bf16-op-b2; do llama7b "$run"; done
+  ;;
+op7bfast)  # 2 GPUs: llama-7b in fp8 with checkpointing by operator at batch 2, with and without fast accumulation
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  for run in fp8fast-op-b2 fp8-op-b2; do llama7b "$run"; done
   ;;
 op7bfp8)  # 2 GPUs: llama-7b in fp8 with checkpointing by operator, batch 3 and 2
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
