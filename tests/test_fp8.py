@@ -22,26 +22,31 @@ CKPT = ["callbacks=[none,checkpoint]", "callbacks.checkpoint.every_n_steps=3", "
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-llama"])
 def test_fp8_trains_like_full_precision_keeps_parameter_names_and_resumes_exactly(tmp_path, dataset_dir, model, capsys):
-    """Six steps: FP8 (tensorwise; rowwise for Llama) within 1% of the fp32 run at every step, not equal to it (the
-    matmuls did run in float8); the checkpoint holds the same parameter names and shapes as the fp32 run's; a run
-    stopped at step 3 and resumed ends with the uninterrupted run's losses exactly."""
+    """Six steps: FP8 (tensorwise; rowwise with every product in fast accumulation for Llama) within 1% of the fp32
+    run at every step, not equal to it (the matmuls did run in float8); the checkpoint holds the same parameter names
+    and shapes as the fp32 run's; a run stopped at step 3 and resumed ends with the uninterrupted run's losses
+    exactly."""
     recipe = "tensorwise" if model == "tiny" else "rowwise"
+    fast = model != "tiny"
     base = [*TINY, f"model={model}", "trainer.max_steps=6", "scheduler.total_steps=6", *CKPT]
+    fp8_args = [f"module.fp8={recipe}", f"module.fp8_fast_accum={str(fast).lower()}"]
     runs = {}
-    for name, extra in (("fp32", []), ("fp8", [f"module.fp8={recipe}"])):
+    for name, extra in (("fp32", []), ("fp8", fp8_args)):
         cfg = make_cfg([*base, *extra], tmp_path / name, dataset_dir)
         train(cfg)
         runs[name] = cfg.run_dir
-    assert f"module.fp8={recipe}: 8 linear layers of the transformer blocks compute in float8" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"module.fp8={recipe}: 8 linear layers of the transformer blocks compute in float8" in said
+    assert ("every product accumulated in fast mode" in said) == fast
     full, low = ([float(v) for v in _losses(Path(runs[k])).values()] for k in ("fp32", "fp8"))
     assert len(low) == 6 and low != full
     assert low == pytest.approx(full, rel=1e-2)
     states = {k: load_model_state(ck.newest(Path(v) / "checkpoints")) for k, v in runs.items()}
     assert {k: t.shape for k, t in states["fp8"].items()} == {k: t.shape for k, t in states["fp32"].items()}
 
-    cut = make_cfg([*base, f"module.fp8={recipe}", "trainer.max_steps=3"], tmp_path / "cut", dataset_dir)
+    cut = make_cfg([*base, *fp8_args, "trainer.max_steps=3"], tmp_path / "cut", dataset_dir)
     train(cut)
-    resumed = make_cfg([*base, f"module.fp8={recipe}"], tmp_path / "cut", dataset_dir)
+    resumed = make_cfg([*base, *fp8_args], tmp_path / "cut", dataset_dir)
     train(resumed)
     uninterrupted = _losses(Path(runs["fp8"]))
     assert _losses(Path(resumed.run_dir)) == uninterrupted  # steps 3-5 resumed: the same printed values, 0 tolerance
