@@ -63,3 +63,33 @@ def test_a_refused_attempt_leaves_the_run_directory_as_it_was(tmp_path, dataset_
     stream = run_train_cli(args + ["model=tiny", "data.seq_len=32", "trainer.max_steps=4"], tmp_path)
     assert stream.returncode == 2 and "belongs to another data stream (data.seq_len: 64 -> 32)" in stream.stderr, stream.stderr[-3000:]
     assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_lmtrain_classes_moved_between_versions_are_not_listed_as_config_changes(tmp_path, dataset_dir, caplog):
+    """A run started under an older lmtrain, whose config.yaml names the same classes under the old module paths
+    (lmtrain.model.Decoder, callbacks.checkpoint....), resumed now: the moves are said once, apart, and the config
+    changes are only the real ones: another value, and a class swapped for another of another name or package."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from lmtrain.training.run import _config_changes
+
+    cfg = make_cfg(BASE, tmp_path, dataset_dir)
+    now = OmegaConf.to_yaml(cfg)
+    assert "lmtrain.nn.model.Decoder" in now and "lmtrain.callbacks.checkpoint." in now and "torch.optim.AdamW" in now
+    then = (
+        now.replace("lmtrain.nn.model.Decoder", "lmtrain.model.Decoder")
+        .replace("lmtrain.callbacks.checkpoint.", "callbacks.checkpoint.")
+        .replace("torch.optim.AdamW", "lmtrain.nn.optim.AdamW")  # ours then, torch's now: another package, a real change
+        .replace("lmtrain.callbacks.divergence.", "lmtrain.callbacks.divergence_old.")
+    )
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "config.yaml").write_text(then.replace(f"lr: {cfg.optimizer.lr}", "lr: 0.5"))
+    with caplog.at_level(logging.INFO):
+        changes = _config_changes(run, cfg)
+    assert changes == {"optimizer/_target_": ["lmtrain.nn.optim.AdamW", "torch.optim.AdamW"], "optimizer/lr": [0.5, cfg.optimizer.lr]}
+    (said,) = [r.getMessage() for r in caplog.records if "lmtrain moved" in r.getMessage()]
+    assert said.startswith("lmtrain moved 3 classes between versions (the same classes; not config changes): ")
+    assert "model/_target_" in said and "callbacks/checkpoint/_target_" in said and "callbacks/divergence/_target_" in said

@@ -421,7 +421,23 @@ def _config_changes(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
         return {}
     new = flat_params(cfg)
     keys = [k for k in sorted(old.keys() | new.keys()) if k not in _ATTEMPT_KEYS and old.get(k, "(unset)") != new.get(k, "(unset)")]
-    return {k: [old.get(k, "(unset)"), new.get(k, "(unset)")] for k in keys}
+    changes = {k: [old.get(k, "(unset)"), new.get(k, "(unset)")] for k in keys}
+    moved = [k for k, (was, now) in changes.items() if _moved_in_lmtrain(k, was, now)]
+    if moved:
+        log.info(f"lmtrain moved {len(moved)} classes between versions (the same classes; not config changes): {', '.join(moved)}")
+    return {k: v for k, v in changes.items() if k not in moved}
+
+
+_OUR_PACKAGES = ("lmtrain.", "callbacks.", "data.")  # callbacks/ and data/ were top-level packages before lmtrain's layers
+
+
+def _moved_in_lmtrain(key: str, was, now) -> bool:
+    """Whether a ``_target_`` change is lmtrain's own class under a new module path (a newer lmtrain's layout), not the
+    user's choice of another class."""
+    if not key.endswith("_target_") or not (isinstance(was, str) and isinstance(now, str)):
+        return False
+    ours = was.startswith(_OUR_PACKAGES) and now.startswith(_OUR_PACKAGES)
+    return ours and was.rpartition(".")[2] == now.rpartition(".")[2]
 
 
 def _overrides() -> list[str]:
