@@ -109,8 +109,9 @@ class HostCopy:
     Each buffer is anonymous memory of exactly its tensor's size in pages of its own (``mmap``), registered with
     CUDA (``cudaHostRegister``) where its original is on the GPU. PyTorch's pinned allocator (``pin_memory=True``)
     rounds every block up to a power of two: for a 7B model's shards on one of two ranks it held 56.37 GB for
-    40.43 GB of shards and took 32-37 s; this holds 40.43 GB and pinned them in 24-25 s (bench/pinned_host.py on an
-    H200 host, docs/BENCHMARKS.md). Pages of its own: two registrations may not share a page, which two small heap
+    40.43 GB of shards and took 32-37 s; this holds 40.43 GB and pinned them in 13.7-25.3 s (bench/pinned_host.py on
+    three H200 hosts, where a plain ``cudaHostRegister`` of ``torch.empty`` took 11.3-13.7 s; why two hosts took about
+    twice that and the third did not was not found, docs/BENCHMARKS.md). Pages of its own: two registrations may not share a page, which two small heap
     blocks of ``torch.empty`` can, and a process forked later does not inherit them (``MADV_DONTFORK``). Buffers are
     unregistered when dropped, and when this object is.
 
