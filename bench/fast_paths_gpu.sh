@@ -19,6 +19,9 @@
 #   bash bench/fast_paths_gpu.sh fsdp7b                                    # 2 GPUs: opt-1.3b fp8 scaling at batch 32; llama-7b in fp8 and bf16, batch 2-3, checkpointing selective, op or none
 #   bash bench/fast_paths_gpu.sh loss                                      # opt-1.3b, 1,000 steps in bf16 and in fp8: the loss curves
 #   bash bench/fast_paths_gpu.sh lossfast                                  # 2 GPUs: the same, fp8 with module.fp8_fast_accum=true
+#   RAW=... bash bench/fast_paths_gpu.sh fp8head                           # opt-1.3b: raw at batch 48, fp8 + fast accumulation at batch 48 with the fused bf16 head and with the head in fp8
+#   RAW=... bash bench/fast_paths_gpu.sh smallhead                         # opt-125m at batch 64: raw, bf16, the output head alone in fp8
+#   LOSS_GPU=1 bash bench/fast_paths_gpu.sh losshead                       # opt-1.3b, 1,000 steps in bf16 and in fp8 with fast accumulation and the head in fp8, both on GPU $LOSS_GPU
 #
 # Logs go to $OUT (default /tmp/fast_paths); the table rows printed at the end are the figures.
 set -euo pipefail
@@ -67,7 +70,7 @@ llama7b() {  # PRECISION-CHECKPOINTING-bBATCH [noexpand] (PRECISION: bf16, fp8, 
   )
 }
 
-for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, op7bfast, alloc7b, allocop7b, loss or lossfast}"; do
+for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, op7bfast, alloc7b, allocop7b, loss, lossfast, fp8head, smallhead or losshead}"; do
 case "$mode" in
 fp8)
   raw raw-1.3b 1.3b --compile --batch 16 --steps 30
@@ -110,6 +113,17 @@ fp8accum)  # opt-1.3b fp8 with the fused head at batch 48 against raw at its lar
   TMO=200 bench fp8-liger-b48 $F48
   TMO=200 bench fp8fast-liger-b48 $F48 module.fp8_fast_accum=true
   ;;
+fp8head)  # opt-1.3b fp8 with fast accumulation at batch 48: the fused bf16 head against the plain head in fp8, beside raw at the same batch
+  raw raw-1.3b-b48 1.3b --compile --batch 48 --steps 20
+  F48="--no-raw --steps 16 --warmup 6 $M13 data.seq_len=1024 data.batch_size=48 module.fp8=tensorwise module.fp8_fast_accum=true"
+  TMO=200 bench fp8fast-liger-b48 $F48 module.loss_kernel=liger
+  TMO=200 bench fp8fast-all-b48 $F48 module.fp8_layers=all
+  ;;
+smallhead)  # opt-125m at batch 64: the output head alone in fp8 (a quarter of the model's FLOPs at this width), beside bf16 and raw
+  raw raw-124m 124m --compile --batch 64 --steps 40
+  bench bf16-125m --no-raw --steps 40 --warmup 10 $M125 data.seq_len=1024 data.batch_size=64
+  bench fp8head-125m --no-raw --steps 40 --warmup 10 $M125 data.seq_len=1024 data.batch_size=64 module.fp8=tensorwise module.fp8_layers=head
+  ;;
 small32)
   raw raw-124m-b32 124m --compile --batch 32 --steps 40
   bench bf16-125m-b32 --no-raw --steps 40 --warmup 10 $M125 data.seq_len=1024 data.batch_size=32
@@ -144,14 +158,19 @@ allocop7b)  # 2 GPUs: llama-7b with checkpointing by operator (bf16 and fp8 at b
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   for run in fp8-op-b2 bf16-op-b2; do llama7b "$run"; llama7b "$run" noexpand; done
   ;;
-loss|lossfast)  # loss: bf16 and fp8 tensorwise, both on one GPU; lossfast: bf16 on GPU 0, fp8 with fast accumulation on GPU 1
+loss|lossfast|losshead)  # loss: bf16 and fp8 tensorwise, both on one GPU; lossfast: bf16 on GPU 0, fp8 with fast accumulation on GPU 1; losshead: bf16 and fp8 with fast accumulation and the head in fp8, both on GPU $LOSS_GPU
   L="$M13 data.seq_len=1024 data.batch_size=8 optimizer.lr=2e-4 scheduler.warmup_steps=100 trainer.max_steps=1000 trainer.val_check_interval=500 trainer.limit_val_batches=20 trainer.enable_progress_bar=false callbacks.checkpoint.every_n_steps=0 callbacks.disk_guard.margin_gb=0 paths.runs=$OUT/runs"
   # both at once (about 30 GiB each): the loss curves do not depend on speed; the timings of these runs are not figures
-  if [ "$mode" = loss ]; then runs=(null tensorwise); gpus=(0 0); else runs=(null tensorwise-fast); gpus=(0 1); fi
+  case "$mode" in
+  loss) runs=(null tensorwise); gpus=(0 0) ;;
+  lossfast) runs=(null tensorwise-fast); gpus=(0 1) ;;
+  losshead) runs=(null tensorwise-fast-all); gpus=("${LOSS_GPU:-0}" "${LOSS_GPU:-0}") ;;
+  esac
   for i in 0 1; do
-    fp8=${runs[$i]%-fast}
+    fp8=${runs[$i]%%-*}
     extra=""
-    [ "${runs[$i]}" != "$fp8" ] && extra=module.fp8_fast_accum=true
+    [[ ${runs[$i]} == *-fast* ]] && extra+=" module.fp8_fast_accum=true"
+    [[ ${runs[$i]} == *-all ]] && extra+=" module.fp8_layers=all"
     CUDA_VISIBLE_DEVICES=${gpus[$i]} python3 train.py $L module.fp8=$fp8 $extra run_name=loss-${runs[$i]} > "$OUT/loss-${runs[$i]}.log" 2>&1 &
   done
   wait || true

@@ -22,7 +22,8 @@ activation and dropout masks recomputed) plus one layer's full set; with ``modul
 (27 for an OPT block), the four products' inputs kept in float8 (one byte instead of two; measured: 3.0 GiB less for
 llama-7b at batch 2 under fsdp x 2 with selective checkpointing, counted 2.8; the compiled 1.3B saved twice what is
 counted); against llama-7b's ten measured peaks (bf16 and fp8, every checkpointing setting) the count is within 2.5%; plus the logits,
-batch x seq x vocab x 6 bytes (bf16 and the fp32 copy the loss takes; with ``module.loss_chunk_tokens=C``, C x vocab
+batch x seq x vocab x 6 bytes (bf16 and the fp32 copy the loss takes; 8 with the output head in float8,
+``module.fp8_layers=all|head``, its gradient's float8 copy: measured +6.0 GiB at 65,536 x 50,304 on an H200; with ``module.loss_chunk_tokens=C``, C x vocab
 x 6 bytes plus the gradients the chunked head keeps: hidden states and head weight in fp32; with ``module.compile``
 or ``strategy.compile`` counted as whole-batch logits, since under compile it saved a tenth to a seventh of that); under ddp on more than one GPU, DDP's
 gradient buckets, 4 B/param. The total is the larger of two peaks: at the end of the forward pass (weights,
@@ -100,6 +101,7 @@ def memory(
     loss_chunk: int | None = None,
     accumulate: int = 1,
     fp8: bool = False,
+    fp8_head: bool = False,
 ) -> dict:
     """Bytes per GPU (see the module docstring): each term, and ``total``, the larger of the two peaks."""
     shard = {"ddp": 1, "fsdp": world, "hsdp": min(node, world)}[strategy]
@@ -119,7 +121,9 @@ def memory(
         "gradients": 4 * params / shard,
         "optimizer": 8 * params / shard,
         "activations": act,
-        "logits": 6 * batch * seq * V if not loss_chunk else 6 * min(loss_chunk, batch * seq) * V + 4 * (batch * seq + V) * cfg.emb_dim,
+        "logits": (8 if fp8_head else 6) * batch * seq * V
+        if not loss_chunk
+        else 6 * min(loss_chunk, batch * seq) * V + 4 * (batch * seq + V) * cfg.emb_dim,
     }
     always = out["weights"] + out["optimizer"]
     if strategy != "ddp":  # one block's bf16 parameters gathered for compute (forward and the prefetched next one)
@@ -168,7 +172,9 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
     # no saving there.
     chunk_uncounted = bool(chunk) and bool(module_cfg.get("compile") or strategy_cfg.get("compile"))
     chunk = None if chunk_uncounted else chunk
-    fp8 = bool(module_cfg.get("fp8"))
+    fp8_layers = module_cfg.get("fp8_layers", "blocks")
+    fp8 = bool(module_cfg.get("fp8")) and fp8_layers != "head"
+    fp8_head = bool(module_cfg.get("fp8")) and fp8_layers != "blocks"
     gpus, node = int(cluster["gpus"]), int(cluster["gpus_per_node"])
     gbs = cfg.get("global_batch_size")
     if gbs and gbs % (batch * gpus):
@@ -182,6 +188,7 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
     out["accumulate_grad_batches"] = accum
     out["loss_chunk_counted"] = not chunk_uncounted
     out["fp8"] = module_cfg.get("fp8")
+    out["fp8_layers"] = fp8_layers if out["fp8"] else None
     out["cluster"] = {"gpus": gpus, "gpus_per_node": node, "memory_gb": cluster["memory_gb"]}
     if cluster.get("tokens_per_sec_per_gpu"):
         rate_flops = float(cluster["tokens_per_sec_per_gpu"]) * nums["flops_per_token"]
@@ -195,7 +202,10 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
         seconds = flops / (gpus * rate_flops)
         out["run"] = {"flops": flops, "tokens": tokens, "days": seconds / 86400, "gpu_hours": gpus * seconds / 3600}
     out["memory_gb_per_gpu"] = {
-        s: {ac: {k: v / GB for k, v in memory(mcfg, nums["params"], seq, batch, s, gpus, node, ac, chunk, accum, fp8).items()} for ac in AC}
+        s: {
+            ac: {k: v / GB for k, v in memory(mcfg, nums["params"], seq, batch, s, gpus, node, ac, chunk, accum, fp8, fp8_head).items()}
+            for ac in AC
+        }
         for s in STRATEGIES
     }
     ckpt = checkpoint_bytes(nums["params"], gpus, node)
@@ -245,7 +255,7 @@ def table(p: dict) -> str:
         + (f", {accum} micro-batches per step" if accum > 1 else "")
         + ("" if p["loss_chunk_counted"] else ", chunked loss counted as whole-batch logits under compile")
         + ", bf16 mixed"
-        + (f" with {p['fp8']} fp8 products" if p.get("fp8") else "")
+        + (f" with {p['fp8']} fp8 products ({p.get('fp8_layers') or 'blocks'})" if p.get("fp8") else "")
         + ", AdamW; total: the larger of the peaks at the end of the forward and of the backward pass:"
     )
     lines.append("| strategy | activation ckpt | weights | gradients | optimizer | activations | logits | total | peak at | fits |")

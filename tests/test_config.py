@@ -36,6 +36,17 @@ def test_default_config_is_valid(tmp_path):
         (["module.fp8=fp4"], r"module.fp8='fp4' is not one of \['tensorwise', 'rowwise'\] or null"),
         (["module.fp8_fast_accum=true"], r"module.fp8_fast_accum=true changes the float8 matmuls, and module.fp8 is null"),
         (["module.fp8=tensorwise", "module.fp8_fast_accum=yes"], r"module.fp8_fast_accum='yes' must be true or false"),
+        (["module.fp8_layers=head"], r"module.fp8_layers=head changes the float8 matmuls, and module.fp8 is null"),
+        (["module.fp8=rowwise", "module.fp8_layers=output"], r"module.fp8_layers='output' is not one of \['blocks', 'all', 'head'\]"),
+        (
+            ["module.fp8=tensorwise", "module.fp8_layers=all", "module.loss_chunk_tokens=512"],
+            r"module.fp8_layers=all puts the output head in float8, and module.loss_chunk_tokens=512 computes the head from "
+            r"its weight in the training precision, bypassing the float8 layer: choose one",
+        ),
+        (
+            ["module.fp8=tensorwise", "module.fp8_layers=head", "model.vocab_size=1000"],
+            r"float8 matmuls need linear sizes divisible by 16, not model.vocab_size=1000$",
+        ),
         (
             ["module.fp8=tensorwise", "trainer.precision=16-mixed"],
             r"module.fp8=tensorwise with trainer.precision=16-mixed: .* use bf16-mixed",

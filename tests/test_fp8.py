@@ -22,21 +22,23 @@ CKPT = ["callbacks=[none,checkpoint]", "callbacks.checkpoint.every_n_steps=3", "
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-llama"])
 def test_fp8_trains_like_full_precision_keeps_parameter_names_and_resumes_exactly(tmp_path, dataset_dir, model, capsys):
-    """Six steps: FP8 (tensorwise; rowwise with every product in fast accumulation for Llama) within 1% of the fp32
-    run at every step, not equal to it (the matmuls did run in float8); the checkpoint holds the same parameter names
-    and shapes as the fp32 run's; a run stopped at step 3 and resumed ends with the uninterrupted run's losses
-    exactly."""
+    """Six steps: FP8 (tensorwise in the blocks and the tied output head; rowwise in the blocks with every product
+    in fast accumulation for Llama) within 1% of the fp32 run at every step, not equal to it (the matmuls did run in
+    float8); the checkpoint holds the same parameter names and shapes as the fp32 run's; a run stopped at step 3 and
+    resumed ends with the uninterrupted run's losses exactly."""
     recipe = "tensorwise" if model == "tiny" else "rowwise"
     fast = model != "tiny"
+    layers = "all" if model == "tiny" else "blocks"
     base = [*TINY, f"model={model}", "trainer.max_steps=6", "scheduler.total_steps=6", *CKPT]
-    fp8_args = [f"module.fp8={recipe}", f"module.fp8_fast_accum={str(fast).lower()}"]
+    fp8_args = [f"module.fp8={recipe}", f"module.fp8_fast_accum={str(fast).lower()}", f"module.fp8_layers={layers}"]
     runs = {}
     for name, extra in (("fp32", []), ("fp8", fp8_args)):
         cfg = make_cfg([*base, *extra], tmp_path / name, dataset_dir)
         train(cfg)
         runs[name] = cfg.run_dir
     said = capsys.readouterr().out
-    assert f"module.fp8={recipe}: 8 linear layers of the transformer blocks compute in float8" in said
+    head = " and the output head" if layers == "all" else ""
+    assert f"module.fp8={recipe}: 8 linear layers of the transformer blocks{head} compute in float8" in said
     assert ("every product accumulated in fast mode" in said) == fast
     full, low = ([float(v) for v in _losses(Path(runs[k])).values()] for k in ("fp32", "fp8"))
     assert len(low) == 6 and low != full
@@ -77,6 +79,44 @@ def test_fast_accumulation_reaches_every_float8_product_and_only_with_the_option
     assert accum("rowwise", True) == (True, True, True, "axiswise")
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_output_head_in_float8_keeps_its_tie_and_is_never_gathered_in_float8(tied):
+    """module.fp8_layers: ``head`` converts the output head alone, ``all`` the blocks and the head, ``blocks`` leaves
+    the head alone. A tied head keeps the embedding's very parameter (one tensor, one gradient: the loss's and the
+    lookup's), and under FSDP's float8 all-gather (tensorwise, sharded, on a GPU) the blocks' weights are gathered in
+    float8 and the head's is not: the embedding lookup reads it too."""
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from lmtrain.formats.presets import preset
+    from lmtrain.nn.model import Decoder
+    from lmtrain.training.fp8 import convert, describe
+
+    cuda = torch.device("cuda", 0)  # a name only: the conversion builds on the meta device and never touches it
+    for layers, blocks_f8, said in (
+        ("blocks", 8, "8 linear layers of the transformer blocks compute"),
+        ("all", 8, "8 linear layers of the transformer blocks and the output head compute"),
+        ("head", 0, "the output head computes"),
+    ):
+        with torch.device("meta"):
+            model = Decoder(preset("tiny"), tie_embeddings=tied)
+        with patch_capability((9, 0)):
+            convert(model, "tensorwise", sharded=True, device=cuda, layers=layers)
+        assert sum(isinstance(m, Float8Linear) for m in model.blocks.modules()) == blocks_f8
+        assert isinstance(model.lm_head, Float8Linear) == (layers != "blocks")
+        assert (model.lm_head.weight is model.tok_emb.weight) == tied
+        assert not isinstance(model.lm_head.weight, WeightWithDynamicFloat8CastTensor)
+        gathered = [isinstance(m.weight, WeightWithDynamicFloat8CastTensor) for m in model.blocks.modules() if isinstance(m, Float8Linear)]
+        assert gathered == [True] * blocks_f8
+        assert describe(model, layers) == said
+
+
+def patch_capability(cap):
+    from unittest import mock
+
+    return mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: cap)
+
+
 def test_a_model_too_narrow_for_fp8_to_pay_is_told_so():
     """The measured crossover (docs/BENCHMARKS.md): below d_model 2048 the trainer warns that FP8 saves memory, not time."""
     from lmtrain.formats.presets import preset
@@ -87,6 +127,7 @@ def test_a_model_too_narrow_for_fp8_to_pay_is_told_so():
         narrow, wide = Decoder(preset("opt-125m")), Decoder(preset("opt-1.3b"))
     assert "module.fp8=rowwise at d_model=768: on an H100, FP8 was slower than bf16 below d_model 2048" in width_warning(narrow, "rowwise")
     assert width_warning(wide, "tensorwise") is None
+    assert width_warning(narrow, "tensorwise", "head") is None  # the head's product is vocabulary-wide
 
 
 def test_checking_for_torchao_prints_nothing(tmp_path):

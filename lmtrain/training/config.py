@@ -280,12 +280,19 @@ def validate_config(cfg: DictConfig) -> None:
 
     problems += _strategy_problems(cfg)
     module = cfg.get("module")
-    if module is not None and (module.get("fp8") is not None or module.get("fp8_fast_accum", False) is not False):
+    fp8_keys = (("fp8", None), ("fp8_fast_accum", False), ("fp8_layers", "blocks"))
+    if module is not None and any(module.get(key, unset) != unset for key, unset in fp8_keys):
         from lmtrain.training import fp8
 
         precision = str(trainer.get("precision", "32-true")) if trainer is not None else "32-true"
         problems += fp8.config_problems(
-            module.get("fp8"), model_cfg=model_cfg, precision=precision, fast_accum=module.get("fp8_fast_accum", False)
+            module.get("fp8"),
+            model_cfg=model_cfg,
+            precision=precision,
+            fast_accum=module.get("fp8_fast_accum", False),
+            layers=module.get("fp8_layers", "blocks"),
+            loss_kernel=module.get("loss_kernel"),
+            loss_chunk_tokens=module.get("loss_chunk_tokens"),
         )
     if module is not None and module.get("loss_kernel") == "liger" and trainer is not None:
         if device_type(trainer.get("accelerator", "auto")) == "cpu":

@@ -33,6 +33,7 @@ from torch import nn
 from lmtrain.errors import InputError
 
 RECIPES = ("tensorwise", "rowwise")
+LAYERS = ("blocks", "all", "head")
 _TORCHAO = "torchao==0.18.0"
 
 
@@ -60,22 +61,34 @@ def _torchao_missing() -> str | None:
     return None
 
 
-def _block_linear_dims(model_cfg) -> dict[str, int]:
-    """The in/out sizes of the blocks' linear layers (the ones converted), named for messages."""
-    dims = {"model.d_model": model_cfg.d_model, "model.ffn_dim": model_cfg.hidden_dim}
-    dims["qkv width (n_heads + 2 x n_kv_heads) x head size"] = (model_cfg.n_heads + 2 * model_cfg.kv_heads) * model_cfg.head_dim
+def _linear_dims(model_cfg, layers: str) -> dict[str, int]:
+    """The in/out sizes of the linear layers ``layers`` converts, named for messages."""
+    dims = {}
+    if layers != "head":
+        dims = {"model.d_model": model_cfg.d_model, "model.ffn_dim": model_cfg.hidden_dim}
+        dims["qkv width (n_heads + 2 x n_kv_heads) x head size"] = (model_cfg.n_heads + 2 * model_cfg.kv_heads) * model_cfg.head_dim
+    if layers != "blocks":
+        dims |= {"model.vocab_size": model_cfg.vocab_size, "the head's input width (model.emb_dim or d_model)": model_cfg.emb_dim}
     return dims
 
 
-def config_problems(recipe, *, model_cfg=None, precision: str = "bf16-mixed", fast_accum=False) -> list[str]:
-    """What in the config forbids ``module.fp8=recipe`` with ``module.fp8_fast_accum=fast_accum`` (empty when it can
-    run, or when both are unset)."""
+def config_problems(
+    recipe, *, model_cfg=None, precision: str = "bf16-mixed", fast_accum=False, layers="blocks", loss_kernel=None, loss_chunk_tokens=None
+) -> list[str]:
+    """What in the config forbids ``module.fp8=recipe`` with ``module.fp8_fast_accum=fast_accum`` and
+    ``module.fp8_layers=layers`` (empty when it can run, or when all are unset); ``loss_kernel`` and
+    ``loss_chunk_tokens`` are the module's, which bypass a float8 head."""
     if not isinstance(fast_accum, bool):
         return [f"module.fp8_fast_accum={fast_accum!r} must be true or false"]
+    if layers not in LAYERS:
+        return [f"module.fp8_layers={layers!r} is not one of {list(LAYERS)}"]
     if recipe is None:
+        unused = [f"module.fp8_fast_accum={str(fast_accum).lower()}"] if fast_accum else []
+        unused += [f"module.fp8_layers={layers}"] if layers != "blocks" else []
+        verb = "changes" if len(unused) == 1 else "change"
         return (
-            ["module.fp8_fast_accum=true changes the float8 matmuls, and module.fp8 is null: set module.fp8=tensorwise or rowwise"]
-            if fast_accum
+            [f"{' and '.join(unused)} {verb} the float8 matmuls, and module.fp8 is null: set module.fp8=tensorwise or rowwise"]
+            if unused
             else []
         )
     if recipe not in RECIPES:
@@ -83,8 +96,16 @@ def config_problems(recipe, *, model_cfg=None, precision: str = "bf16-mixed", fa
     out = []
     if precision.startswith("16"):
         out.append(f"module.fp8={recipe} with trainer.precision={precision}: FP8 scales from bf16 or fp32; use bf16-mixed")
+    if layers != "blocks":
+        fused = [f"module.loss_kernel={loss_kernel}"] if loss_kernel is not None else []
+        fused += [f"module.loss_chunk_tokens={loss_chunk_tokens}"] if loss_chunk_tokens is not None else []
+        if fused:
+            out.append(
+                f"module.fp8_layers={layers} puts the output head in float8, and {fused[0]} computes the head from its weight "
+                "in the training precision, bypassing the float8 layer: choose one (module.fp8_layers=blocks keeps the fused head)"
+            )
     if model_cfg is not None:
-        bad = [f"{k}={v}" for k, v in _block_linear_dims(model_cfg).items() if v % 16]
+        bad = [f"{k}={v}" for k, v in _linear_dims(model_cfg, layers).items() if v % 16]
         if bad:
             out.append(f"module.fp8={recipe}: float8 matmuls need linear sizes divisible by 16, not {', '.join(bad)}")
     missing = _torchao_missing()
@@ -123,28 +144,46 @@ def float8_config(recipe: str, *, sharded: bool, device: torch.device, fast_accu
     return config
 
 
-def convert(model: nn.Module, recipe: str, *, sharded: bool, device: torch.device, fast_accum: bool = False) -> nn.Module:
-    """Swap the linear layers inside ``model.blocks`` for float8 ones in place (before sharding and compiling; works
-    on the meta device). Attributes our initialisation reads (``residual_out``) carry over. torchao's presence was
-    checked with the config (:func:`config_problems`, from LMModule)."""
+def convert(
+    model: nn.Module, recipe: str, *, sharded: bool, device: torch.device, fast_accum: bool = False, layers: str = "blocks"
+) -> nn.Module:
+    """Swap the linear layers inside ``model.blocks`` (``layers`` blocks or all) and the output head ``model.lm_head``
+    (all or head) for float8 ones in place (before sharding and compiling; works on the meta device). Attributes our
+    initialisation reads (``residual_out``) carry over; a tied head keeps the embedding's parameter. torchao's presence
+    was checked with the config (:func:`config_problems`, from LMModule)."""
     from torchao.float8 import convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
 
     problem = device_problem(recipe, device)
     if problem:
         raise InputError(problem)
-    blocks = getattr(model, "blocks", None)
-    if blocks is None:
-        raise InputError(f"module.fp8: the model {type(model).__name__} has no transformer blocks (lmtrain.nn.model.Decoder has)")
-    marked = {name for name, m in blocks.named_modules() if getattr(m, "residual_out", False)}
-    convert_to_float8_training(
-        blocks,
-        module_filter_fn=lambda m, fqn: isinstance(m, nn.Linear),
-        config=float8_config(recipe, sharded=sharded, device=device, fast_accum=fast_accum),
-    )
-    for name, m in blocks.named_modules():
-        if name in marked:
-            m.residual_out = True
+    config = float8_config(recipe, sharded=sharded, device=device, fast_accum=fast_accum)
+    if layers != "head":
+        blocks = getattr(model, "blocks", None)
+        if blocks is None:
+            raise InputError(f"module.fp8: the model {type(model).__name__} has no transformer blocks (lmtrain.nn.model.Decoder has)")
+        marked = {name for name, m in blocks.named_modules() if getattr(m, "residual_out", False)}
+        convert_to_float8_training(blocks, module_filter_fn=lambda m, fqn: isinstance(m, nn.Linear), config=config)
+        for name, m in blocks.named_modules():
+            if name in marked:
+                m.residual_out = True
+    if layers != "blocks":
+        head = getattr(model, "lm_head", None)
+        if type(head) is not nn.Linear:
+            raise InputError(f"module.fp8_layers={layers}: the model {type(model).__name__} has no linear output head lm_head")
+        # never all-gathered in float8: a tied head's parameter is also the embedding table the lookup reads
+        model.lm_head = Float8Linear.from_float(head, config=dataclasses.replace(config, enable_fsdp_float8_all_gather=False))
     return model
+
+
+def describe(model: nn.Module, layers: str) -> str:
+    """What :func:`convert` made float8, for the console."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    head = isinstance(getattr(model, "lm_head", None), Float8Linear)
+    n = converted(model) - head
+    parts = ([f"{n} linear layers of the transformer blocks"] if layers != "head" else []) + (["the output head"] if head else [])
+    return " and ".join(parts) + (" computes" if parts == ["the output head"] else " compute")
 
 
 # Where FP8 paid on one H100 (bench/fast_paths_gpu.sh, docs/BENCHMARKS.md): opt-125m (d_model 768, batch 64 x 1024)
@@ -153,10 +192,10 @@ def convert(model: nn.Module, recipe: str, *, sharded: bool, device: torch.devic
 PAYS_FROM_D_MODEL = 2048
 
 
-def width_warning(model: nn.Module, recipe: str) -> str | None:
-    """What to tell a user whose model is too narrow for FP8 to be faster, or None."""
+def width_warning(model: nn.Module, recipe: str, layers: str = "blocks") -> str | None:
+    """What to tell a user whose model's blocks are too narrow for FP8 to be faster, or None."""
     d = getattr(getattr(model, "cfg", None), "d_model", None)
-    if d is None or d >= PAYS_FROM_D_MODEL:
+    if d is None or d >= PAYS_FROM_D_MODEL or layers == "head":
         return None
     return (
         f"module.fp8={recipe} at d_model={d}: on an H100, FP8 was slower than bf16 below d_model {PAYS_FROM_D_MODEL} "

@@ -112,6 +112,8 @@ class LMModule(L.LightningModule):
             lmtrain.training.fp8 for where it runs and what it refuses); None: in the training precision.
         fp8_fast_accum: the backward float8 matmuls also accumulate in Hopper's fast mode, as torchao's recipes do
             for the forward one only (faster, less exact; measured in docs/BENCHMARKS.md). Needs ``fp8``.
+        fp8_layers: which products ``fp8`` converts: ``blocks`` (the default), ``all`` (the blocks and the output
+            head) or ``head`` (the output head alone). A float8 head excludes ``loss_kernel`` and ``loss_chunk_tokens``.
         seed: if set, torch's RNG (dropout) is re-seeded before every training batch from (seed, batch number,
             rank): the masks of a batch then do not depend on what else drew random numbers before it
             (validation, loader start-up), so a resumed or rolled-back run draws exactly the same ones.
@@ -130,13 +132,16 @@ class LMModule(L.LightningModule):
         loss_kernel: str | None = None,
         fp8: str | None = None,
         fp8_fast_accum: bool = False,
+        fp8_layers: str = "blocks",
     ) -> None:
         super().__init__()
         self._sdpa = sdpa_backends(sdpa_backend)
-        problems = fp8_module.config_problems(fp8, fast_accum=fp8_fast_accum)
+        problems = fp8_module.config_problems(
+            fp8, fast_accum=fp8_fast_accum, layers=fp8_layers, loss_kernel=loss_kernel, loss_chunk_tokens=loss_chunk_tokens
+        )
         if problems:
             raise InputError("; ".join(problems))
-        self.fp8, self.fp8_fast_accum = fp8, fp8_fast_accum
+        self.fp8, self.fp8_fast_accum, self.fp8_layers = fp8, fp8_fast_accum, fp8_layers
         if loss_chunk_tokens is not None and (
             not isinstance(loss_chunk_tokens, int) or isinstance(loss_chunk_tokens, bool) or loss_chunk_tokens < 1
         ):
@@ -183,17 +188,18 @@ class LMModule(L.LightningModule):
                 self.model = self._model_factory()
         if self.fp8 is not None and not getattr(self, "_fp8_converted", False):  # before sharding and compiling
             device = strategy.root_device if strategy is not None else self.device
-            fp8_module.convert(self.model, self.fp8, sharded=parallelize is not None, device=device, fast_accum=self.fp8_fast_accum)
+            fp8_module.convert(
+                self.model, self.fp8, sharded=parallelize is not None, device=device, fast_accum=self.fp8_fast_accum, layers=self.fp8_layers
+            )
             self._fp8_converted = True
             if self.global_rank == 0:
                 print(
-                    f"[lmtrain] module.fp8={self.fp8}: {fp8_module.converted(self.model)} linear layers of the transformer blocks "
-                    f"compute in float8 on {device.type}"
+                    f"[lmtrain] module.fp8={self.fp8}: {fp8_module.describe(self.model, self.fp8_layers)} in float8 on {device.type}"
                     + (" (float8 all-gather)" if fp8_module.uses_float8_all_gather(self.model) else "")
                     + (", every product accumulated in fast mode" if self.fp8_fast_accum else ""),
                     flush=True,
                 )
-                warning = fp8_module.width_warning(self.model, self.fp8)
+                warning = fp8_module.width_warning(self.model, self.fp8, self.fp8_layers)
                 if warning and device.type == "cuda":
                     print(f"[lmtrain] warning: {warning}", flush=True)
         if self.loss_chunk_tokens is not None:
