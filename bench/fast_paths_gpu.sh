@@ -21,6 +21,7 @@
 #   bash bench/fast_paths_gpu.sh lossfast                                  # 2 GPUs: the same, fp8 with module.fp8_fast_accum=true
 #   RAW=... bash bench/fast_paths_gpu.sh fp8head                           # opt-1.3b: raw at batch 48, fp8 + fast accumulation at batch 48 with the fused bf16 head and with the head in fp8
 #   RAW=... bash bench/fast_paths_gpu.sh smallhead                         # opt-125m at batch 64: raw, bf16, the output head alone in fp8
+#   RAW=... bash bench/fast_paths_gpu.sh fp8headcap                        # the same under an 80 GB H100's memory (CAP_GIB=79.1, bench/memory_cap): raw at batch 32, fp8 fast at 48 with either head, the fp8 head at 40
 #   LOSS_GPU=1 bash bench/fast_paths_gpu.sh losshead                       # opt-1.3b, 1,000 steps in bf16 and in fp8 with fast accumulation and the head in fp8, both on GPU $LOSS_GPU
 #
 # Logs go to $OUT (default /tmp/fast_paths); the table rows printed at the end are the figures.
@@ -47,7 +48,7 @@ bench() {  # NAME ARGS... [--launcher]: one bench/throughput.py run (under torch
 raw() {  # NAME ARGS...: the shared raw baseline
   local name=$1
   shift
-  python3 "$RAW" "$@" > "$OUT/$name.log" 2>&1 || { echo "$name FAILED"; tail -20 "$OUT/$name.log"; return 0; }
+  timeout "${TMO:-0}" python3 "$RAW" "$@" > "$OUT/$name.log" 2>&1 || { echo "$name FAILED"; tail -20 "$OUT/$name.log"; return 0; }
   echo "$name $(tail -2 "$OUT/$name.log" | tr '\n' ' ')"
 }
 
@@ -70,7 +71,7 @@ llama7b() {  # PRECISION-CHECKPOINTING-bBATCH [noexpand] (PRECISION: bf16, fp8, 
   )
 }
 
-for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, op7bfast, alloc7b, allocop7b, loss, lossfast, fp8head, smallhead or losshead}"; do
+for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, op7bfast, alloc7b, allocop7b, loss, lossfast, fp8head, fp8headcap, smallhead or losshead}"; do
 case "$mode" in
 fp8)
   raw raw-1.3b 1.3b --compile --batch 16 --steps 30
@@ -118,6 +119,15 @@ fp8head)  # opt-1.3b fp8 with fast accumulation at batch 48: the fused bf16 head
   F48="--no-raw --steps 16 --warmup 6 $M13 data.seq_len=1024 data.batch_size=48 module.fp8=tensorwise module.fp8_fast_accum=true"
   TMO=200 bench fp8fast-liger-b48 $F48 module.loss_kernel=liger
   TMO=200 bench fp8fast-all-b48 $F48 module.fp8_layers=all
+  ;;
+fp8headcap)  # fp8head under the memory of an 80 GB H100 on a larger card: each process's allocator capped at CAP_GIB (bench/memory_cap)
+  export PYTHONPATH=$PWD/bench/memory_cap${PYTHONPATH:+:$PYTHONPATH} CAP_GIB=${CAP_GIB:-79.1}
+  TMO=100 raw raw-1.3b-b32-cap 1.3b --compile --batch 32 --steps 20
+  F="--no-raw --steps 16 --warmup 6 $M13 data.seq_len=1024 module.fp8=tensorwise module.fp8_fast_accum=true"
+  TMO=150 bench fp8fast-liger-b48-cap $F data.batch_size=48 module.loss_kernel=liger
+  TMO=150 bench fp8fast-all-b48-cap $F data.batch_size=48 module.fp8_layers=all
+  TMO=150 bench fp8fast-all-b40-cap $F data.batch_size=40 module.fp8_layers=all
+  unset CAP_GIB
   ;;
 smallhead)  # opt-125m at batch 64: the output head alone in fp8 (a quarter of the model's FLOPs at this width), beside bf16 and raw
   raw raw-124m 124m --compile --batch 64 --steps 40

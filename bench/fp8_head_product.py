@@ -1,0 +1,68 @@
+"""The output head's product and loss alone, bf16 against float8 (torchao tensorwise, with and without fast
+accumulation in the backward products): compiled forward and backward of ``cross_entropy(head(x).float(), y)`` on
+one GPU, the time per step, the TFLOP/s of its three products and the peak memory. What ``module.fp8_layers=head|all``
+changes, without the rest of the model (docs/BENCHMARKS.md)::
+
+    python3 bench/fp8_head_product.py                       # d 768 x 65,536 tokens (opt-125m, batch 64) and d 2048 x 49,152 (opt-1.3b, batch 48)
+    python3 bench/fp8_head_product.py --shape 4096x16384    # any d_model x tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmtrain.training.fp8 import float8_config
+
+
+def measure(d: int, tokens: int, vocab: int, kind: str, steps: int) -> str:
+    from torchao.float8 import convert_to_float8_training
+
+    torch.manual_seed(0)
+    head = nn.Sequential(nn.Linear(d, vocab, bias=False)).cuda()
+    if kind != "bf16":
+        config = float8_config("tensorwise", sharded=False, device=torch.device("cuda"), fast_accum=kind == "fp8-fast")
+        convert_to_float8_training(head, config=config)
+    x = torch.randn(tokens, d, device="cuda", requires_grad=True)
+    y = torch.randint(0, vocab, (tokens,), device="cuda")
+
+    @torch.compile
+    def loss_of(x):
+        with torch.autocast("cuda", torch.bfloat16):
+            logits = head(x)
+        return F.cross_entropy(logits.float(), y)
+
+    for _ in range(5):
+        loss_of(x).backward()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = loss_of(x)
+        loss.backward()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - start) / steps * 1e3
+    tflops = 6 * d * vocab * tokens / ms / 1e9
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    return f"d={d} tokens={tokens} vocab={vocab} {kind}: {ms:.2f} ms, {tflops:.0f} TFLOP/s, loss {loss.item():.4f}, peak {peak:.1f} GiB"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", action="append", help="D_MODELxTOKENS (repeatable); default 768x65536 and 2048x49152")
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args()
+    print(torch.cuda.get_device_name(0))
+    for shape in args.shape or ["768x65536", "2048x49152"]:
+        d, tokens = (int(v) for v in shape.split("x"))
+        for kind in ("bf16", "fp8", "fp8-fast"):
+            print(measure(d, tokens, args.vocab, kind, args.steps), flush=True)
+
+
+if __name__ == "__main__":
+    main()
