@@ -4,20 +4,31 @@
                              all-gathered in float8, half the bytes of bf16)
     module.fp8=rowwise       one scale per row (finer, more robust to outliers, slower kernels)
     module.fp8=null          bf16 / fp32 matmuls (the default)
-    module.fp8_fast_accum=true   with either recipe: the backward products also accumulate in Hopper's fast mode
+    module.fp8_fast_accum=true   with either recipe: the backward float8 products also accumulate in Hopper's fast mode
                              (torchao's recipes do so for the forward product only; +2.1% tokens/s at 1.3B, loss
                              after 1,000 steps 1.0% above bf16's where plain FP8's was 0.8%: docs/BENCHMARKS.md)
+    module.fp8_layers=blocks     which products: the transformer blocks' linear layers (the default, as torchtitan's
+                   =all          and torchao's recipes leave the output layer out), the blocks and the output head,
+                   =head         or the output head alone (where the blocks are too narrow for FP8 to pay). On an
+                                 H200: opt-1.3b +2.9% with the head (1.217x raw PyTorch; validation loss after 1,000
+                                 steps +0.49% of bf16's, training loss on repeated data +1.9%); opt-125m +3.3% with the
+                                 head alone (docs/BENCHMARKS.md)
 
-Every ``nn.Linear`` inside the transformer blocks becomes torchao's ``Float8Linear``: the same parameters under the
-same names (checkpoints load either way), its forward and backward matmuls in float8 with dynamic scales. The output
-head stays in the training precision (its logits feed the loss directly, and it is tied to the embedding), as do
-the optional embedding projections of OPT-350m. The master weights, optimizer state and every other op keep their
-precision: FP8 is a matmul format here, not a storage format.
+Each converted ``nn.Linear`` becomes torchao's ``Float8Linear``: the same parameters under the same names
+(checkpoints load either way), its forward and backward matmuls in float8 with dynamic scales. The output head is a
+product as wide as the vocabulary (at opt-125m's width a quarter of the model's FLOPs) whose logits feed the loss
+directly. In float8 it stays tied to the embedding (the same parameter), the loss's gradient is cast to float8 e5m2
+as every other layer's output gradient is, and it costs one more logits-sized buffer (that gradient's float8 copy).
+The fused and chunked heads (``module.loss_kernel``, ``module.loss_chunk_tokens``) read the head's weight rather than
+call the layer, so they are refused with it. Under FSDP the head's weight is never all-gathered in float8 (the
+embedding lookup reads the same parameter). The optional embedding projections of OPT-350m stay in the training
+precision. The master weights, optimizer state and every other op keep their precision: FP8 is a matmul format
+here, not a storage format.
 
 Where it runs: a GPU of compute capability 8.9 or later (Ada, Hopper: the float8 tensor cores), and the CPU, where
 PyTorch's float8 matmul computes the same numbers with no speed-up (the tests check the numerics there). Refused, before
 any model is built: another GPU, ``trainer.precision`` in fp16 (torchao's recipes scale from bf16/fp32), a block's
-linear dimension not divisible by 16 (the float8 matmul's alignment), and a missing ``torchao``. Measured figures and
+linear dimension (or, with the head, the vocabulary) not divisible by 16 (the float8 matmul's alignment), and a missing ``torchao``. Measured figures and
 where FP8 pays: docs/BENCHMARKS.md.
 """
 
@@ -199,7 +210,8 @@ def width_warning(model: nn.Module, recipe: str, layers: str = "blocks") -> str 
         return None
     return (
         f"module.fp8={recipe} at d_model={d}: on an H100, FP8 was slower than bf16 below d_model {PAYS_FROM_D_MODEL} "
-        "(opt-125m, d_model 768: 0.91x; opt-1.3b, d_model 2048: 1.07x; docs/BENCHMARKS.md); it saves memory, not time, here"
+        "(opt-125m, d_model 768: 0.91x; opt-1.3b, d_model 2048: 1.07x; docs/BENCHMARKS.md); it saves memory, not time, here. "
+        "module.fp8_layers=head puts the output head alone in float8 (opt-125m on an H200: 1.03x bf16)"
     )
 
 
