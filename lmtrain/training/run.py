@@ -425,7 +425,13 @@ def _config_changes(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
     moved = [k for k, (was, now) in changes.items() if _moved_in_lmtrain(k, was, now)]
     if moved:
         log.info(f"lmtrain moved {len(moved)} classes between versions (the same classes; not config changes): {', '.join(moved)}")
-    return {k: v for k, v in changes.items() if k not in moved}
+    added = [k for k, (was, now) in changes.items() if was == "(unset)" and _added_by_lmtrain(k, now)]
+    if added:
+        log.info(
+            f"lmtrain added {len(added)} options since the run's previous attempt, at their defaults (the old behaviour; "
+            f"not config changes): {', '.join(added)}"
+        )
+    return {k: v for k, v in changes.items() if k not in moved and k not in added}
 
 
 _OUR_PACKAGES = ("lmtrain.", "callbacks.", "data.")  # callbacks/ and data/ were top-level packages before lmtrain's layers
@@ -438,6 +444,30 @@ def _moved_in_lmtrain(key: str, was, now) -> bool:
         return False
     ours = was.startswith(_OUR_PACKAGES) and now.startswith(_OUR_PACKAGES)
     return ours and was.rpartition(".")[2] == now.rpartition(".")[2]
+
+
+def _added_by_lmtrain(key: str, now) -> bool:
+    """Whether ``key`` (flat ``a/b/c``), missing from the previous attempt's config, is an option a newer lmtrain added
+    and this attempt leaves at its default: every one of lmtrain's config files that sets it (the root ``train.yaml``,
+    the options of the group its first part names) sets it to ``now``, a plain value. A group swapped for another
+    (``strategy=fsdp`` after ``ddp``) brings keys whose files differ, or a ``_target_`` change, and stays a change."""
+    from lmtrain import config_dir
+
+    root = config_dir()
+    group = key.partition("/")[0]
+    files = [(root / "train.yaml", "")]
+    if (root / group).is_dir():
+        files += [(path, group + "/") for path in sorted((root / group).glob("*.yaml"))]
+    found = []
+    for path, prefix in files:
+        text = path.read_text()
+        if "@package" in text.partition("\n")[0] or not key.startswith(prefix):
+            continue  # experiment/debug/fault files override keys elsewhere: not where an option's default lives
+        flat = _flatten(OmegaConf.to_container(OmegaConf.create(text), resolve=False) or {})
+        if key[len(prefix) :] in flat:
+            value = flat[key[len(prefix) :]]
+            found.append("null" if value is None else value)
+    return bool(found) and all(v == now and not (isinstance(v, str) and "${" in v) for v in found)
 
 
 def _overrides() -> list[str]:
