@@ -5,6 +5,7 @@ changes, without the rest of the model (docs/BENCHMARKS.md)::
 
     python3 bench/fp8_head_product.py                       # d 768 x 65,536 tokens (opt-125m, batch 64) and d 2048 x 49,152 (opt-1.3b, batch 48)
     python3 bench/fp8_head_product.py --shape 4096x16384    # any d_model x tokens
+    python3 bench/fp8_head_product.py --device cpu --shape 64x256 --vocab 512 --steps 1   # eager, the numbers only (tests)
 """
 
 from __future__ import annotations
@@ -19,35 +20,39 @@ from torch import nn
 from lmtrain.training.fp8 import float8_config
 
 
-def measure(d: int, tokens: int, vocab: int, kind: str, steps: int) -> str:
+def measure(d: int, tokens: int, vocab: int, kind: str, steps: int, device: str = "cuda") -> str:
     from torchao.float8 import convert_to_float8_training
 
     torch.manual_seed(0)
-    head = nn.Sequential(nn.Linear(d, vocab, bias=False)).cuda()
+    head = nn.Sequential(nn.Linear(d, vocab, bias=False)).to(device)
     if kind != "bf16":
-        config = float8_config("tensorwise", sharded=False, device=torch.device("cuda"), fast_accum=kind == "fp8-fast")
+        config = float8_config("tensorwise", sharded=False, device=torch.device(device), fast_accum=kind == "fp8-fast")
         convert_to_float8_training(head, config=config)
-    x = torch.randn(tokens, d, device="cuda", requires_grad=True)
-    y = torch.randint(0, vocab, (tokens,), device="cuda")
+    x = torch.randn(tokens, d, device=device, requires_grad=True)
+    y = torch.randint(0, vocab, (tokens,), device=device)
+    cuda = device == "cuda"
 
-    @torch.compile
     def loss_of(x):
-        with torch.autocast("cuda", torch.bfloat16):
+        with torch.autocast(device, torch.bfloat16):
             logits = head(x)
         return F.cross_entropy(logits.float(), y)
 
-    for _ in range(5):
+    if cuda:  # as training runs it; on the CPU eager, for the numbers only
+        loss_of = torch.compile(loss_of)
+    for _ in range(5 if cuda else 1):
         loss_of(x).backward()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(steps):
         loss = loss_of(x)
         loss.backward()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     ms = (time.perf_counter() - start) / steps * 1e3
     tflops = 6 * d * vocab * tokens / ms / 1e9
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     return f"d={d} tokens={tokens} vocab={vocab} {kind}: {ms:.2f} ms, {tflops:.0f} TFLOP/s, loss {loss.item():.4f}, peak {peak:.1f} GiB"
 
 
@@ -56,12 +61,13 @@ def main() -> None:
     p.add_argument("--shape", action="append", help="D_MODELxTOKENS (repeatable); default 768x65536 and 2048x49152")
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = p.parse_args()
-    print(torch.cuda.get_device_name(0))
+    print(torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu")
     for shape in args.shape or ["768x65536", "2048x49152"]:
         d, tokens = (int(v) for v in shape.split("x"))
         for kind in ("bf16", "fp8", "fp8-fast"):
-            print(measure(d, tokens, args.vocab, kind, args.steps), flush=True)
+            print(measure(d, tokens, args.vocab, kind, args.steps, args.device), flush=True)
 
 
 if __name__ == "__main__":

@@ -237,3 +237,16 @@ def test_every_command_line_of_the_benchmarks_page_validates(tmp_path):
         except (Exception, SystemExit) as exc:  # every failing line is listed, not only the first
             failed.append(f"{command}\n  {exc!r}"[:1500])
     assert not failed, "\n".join(failed)
+
+
+def test_the_head_product_bench_runs_and_its_three_heads_agree():
+    """bench/fp8_head_product.py as its docstring's CPU line runs it (eager, tiny): a bf16 head and two float8 ones,
+    the same loss to float8's rounding. Its GPU figures are in docs/BENCHMARKS.md."""
+    argv = [sys.executable, "bench/fp8_head_product.py", "--device", "cpu", "--shape", "64x256", "--vocab", "512", "--steps", "1"]
+    res = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    losses = dict(re.findall(r"^d=64 tokens=256 vocab=512 ([\w-]+): .* loss ([\d.]+)", res.stdout, re.M))
+    assert set(losses) == {"bf16", "fp8", "fp8-fast"}, res.stdout
+    assert float(losses["fp8"]) == pytest.approx(float(losses["bf16"]), rel=1e-3) and float(losses["fp8-fast"]) == pytest.approx(
+        float(losses["bf16"]), rel=1e-3
+    )
