@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -460,14 +461,21 @@ def _added_by_lmtrain(key: str, now) -> bool:
         files += [(path, group + "/") for path in sorted((root / group).glob("*.yaml"))]
     found = []
     for path, prefix in files:
-        text = path.read_text()
-        if "@package" in text.partition("\n")[0] or not key.startswith(prefix):
-            continue  # experiment/debug/fault files override keys elsewhere: not where an option's default lives
-        flat = _flatten(OmegaConf.to_container(OmegaConf.create(text), resolve=False) or {})
-        if key[len(prefix) :] in flat:
+        flat = _config_file_values(path) if key.startswith(prefix) else None
+        if flat is not None and key[len(prefix) :] in flat:
             value = flat[key[len(prefix) :]]
             found.append("null" if value is None else value)
     return bool(found) and all(v == now and not (isinstance(v, str) and "${" in v) for v in found)
+
+
+@functools.cache
+def _config_file_values(path: Path) -> dict[str, Any] | None:
+    """One of lmtrain's config files as flat ``a/b/c -> value`` (unresolved), read once per process; None for a file
+    that overrides keys elsewhere (``# @package _global_``: experiment, debug, fault), where no option's default lives."""
+    text = path.read_text()
+    if "@package" in text.partition("\n")[0]:
+        return None
+    return _flatten(OmegaConf.to_container(OmegaConf.create(text), resolve=False) or {})
 
 
 def _overrides() -> list[str]:
