@@ -22,7 +22,11 @@
 #   RAW=... bash bench/fast_paths_gpu.sh fp8head                           # opt-1.3b: raw at batch 48, fp8 + fast accumulation at batch 48 with the fused bf16 head and with the head in fp8
 #   RAW=... bash bench/fast_paths_gpu.sh smallhead                         # opt-125m at batch 64: raw, bf16, the output head alone in fp8
 #   RAW=... bash bench/fast_paths_gpu.sh fp8headcap                        # the same under an 80 GB H100's memory (CAP_GIB=79.1, bench/memory_cap): raw at batch 32, fp8 fast at 48 with either head, the fp8 head at 40
+#   RAW=... bash bench/fast_paths_gpu.sh fp8chunk                          # opt-1.3b: raw at batch 48, fp8 fast at 48 with the head in fp8 whole and chunked (module.loss_chunk_tokens)
+#   RAW=... bash bench/fast_paths_gpu.sh fp8chunkcap                       # under an 80 GB H100's memory: raw at batch 32, fp8 fast at 48 with the liger head and with the chunked fp8 head
+#   RAW=... bash bench/fast_paths_gpu.sh smallchunk                        # opt-125m at batch 64: raw, the output head alone in fp8 and chunked
 #   LOSS_GPU=1 bash bench/fast_paths_gpu.sh losshead                       # opt-1.3b, 1,000 steps in bf16 and in fp8 with fast accumulation and the head in fp8, both on GPU $LOSS_GPU
+#   bash bench/fast_paths_gpu.sh lossfresh                                 # 2 GPUs: the same 1,000 steps on a corpus read once (stdlib + transformers sources): bf16 and fp8 fast on GPU 0, fp8 fast with the head in fp8 on GPU 1
 #
 # Logs go to $OUT (default /tmp/fast_paths); the table rows printed at the end are the figures.
 set -euo pipefail
@@ -71,7 +75,7 @@ llama7b() {  # PRECISION-CHECKPOINTING-bBATCH [noexpand] (PRECISION: bf16, fp8, 
   )
 }
 
-for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, op7bfast, alloc7b, allocop7b, loss, lossfast, fp8head, fp8headcap, smallhead or losshead}"; do
+for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, op7bfast, alloc7b, allocop7b, loss, lossfast, fp8head, fp8headcap, smallhead, fp8chunk, fp8chunkcap, smallchunk, losshead or lossfresh}"; do
 case "$mode" in
 fp8)
   raw raw-1.3b 1.3b --compile --batch 16 --steps 30
@@ -129,6 +133,24 @@ fp8headcap)  # fp8head under the memory of an 80 GB H100 on a larger card: each 
   TMO=150 bench fp8fast-all-b40-cap $F data.batch_size=40 module.fp8_layers=all
   unset CAP_GIB
   ;;
+fp8chunk)  # opt-1.3b fp8 with fast accumulation at batch 48: the head in fp8 whole against chunked (module.loss_chunk_tokens), beside raw at the same batch
+  raw raw-1.3b-b48 1.3b --compile --batch 48 --steps 20
+  F48="--no-raw --steps 16 --warmup 6 $M13 data.seq_len=1024 data.batch_size=48 module.fp8=tensorwise module.fp8_fast_accum=true module.fp8_layers=all"
+  TMO=200 bench fp8fast-all-b48 $F48
+  TMO=200 bench fp8fast-allchunk-b48 $F48 module.loss_chunk_tokens=8192
+  ;;
+fp8chunkcap)  # fp8chunk under an 80 GB H100's memory (CAP_GIB, as fp8headcap): raw at batch 32, fp8 fast at batch 48 with the fused bf16 head and with the chunked fp8 head
+  export PYTHONPATH=$PWD/bench/memory_cap${PYTHONPATH:+:$PYTHONPATH} CAP_GIB=${CAP_GIB:-79.1}
+  TMO=100 raw raw-1.3b-b32-cap 1.3b --compile --batch 32 --steps 20
+  F="--no-raw --steps 16 --warmup 6 $M13 data.seq_len=1024 data.batch_size=48 module.fp8=tensorwise module.fp8_fast_accum=true"
+  TMO=200 bench fp8fast-liger-b48-cap $F module.loss_kernel=liger
+  TMO=200 bench fp8fast-allchunk-b48-cap $F module.fp8_layers=all module.loss_chunk_tokens=8192
+  unset CAP_GIB
+  ;;
+smallchunk)  # opt-125m at batch 64: the output head alone in fp8, chunked, beside raw
+  raw raw-124m 124m --compile --batch 64 --steps 40
+  bench fp8headchunk-125m --no-raw --steps 40 --warmup 10 $M125 data.seq_len=1024 data.batch_size=64 module.fp8=tensorwise module.fp8_layers=head module.loss_chunk_tokens=16384
+  ;;
 smallhead)  # opt-125m at batch 64: the output head alone in fp8 (a quarter of the model's FLOPs at this width), beside bf16 and raw
   raw raw-124m 124m --compile --batch 64 --steps 40
   bench bf16-125m --no-raw --steps 40 --warmup 10 $M125 data.seq_len=1024 data.batch_size=64
@@ -168,15 +190,44 @@ allocop7b)  # 2 GPUs: llama-7b with checkpointing by operator (bf16 and fp8 at b
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   for run in fp8-op-b2 bf16-op-b2; do llama7b "$run"; llama7b "$run" noexpand; done
   ;;
-loss|lossfast|losshead)  # loss: bf16 and fp8 tensorwise, both on one GPU; lossfast: bf16 on GPU 0, fp8 with fast accumulation on GPU 1; losshead: bf16 and fp8 with fast accumulation and the head in fp8, both on GPU $LOSS_GPU
+loss|lossfast|losshead|lossfresh)  # loss: bf16 and fp8 tensorwise, both on one GPU; lossfast: bf16 on GPU 0, fp8 with fast accumulation on GPU 1; losshead: bf16 and fp8 with fast accumulation and the head in fp8, both on GPU $LOSS_GPU; lossfresh: see the top
   L="$M13 data.seq_len=1024 data.batch_size=8 optimizer.lr=2e-4 scheduler.warmup_steps=100 trainer.max_steps=1000 trainer.val_check_interval=500 trainer.limit_val_batches=20 trainer.enable_progress_bar=false callbacks.checkpoint.every_n_steps=0 callbacks.disk_guard.margin_gb=0 paths.runs=$OUT/runs"
-  # both at once (about 30 GiB each): the loss curves do not depend on speed; the timings of these runs are not figures
+  # the runs at once (about 30 GiB each): the loss curves do not depend on speed; the timings of these runs are not figures
   case "$mode" in
   loss) runs=(null tensorwise); gpus=(0 0) ;;
   lossfast) runs=(null tensorwise-fast); gpus=(0 1) ;;
   losshead) runs=(null tensorwise-fast-all); gpus=("${LOSS_GPU:-0}" "${LOSS_GPU:-0}") ;;
+  lossfresh)
+    runs=(null tensorwise-fast tensorwise-fast-all); gpus=(0 0 1)
+    # The embedded corpus is read 6-7 times in 1,000 steps of 8 x 1024 tokens; this one is read less than once.
+    python3 - "$OUT/fresh.jsonl" <<'EOF'
+import importlib.util, json, pathlib, sys, sysconfig
+roots = [pathlib.Path(sysconfig.get_paths()["stdlib"])]
+spec = importlib.util.find_spec("transformers")
+if spec and spec.origin:
+    roots.append(pathlib.Path(spec.origin).parent)
+size = 0
+with open(sys.argv[1], "w") as out:
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            if {"site-packages", "dist-packages"} & set(path.relative_to(root).parts):
+                continue
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            if text.strip() and size < 64e6:
+                out.write(json.dumps({"text": text}) + "\n")
+                size += len(text)
+print(f"fresh corpus: {size / 1e6:.1f} M characters from {', '.join(map(str, roots))}")
+EOF
+    python3 -m lmtrain.data.prepare --input "$OUT/fresh.jsonl" --output "$OUT/fresh" --val-fraction 0.02 --workers 8 > "$OUT/fresh-prepare.log" 2>&1 || { tail "$OUT/fresh-prepare.log"; exit 1; }
+    python3 -c 'import json, sys; m = json.load(open(sys.argv[1])); t = m["splits"]["train"]["num_tokens"]; print(f"train tokens {t:,}, read {8192000 / t:.2f} times in 1,000 steps"); sys.exit(t < 8192000 + 1025)' "$OUT/fresh/manifest.json" || exit 1
+    L+=" data=prepared data.path=$OUT/fresh"
+    rm -f "$OUT/fresh.jsonl"
+    ;;
   esac
-  for i in 0 1; do
+  for i in "${!runs[@]}"; do
     fp8=${runs[$i]%%-*}
     extra=""
     [[ ${runs[$i]} == *-fast* ]] && extra+=" module.fp8_fast_accum=true"
@@ -191,17 +242,21 @@ loss|lossfast|losshead)  # loss: bf16 and fp8 tensorwise, both on one GPU; lossf
   done
   python3 - "$OUT" "${runs[@]}" <<'EOF'
 import csv, sys
-out, base, low = sys.argv[1:]
+out, base, *others = sys.argv[1:]
 def series(name, key):
     return {int(r["step"]): float(r[key]) for r in csv.DictReader(open(f"{out}/metrics-{name}.csv")) if r.get(key)}
-bf, f8 = series(base, "train/loss"), series(low, "train/loss")
-for lo in range(0, 1000, 100):
-    a = [bf[s] for s in range(lo, lo + 100) if s in bf]; b = [f8[s] for s in range(lo, lo + 100) if s in f8]
-    print(f"steps {lo:4d}-{lo + 99:4d}  bf16 {sum(a) / len(a):.4f}  {low} {sum(b) / len(b):.4f}  ratio {sum(b) / len(b) / (sum(a) / len(a)):.4f}")
-vb, vf = series(base, "val/loss"), series(low, "val/loss")
-print("val/loss bf16", vb, low, vf)
-last = max(vb)
-print(f"LOSS final val: bf16 {vb[last]:.4f} {low} {vf[last]:.4f} ratio {vf[last] / vb[last]:.4f}")
+def mean(values):
+    return sum(values) / len(values)
+bf = series(base, "train/loss")
+for low in others:
+    f8 = series(low, "train/loss")
+    for lo in range(0, 1000, 100):
+        a = mean([bf[s] for s in range(lo, lo + 100) if s in bf]); b = mean([f8[s] for s in range(lo, lo + 100) if s in f8])
+        print(f"steps {lo:4d}-{lo + 99:4d}  bf16 {a:.4f}  {low} {b:.4f}  ratio {b / a:.4f}")
+    vb, vf = series(base, "val/loss"), series(low, "val/loss")
+    print("val/loss bf16", vb, low, vf)
+    last = max(vb)
+    print(f"LOSS final val: bf16 {vb[last]:.4f} {low} {vf[last]:.4f} ratio {vf[last] / vb[last]:.4f}")
 EOF
   ;;
 esac

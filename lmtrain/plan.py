@@ -25,7 +25,8 @@ counted); against llama-7b's ten measured peaks (bf16 and fp8, every checkpointi
 batch x seq x vocab x 6 bytes (bf16 and the fp32 copy the loss takes; 8 with the output head in float8,
 ``module.fp8_layers=all|head``, its gradient's float8 copy: measured +6.0 GiB at 65,536 x 50,304 on an H200; with ``module.loss_chunk_tokens=C``, C x vocab
 x 6 bytes plus the gradients the chunked head keeps: hidden states and head weight in fp32; with ``module.compile``
-or ``strategy.compile`` counted as whole-batch logits, since under compile it saved a tenth to a seventh of that); under ddp on more than one GPU, DDP's
+or ``strategy.compile`` counted as whole-batch logits, since under compile it saved a tenth to a seventh of that, except
+for the chunked float8 head, which saves the whole float8 head's 8 bytes per logit); under ddp on more than one GPU, DDP's
 gradient buckets, 4 B/param. The total is the larger of two peaks: at the end of the forward pass (weights,
 optimizer state, activations, logits; gradients only when ``trainer.accumulate_grad_batches`` or
 ``global_batch_size`` makes several micro-batches per step, since the trainer frees them after each optimizer step)
@@ -170,11 +171,12 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
     # Under torch.compile the chunked loss saved 0.8 of the 8.1 GiB of logits counted at 1.3B batch 28 and 1.3 of 9.2
     # at batch 32 (one H100, docs/BENCHMARKS.md): the compiled whole-batch loss keeps less than counted. Counted as
     # no saving there.
-    chunk_uncounted = bool(chunk) and bool(module_cfg.get("compile") or strategy_cfg.get("compile"))
-    chunk = None if chunk_uncounted else chunk
+    # The float8 head, whole, keeps two more bytes per logit even compiled; chunked it holds one chunk's: counted.
     fp8_layers = module_cfg.get("fp8_layers", "blocks")
     fp8 = bool(module_cfg.get("fp8")) and fp8_layers != "head"
     fp8_head = bool(module_cfg.get("fp8")) and fp8_layers != "blocks"
+    chunk_uncounted = bool(chunk) and bool(module_cfg.get("compile") or strategy_cfg.get("compile")) and not fp8_head
+    chunk = None if chunk_uncounted else chunk
     gpus, node = int(cluster["gpus"]), int(cluster["gpus_per_node"])
     gbs = cfg.get("global_batch_size")
     if gbs and gbs % (batch * gpus):

@@ -39,9 +39,14 @@ def test_default_config_is_valid(tmp_path):
         (["module.fp8_layers=head"], r"module.fp8_layers=head changes the float8 matmuls, and module.fp8 is null"),
         (["module.fp8=rowwise", "module.fp8_layers=output"], r"module.fp8_layers='output' is not one of \['blocks', 'all', 'head'\]"),
         (
-            ["module.fp8=tensorwise", "module.fp8_layers=all", "module.loss_chunk_tokens=512"],
-            r"module.fp8_layers=all puts the output head in float8, and module.loss_chunk_tokens=512 computes the head from "
-            r"its weight in the training precision, bypassing the float8 layer: choose one",
+            ["module.fp8=tensorwise", "module.fp8_layers=all", "module.loss_kernel=liger"],
+            r"module.fp8_layers=all puts the output head in float8, and module.loss_kernel=liger computes the head in bf16 "
+            r"inside its own kernel: choose one",
+        ),
+        (
+            ["module.fp8=rowwise", "module.fp8_layers=head", "module.loss_chunk_tokens=512"],
+            r"module.fp8=rowwise with module.fp8_layers=head and module.loss_chunk_tokens=512: the chunked float8 head scales "
+            r"per tensor; use module.fp8=tensorwise",
         ),
         (
             ["module.fp8=tensorwise", "module.fp8_layers=head", "model.vocab_size=1000"],

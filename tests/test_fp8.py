@@ -20,16 +20,21 @@ pytest.importorskip("torchao.float8")  # in requirements.txt: installed wherever
 CKPT = ["callbacks=[none,checkpoint]", "callbacks.checkpoint.every_n_steps=3", "logger=csv", "trainer.limit_val_batches=2"]
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-llama"])
-def test_fp8_trains_like_full_precision_keeps_parameter_names_and_resumes_exactly(tmp_path, dataset_dir, model, capsys):
+@pytest.mark.parametrize(
+    "model, recipe, fast, layers, chunk",
+    [("tiny", "tensorwise", False, "all", None), ("tiny-llama", "rowwise", True, "blocks", None), ("tiny", "tensorwise", True, "all", 300)],
+    ids=["tiny", "tiny-llama", "tiny-chunked-head"],
+)
+def test_fp8_trains_like_full_precision_keeps_parameter_names_and_resumes_exactly(
+    tmp_path, dataset_dir, model, recipe, fast, layers, chunk, capsys
+):
     """Six steps: FP8 (tensorwise in the blocks and the tied output head; rowwise in the blocks with every product
-    in fast accumulation for Llama) within 1% of the fp32 run at every step, not equal to it (the matmuls did run in
-    float8); the checkpoint holds the same parameter names and shapes as the fp32 run's; a run stopped at step 3 and
-    resumed ends with the uninterrupted run's losses exactly."""
-    recipe = "tensorwise" if model == "tiny" else "rowwise"
-    fast = model != "tiny"
-    layers = "all" if model == "tiny" else "blocks"
+    in fast accumulation for Llama; tensorwise in the blocks and the chunked loss's head, fast, against the chunked
+    fp32 run) within 1% of the fp32 run at every step, not equal to it (the matmuls did run in float8); the checkpoint
+    holds the same parameter names and shapes as the fp32 run's; a run stopped at step 3 and resumed ends with the
+    uninterrupted run's losses exactly."""
     base = [*TINY, f"model={model}", "trainer.max_steps=6", "scheduler.total_steps=6", *CKPT]
+    base += [f"module.loss_chunk_tokens={chunk}"] if chunk else []
     fp8_args = [f"module.fp8={recipe}", f"module.fp8_fast_accum={str(fast).lower()}", f"module.fp8_layers={layers}"]
     runs = {}
     for name, extra in (("fp32", []), ("fp8", fp8_args)):
@@ -37,7 +42,7 @@ def test_fp8_trains_like_full_precision_keeps_parameter_names_and_resumes_exactl
         train(cfg)
         runs[name] = cfg.run_dir
     said = capsys.readouterr().out
-    head = " and the output head" if layers == "all" else ""
+    head = (f" and the chunked output head ({chunk} tokens at a time)" if chunk else " and the output head") if layers == "all" else ""
     assert f"module.fp8={recipe}: 8 linear layers of the transformer blocks{head} compute in float8" in said
     assert ("every product accumulated in fast mode" in said) == fast
     full, low = ([float(v) for v in _losses(Path(runs[k])).values()] for k in ("fp32", "fp8"))
@@ -157,23 +162,23 @@ def test_checking_for_torchao_prints_nothing(tmp_path):
     ],
 )
 @pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
-def test_the_float8_head_gives_the_bf16_heads_loss_and_gradients(name, device):
-    """module.fp8_layers=head on a 50,304-token vocabulary: the loss equals the bf16 head's to 1e-3, and every
-    gradient (a tied embedding's two together) is within float8's rounding of the bf16 head's, on the CPU (PyTorch's
-    float8 matmul, eager) and on a GPU (cuBLAS's, compiled as training runs it: the path that is fast)."""
+@pytest.mark.parametrize("head", ["layer", "chunked"])
+def test_the_float8_head_gives_the_bf16_heads_loss_and_gradients(head, name, device):
+    """module.fp8_layers=head on a 50,304-token vocabulary, as torchao's float8 layer and as the chunked loss's float8
+    products (module.loss_chunk_tokens, chunks that split the tokens unevenly): the loss equals the bf16 head's to
+    1e-3, and every gradient (a tied embedding's two together) is within float8's rounding of the bf16 head's, on the
+    CPU (PyTorch's float8 matmul, eager) and on a GPU (cuBLAS's, compiled as training runs it: the path that is fast)."""
     from lmtrain.formats.presets import preset
     from lmtrain.nn.model import Decoder
     from lmtrain.training.fp8 import convert
 
     torch.manual_seed(0)
     base = Decoder(preset(name), vocab_size=50304, dropout=0.0).to(device)
-    fp8 = convert(
-        Decoder(preset(name), vocab_size=50304, dropout=0.0).to(device),
-        "tensorwise",
-        sharded=False,
-        device=torch.device(device),
-        layers="head",
-    )
+    fp8 = Decoder(preset(name), vocab_size=50304, dropout=0.0).to(device)
+    if head == "chunked":
+        fp8.loss_chunk_tokens = base.loss_chunk_tokens = 200  # the bf16 reference chunked too: the same loss code
+    convert(fp8, "tensorwise", sharded=False, device=torch.device(device), layers="head", chunked_head=head == "chunked")
+    assert fp8.loss_float8 == (head == "chunked")
     fp8.load_state_dict(base.state_dict())
     idx = torch.randint(0, 50304, (4, 128), device=device)
     results = {}

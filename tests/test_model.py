@@ -223,17 +223,17 @@ def test_decoder_with_chunked_loss_has_the_plain_gradients():
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="torch.compile on CPU needs a C compiler")
 def test_chunk_step_compiled_equals_eager_and_a_compiled_decoder_leaves_the_chunk_loop_out():
-    """The per-chunk loss and logit gradient, compiled as on a GPU (lmtrain.nn.loss._chunk_fn), equals the eager one
+    """The per-chunk loss and logit gradient, compiled as on a GPU (lmtrain.nn.loss._on), equals the eager one
     (ignored targets included); a compiled decoder with the chunked head stops its graph before the chunk loop (one
     break, see chunked_linear_cross_entropy) and has the eager loss and gradients."""
-    from lmtrain.nn.loss import _chunk_loss_and_grad, _compiled_chunk_loss_and_grad
+    from lmtrain.nn.loss import _chunk_loss_and_grad, _compiled
 
     torch.manual_seed(0)
     logits = torch.randn(48, 300)
     t = torch.randint(0, 300, (48,))
     t[[3, 7]] = -100
     scale = torch.tensor(1 / 46)
-    (loss, grad), (ref_loss, ref_grad) = _compiled_chunk_loss_and_grad()(logits, t, scale), _chunk_loss_and_grad(logits, t, scale)
+    (loss, grad), (ref_loss, ref_grad) = _compiled(_chunk_loss_and_grad)(logits, t, scale), _chunk_loss_and_grad(logits, t, scale)
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
     assert grad[3].abs().max() == 0 and grad[0].sum().abs() < 1e-6  # ignored row zero; softmax minus one-hot sums to 0

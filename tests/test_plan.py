@@ -56,6 +56,8 @@ L7 = ["model=llama-7b", "cluster.gpus=2", "data.seq_len=4096", "model.vocab_size
         ([*B13, *F13, "data.batch_size=32"], "ddp", 54.7, (1.0, 1.25)),
         ([*B13, *F13, "data.batch_size=48", "module.fp8_layers=all"], "ddp", 78.4, (1.0, 1.25)),
         ([*B13, *F13, "data.batch_size=40", "module.fp8_layers=all"], "ddp", 67.8, (1.0, 1.25)),
+        # the chunked float8 head (8192 tokens at a time) at batch 48: H200, and the same capped at 79.1 GiB
+        ([*B13, *F13, "data.batch_size=48", "module.fp8_layers=all", "module.loss_chunk_tokens=8192"], "ddp", 72.9, (1.0, 1.25)),
         # the largest models (micro-batch 1 x 2048; fsdp/hsdp with full activation checkpointing): peak at the end of
         # the backward pass, weights, gradients and optimizer state
         (["model=opt-30b", "cluster.gpus=4", "data.seq_len=2048", "data.batch_size=1", *BIG], "fsdp/full", 118.0, (0.97, 1.03)),
@@ -138,6 +140,12 @@ def test_chunked_loss_counts_one_chunk_of_logits(capsys):
     assert whole["logits"] * 1e9 == 6 * 32 * 1024 * 50304
     assert chunked["logits"] * 1e9 == pytest.approx(6 * 4096 * 50304 + 4 * (32 * 1024 + 50304) * 2048)
     assert chunked["total"] == pytest.approx(whole["total"] - whole["logits"] + chunked["logits"])  # both at the forward peak
+    # under compile the bf16 chunked loss is counted as the whole batch's logits (it saved little there); the chunked
+    # float8 head saves the whole float8 head's 8 bytes per logit, and is counted as one chunk
+    compiled = [*args, "module.compile=true", "module.loss_chunk_tokens=4096"]
+    assert _plan(capsys, *compiled)["memory_gb_per_gpu"]["ddp"]["none"]["logits"] == whole["logits"]
+    fp8 = _plan(capsys, *compiled, "module.fp8=tensorwise", "module.fp8_layers=all")["memory_gb_per_gpu"]["ddp"]["none"]
+    assert fp8["logits"] == chunked["logits"]
 
 
 def test_table_output_and_bad_keys(capsys):

@@ -9,6 +9,15 @@ matmuls move into the forward); the logits take one chunk's memory instead of th
 ``module.loss_chunk_tokens=N`` (lmtrain.training.module). Measured under ``module.compile=true`` on an H100 the saving is
 small (1.3B, batch 28: 71.6 GiB against 72.4), as the compiled plain loss already holds far less than a whole
 fp32 copy of the logits (docs/BENCHMARKS.md).
+
+With ``float8=True`` (``module.fp8=tensorwise`` with ``module.fp8_layers=all|head`` and ``module.loss_chunk_tokens``)
+the chunk's three products run in float8 (``torch._scaled_mm``), as torchao's tensorwise recipe computes a float8
+head's: the hidden states and the weight cast to e4m3 with one scale each from their largest magnitude, the logits'
+gradient to e5m2. That gradient's largest magnitude needs no pass of its own: softmax minus one-hot lies in [-1, 1],
+so its scale is fixed at e5m2's largest value, and the 1/count of the mean goes into the product's scale. The
+chunk's gradient is written in e5m2 at once, in both layouts the two backward products read, so the only
+vocabulary-sized tensors are one chunk's logits (bf16) and their float8 gradient (two bytes per logit of the chunk);
+the plain float8 head keeps the batch's bf16 logits, their bf16 gradient and two float8 copies of it.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ def _chunk_loss(x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, t
 def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk: the sum of its loss terms (fp32) and their gradient with respect to the logits times ``scale``
     (softmax minus one-hot; zero for ignored targets), in the logits' dtype. On a GPU this runs compiled (see
-    ``_chunk_fn``): one pass over the logits for the log-sum-exp, one that writes the gradient, no fp32 copy."""
+    ``_on``): one pass over the logits for the log-sum-exp, one that writes the gradient, no fp32 copy."""
     x = logits.float()
     loss, lse, valid, t = _chunk_loss(x, targets)
     onehot = torch.arange(x.shape[1], device=x.device)[None, :] == t[:, None]
@@ -54,21 +63,103 @@ def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: tor
 
 
 @functools.cache
-def _compiled_chunk_loss_and_grad():
-    return torch.compile(_chunk_loss_and_grad, dynamic=False, fullgraph=True)
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
-def _chunk_fn(device: torch.device):
-    """The per-chunk function for this device: compiled on CUDA (fused, the chunk's logits read twice and the
-    gradient written once), eager elsewhere (CPU runs are tests and small models)."""
-    return _compiled_chunk_loss_and_grad() if device.type == "cuda" else _chunk_loss_and_grad
+def _on(device: torch.device, fn):
+    """The per-chunk function ``fn`` for this device: compiled on CUDA (fused: the chunk's logits read once for the
+    log-sum-exp and once to write the gradient), eager elsewhere (CPU runs are tests and small models)."""
+    return _compiled(fn) if device.type == "cuda" else fn
+
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+_AMAX_FLOOR = 1e-12  # as torchao: an all-zero tensor still gets a finite scale
+_ALIGN = 16  # float8 matmuls: every size a multiple of this
+
+
+def _to_float8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` scaled by one factor so that its largest magnitude is ``dtype``'s largest value, cast: the float8 tensor
+    and the inverse factor (fp32, the scale ``torch._scaled_mm`` takes)."""
+    top = torch.finfo(dtype).max
+    scale = top / x.abs().amax().float().clamp(min=_AMAX_FLOOR)
+    return (x.float() * scale).clamp(-top, top).to(dtype), scale.reciprocal()
+
+
+def _hidden_to_float8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hidden states (N, E) in e4m3, the same values transposed and contiguous (E, N), and the inverse scale."""
+    x8, inv = _to_float8(x, E4M3)
+    return x8, x8.t().contiguous(), inv
+
+
+def _chunk_loss_and_grad_float8(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk in float8: the sum of its loss terms (fp32) and the gradient of each term with respect to the logits
+    (softmax minus one-hot, zero for ignored targets; not yet divided by the count), times e5m2's largest value and
+    cast to e5m2, as (chunk, vocab) and transposed (vocab, chunk), both contiguous."""
+    x = logits.float()
+    loss, lse, valid, t = _chunk_loss(x, targets)
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == t[:, None]
+    grad = torch.where(valid[:, None], torch.exp(x - lse[:, None]) - onehot.float(), 0.0) * torch.finfo(E5M2).max
+    grad = grad.to(E5M2)
+    return loss, grad, grad.t().contiguous()
+
+
+def _scaled_mm(a, b, scale_a, scale_b, out_dtype, fast_accum):
+    """``a @ b`` of float8 tensors (``a`` row-major, ``b`` column-major) times both inverse scales."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+def _float8_forward(hidden, weight, targets, chunk, need_grad, fast_accum, dtype):
+    """The float8 chunk loop of :class:`_ChunkedLinearCrossEntropy`: the loss sum, the count, and the gradients (the
+    hidden states' in ``dtype``, the weight's in fp32) of the mean, or None without ``need_grad``. The forward product
+    accumulates in Hopper's fast mode as torchao's recipes do; the two backward ones with ``fast_accum`` only.
+
+    The float8 products need every size a multiple of 16, the chunk's too (the weight's gradient sums over it): the
+    chunk is rounded up to one, and a token count that is not is padded with ignored targets (not counted, zero
+    gradient)."""
+    n = hidden.shape[0]
+    if n % _ALIGN:
+        hidden = F.pad(hidden, (0, 0, 0, -n % _ALIGN))
+        targets = F.pad(targets, (0, -n % _ALIGN), value=IGNORE_INDEX)
+    chunk = -(-chunk // _ALIGN) * _ALIGN
+    count = (targets != IGNORE_INDEX).sum().clamp(min=1).float()
+    w8, w_inv = _to_float8(weight.to(dtype), E4M3)
+    w8_columns = w8.t().contiguous().t()  # (V, E) column-major, for the hidden states' gradient
+    h8, h8t, h_inv = _on(hidden.device, _hidden_to_float8)(hidden.to(dtype))
+    g_inv = (1.0 / torch.finfo(E5M2).max) / count  # the gradient's fixed scale, and the mean
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_grad else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+    step = _on(hidden.device, _chunk_loss_and_grad_float8)
+    for start in range(0, hidden.shape[0], chunk):
+        end = min(start + chunk, hidden.shape[0])
+        t = targets[start:end]
+        logits = _scaled_mm(h8[start:end], w8.t(), h_inv, w_inv, dtype, True)
+        if not need_grad:  # validation: the loss alone
+            total += _chunk_loss(logits.float(), t)[0]
+            continue
+        loss, g8, g8t = step(logits, t)
+        total += loss
+        grad_hidden[start:end] = _scaled_mm(g8, w8_columns, g_inv, w_inv, dtype, fast_accum)
+        h8_columns = h8t[:, start:end].contiguous().t()  # (chunk, E) column-major
+        grad_weight += _scaled_mm(g8t, h8_columns, g_inv, h_inv, torch.float32, fast_accum)
+    return total, count, None if grad_hidden is None else grad_hidden[:n], grad_weight
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, need_grad: bool) -> torch.Tensor:
+    def forward(
+        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, need_grad: bool, float8: bool, fast_accum: bool
+    ) -> torch.Tensor:
         dtype = _compute_dtype(hidden)
-        fn = _chunk_fn(hidden.device)
+        ctx.weight_dtype = weight.dtype
+        if float8:
+            with torch.autocast(hidden.device.type, enabled=False):
+                total, count, grad_hidden, grad_weight = _float8_forward(hidden, weight, targets, chunk, need_grad, fast_accum, dtype)
+            if need_grad:
+                ctx.save_for_backward(grad_hidden, grad_weight)
+            return total / count
+        fn = _on(hidden.device, _chunk_loss_and_grad)
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             count = (targets != IGNORE_INDEX).sum().clamp(min=1).float()
@@ -89,23 +180,26 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_weight += grad_logits.t() @ h
         if need_grad:
             ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.weight_dtype = weight.dtype
         return total / count
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_out.to(grad_hidden.dtype), (grad_weight * grad_out).to(ctx.weight_dtype), None, None, None
+        return grad_hidden * grad_out.to(grad_hidden.dtype), (grad_weight * grad_out).to(ctx.weight_dtype), None, None, None, None, None
 
 
 @torch.compiler.disable
-def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, float8: bool = False, fast_accum: bool = False
+) -> torch.Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` (targets of -100 not counted), ``chunk``
-    tokens at a time. ``hidden`` (N, E), ``weight`` (V, E), ``targets`` (N,).
+    tokens at a time. ``hidden`` (N, E), ``weight`` (V, E), ``targets`` (N,). ``float8``: the products in float8
+    (see the module docstring; a GPU of compute capability 8.9 or later, or the CPU), the backward ones accumulated in
+    fast mode with ``fast_accum``.
 
     Never traced into a compiled model (the model's graph ends before it): traced, Inductor turns the running sum of
     the weight's gradient into one addition after the loop, which holds every chunk's (V, E) product until then
     (seen in its generated code); run as this loop, with the per-chunk step compiled on its own on a GPU, each
     product is added and freed in turn."""
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)  # validation: loss only
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, int(chunk), need_grad)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, int(chunk), need_grad, bool(float8), bool(fast_accum))

@@ -309,6 +309,8 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
         self.loss_chunk_tokens: int | None = None  # how the loss is computed, not the architecture: see head_loss
         self.loss_kernel = None  # a fused (hidden, weight, targets) -> loss function given from outside; see head_loss
+        self.loss_float8 = False  # the chunked head's products in float8 (and their backward ones in fast mode): see head_loss
+        self.loss_float8_fast_accum = False
         self.flex_attention: bool | None = None  # the document mask's kernel: see document_attention_mask
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -390,12 +392,20 @@ class Decoder(nn.Module):
         """Output head and mean cross-entropy, logits upcast to fp32. A method of its own so that a sharded
         strategy can compile it (its blocks are compiled one by one): compiled, the upcast, log-softmax and their
         backward are fused instead of materialising (B, T, V) fp32 tensors. With ``loss_chunk_tokens`` set
-        (``module.loss_chunk_tokens``), computed that many tokens at a time (lmtrain.nn.loss); with ``loss_kernel`` set to a
+        (``module.loss_chunk_tokens``), computed that many tokens at a time (lmtrain.nn.loss), its products in float8 with
+        ``loss_float8``; with ``loss_kernel`` set to a
         function (``module.loss_kernel``: lmtrain.training.kernels), by that fused kernel."""
         if self.loss_kernel is not None:
             return self.loss_kernel(hidden.flatten(0, 1), self.lm_head.weight, targets.flatten())
         if self.loss_chunk_tokens:
-            return chunked_linear_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.loss_chunk_tokens)
+            return chunked_linear_cross_entropy(
+                hidden.flatten(0, 1),
+                self.lm_head.weight,
+                targets.flatten(),
+                self.loss_chunk_tokens,
+                float8=self.loss_float8,
+                fast_accum=self.loss_float8_fast_accum,
+            )
         return cross_entropy(self.lm_head(hidden), targets)
 
 

@@ -19,8 +19,9 @@ Each converted ``nn.Linear`` becomes torchao's ``Float8Linear``: the same parame
 product as wide as the vocabulary (at opt-125m's width a quarter of the model's FLOPs) whose logits feed the loss
 directly. In float8 it stays tied to the embedding (the same parameter), the loss's gradient is cast to float8 e5m2
 as every other layer's output gradient is, and it costs one more logits-sized buffer (that gradient's float8 copy).
-The fused and chunked heads (``module.loss_kernel``, ``module.loss_chunk_tokens``) read the head's weight rather than
-call the layer, so they are refused with it. Under FSDP the head's weight is never all-gathered in float8 (the
+With ``module.loss_chunk_tokens`` the head stays a plain layer and the chunked loss computes its three products in
+float8 itself (lmtrain.nn.loss, tensorwise only): the same casts, without the whole batch's logits and their gradient's
+float8 copies. liger-kernel's fused head (``module.loss_kernel``) computes in bf16 and is refused with a float8 head. Under FSDP the head's weight is never all-gathered in float8 (the
 embedding lookup reads the same parameter). The optional embedding projections of OPT-350m stay in the training
 precision. The master weights, optimizer state and every other op keep their precision: FP8 is a matmul format
 here, not a storage format.
@@ -107,14 +108,17 @@ def config_problems(
     out = []
     if precision.startswith("16"):
         out.append(f"module.fp8={recipe} with trainer.precision={precision}: FP8 scales from bf16 or fp32; use bf16-mixed")
-    if layers != "blocks":
-        fused = [f"module.loss_kernel={loss_kernel}"] if loss_kernel is not None else []
-        fused += [f"module.loss_chunk_tokens={loss_chunk_tokens}"] if loss_chunk_tokens is not None else []
-        if fused:
-            out.append(
-                f"module.fp8_layers={layers} puts the output head in float8, and {fused[0]} computes the head from its weight "
-                "in the training precision, bypassing the float8 layer: choose one (module.fp8_layers=blocks keeps the fused head)"
-            )
+    if layers != "blocks" and loss_kernel is not None:
+        out.append(
+            f"module.fp8_layers={layers} puts the output head in float8, and module.loss_kernel={loss_kernel} computes the head "
+            "in bf16 inside its own kernel: choose one (module.fp8_layers=blocks keeps the fused head; module.loss_chunk_tokens "
+            "gives a float8 head that never holds the whole batch's logits)"
+        )
+    elif layers != "blocks" and loss_chunk_tokens is not None and recipe != "tensorwise":
+        out.append(
+            f"module.fp8={recipe} with module.fp8_layers={layers} and module.loss_chunk_tokens={loss_chunk_tokens}: the chunked "
+            "float8 head scales per tensor; use module.fp8=tensorwise, or module.fp8_layers=blocks"
+        )
     if model_cfg is not None:
         bad = [f"{k}={v}" for k, v in _linear_dims(model_cfg, layers).items() if v % 16]
         if bad:
@@ -156,12 +160,21 @@ def float8_config(recipe: str, *, sharded: bool, device: torch.device, fast_accu
 
 
 def convert(
-    model: nn.Module, recipe: str, *, sharded: bool, device: torch.device, fast_accum: bool = False, layers: str = "blocks"
+    model: nn.Module,
+    recipe: str,
+    *,
+    sharded: bool,
+    device: torch.device,
+    fast_accum: bool = False,
+    layers: str = "blocks",
+    chunked_head: bool = False,
 ) -> nn.Module:
     """Swap the linear layers inside ``model.blocks`` (``layers`` blocks or all) and the output head ``model.lm_head``
     (all or head) for float8 ones in place (before sharding and compiling; works on the meta device). Attributes our
-    initialisation reads (``residual_out``) carry over; a tied head keeps the embedding's parameter. torchao's presence
-    was checked with the config (:func:`config_problems`, from LMModule)."""
+    initialisation reads (``residual_out``) carry over; a tied head keeps the embedding's parameter. With
+    ``chunked_head`` the head stays an ``nn.Linear``: the chunked loss (``module.loss_chunk_tokens``) computes its
+    products in float8 from the weight (``model.loss_float8``). torchao's presence was checked with the config
+    (:func:`config_problems`, from LMModule)."""
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
@@ -178,7 +191,13 @@ def convert(
         for name, m in blocks.named_modules():
             if name in marked:
                 m.residual_out = True
-    if layers != "blocks":
+    if layers != "blocks" and chunked_head:
+        if not hasattr(model, "loss_float8"):
+            raise InputError(
+                f"module.fp8_layers={layers} with module.loss_chunk_tokens: the model {type(model).__name__} has no chunked head"
+            )
+        model.loss_float8, model.loss_float8_fast_accum = True, fast_accum
+    elif layers != "blocks":
         head = getattr(model, "lm_head", None)
         if type(head) is not nn.Linear:
             raise InputError(f"module.fp8_layers={layers}: the model {type(model).__name__} has no linear output head lm_head")
@@ -191,9 +210,11 @@ def describe(model: nn.Module, layers: str) -> str:
     """What :func:`convert` made float8, for the console."""
     from torchao.float8.float8_linear import Float8Linear
 
+    chunked = bool(getattr(model, "loss_float8", False))
     head = isinstance(getattr(model, "lm_head", None), Float8Linear)
     n = converted(model) - head
-    parts = ([f"{n} linear layers of the transformer blocks"] if layers != "head" else []) + (["the output head"] if head else [])
+    parts = [f"{n} linear layers of the transformer blocks"] if layers != "head" else []
+    parts += ["the output head"] if head else [f"the chunked output head ({model.loss_chunk_tokens} tokens at a time)"] if chunked else []
     return " and ".join(parts) + (" computes" if parts == ["the output head"] else " compute")
 
 

@@ -113,7 +113,8 @@ class LMModule(L.LightningModule):
         fp8_fast_accum: the backward float8 matmuls also accumulate in Hopper's fast mode, as torchao's recipes do
             for the forward one only (faster, less exact; measured in docs/BENCHMARKS.md). Needs ``fp8``.
         fp8_layers: which products ``fp8`` converts: ``blocks`` (the default), ``all`` (the blocks and the output
-            head) or ``head`` (the output head alone). A float8 head excludes ``loss_kernel`` and ``loss_chunk_tokens``.
+            head) or ``head`` (the output head alone). A float8 head excludes ``loss_kernel``; with ``loss_chunk_tokens``
+            the chunked head computes in float8 (tensorwise).
         seed: if set, torch's RNG (dropout) is re-seeded before every training batch from (seed, batch number,
             rank): the masks of a batch then do not depend on what else drew random numbers before it
             (validation, loader start-up), so a resumed or rolled-back run draws exactly the same ones.
@@ -186,10 +187,22 @@ class LMModule(L.LightningModule):
                     self.model = self._model_factory()
             else:
                 self.model = self._model_factory()
+        if self.loss_chunk_tokens is not None:
+            if not hasattr(self.model, "loss_chunk_tokens"):
+                raise InputError(
+                    f"module.loss_chunk_tokens: the model {type(self.model).__name__} has no chunked loss (lmtrain.nn.model.Decoder has)"
+                )
+            self.model.loss_chunk_tokens = self.loss_chunk_tokens  # before a strategy compiles head_loss
         if self.fp8 is not None and not getattr(self, "_fp8_converted", False):  # before sharding and compiling
             device = strategy.root_device if strategy is not None else self.device
             fp8_module.convert(
-                self.model, self.fp8, sharded=parallelize is not None, device=device, fast_accum=self.fp8_fast_accum, layers=self.fp8_layers
+                self.model,
+                self.fp8,
+                sharded=parallelize is not None,
+                device=device,
+                fast_accum=self.fp8_fast_accum,
+                layers=self.fp8_layers,
+                chunked_head=self.loss_chunk_tokens is not None,
             )
             self._fp8_converted = True
             if self.global_rank == 0:
@@ -202,12 +215,6 @@ class LMModule(L.LightningModule):
                 warning = fp8_module.width_warning(self.model, self.fp8, self.fp8_layers)
                 if warning and device.type == "cuda":
                     print(f"[lmtrain] warning: {warning}", flush=True)
-        if self.loss_chunk_tokens is not None:
-            if not hasattr(self.model, "loss_chunk_tokens"):
-                raise InputError(
-                    f"module.loss_chunk_tokens: the model {type(self.model).__name__} has no chunked loss (lmtrain.nn.model.Decoder has)"
-                )
-            self.model.loss_chunk_tokens = self.loss_chunk_tokens  # before a strategy compiles head_loss
         if self.loss_kernel is not None:
             if not hasattr(self.model, "loss_kernel"):
                 raise InputError(
