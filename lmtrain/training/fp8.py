@@ -9,10 +9,11 @@
                              after 1,000 steps 1.0% above bf16's where plain FP8's was 0.8%: docs/BENCHMARKS.md)
     module.fp8_layers=blocks     which products: the transformer blocks' linear layers (the default, as torchtitan's
                    =all          and torchao's recipes leave the output layer out), the blocks and the output head,
-                   =head         or the output head alone (where the blocks are too narrow for FP8 to pay). On an
-                                 H200: opt-1.3b +2.9% with the head (1.217x raw PyTorch; validation loss after 1,000
-                                 steps +0.49% of bf16's, training loss on repeated data +1.9%); opt-125m +3.3% with the
-                                 head alone (docs/BENCHMARKS.md)
+                   =head         or the output head alone (where the blocks are too narrow for FP8 to pay); with
+                                 module.loss_chunk_tokens the head is chunked and never holds the batch's logits. On an
+                                 H200: opt-1.3b +2.9% with the head (1.217x raw PyTorch), 1.231x under an H100's memory
+                                 chunked; opt-125m at 47.8% MFU with the head alone, chunked; validation loss after
+                                 1,000 steps on a corpus read once 0.86% below bf16's (docs/BENCHMARKS.md)
 
 Each converted ``nn.Linear`` becomes torchao's ``Float8Linear``: the same parameters under the same names
 (checkpoints load either way), its forward and backward matmuls in float8 with dynamic scales. The output head is a
