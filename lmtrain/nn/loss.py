@@ -68,8 +68,9 @@ def _compiled(fn):
 
 
 def _on(device: torch.device, fn):
-    """The per-chunk function ``fn`` for this device: compiled on CUDA (fused: the chunk's logits read once for the
-    log-sum-exp and once to write the gradient), eager elsewhere (CPU runs are tests and small models)."""
+    """``fn`` for this device: compiled on CUDA (fused: a chunk's logits read once for the log-sum-exp and once to
+    write the gradient; a float8 cast in one pass after its amax), eager elsewhere (CPU runs are tests and small
+    models)."""
     return _compiled(fn) if device.type == "cuda" else fn
 
 
@@ -86,8 +87,9 @@ def _to_float8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch
     return (x.float() * scale).clamp(-top, top).to(dtype), scale.reciprocal()
 
 
-def _hidden_to_float8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The hidden states (N, E) in e4m3, the same values transposed and contiguous (E, N), and the inverse scale."""
+def _e4m3_both_layouts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` (R, C) in e4m3, the same values transposed and contiguous (C, R), and the inverse scale: the hidden
+    states and the weight, each read by one product as it is and by another in the other layout."""
     x8, inv = _to_float8(x, E4M3)
     return x8, x8.t().contiguous(), inv
 
@@ -109,9 +111,32 @@ def _scaled_mm(a, b, scale_a, scale_b, out_dtype, fast_accum):
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
+def _forward(hidden, weight, targets, chunk, need_grad, dtype):
+    """The chunk loop of :class:`_ChunkedLinearCrossEntropy` in ``dtype``: the loss sum, the count, and the gradients
+    (the hidden states' in their dtype, the weight's in fp32) of the mean, or None without ``need_grad``."""
+    fn = _on(hidden.device, _chunk_loss_and_grad)
+    w = weight.to(dtype)
+    count = (targets != IGNORE_INDEX).sum().clamp(min=1).float()
+    scale = 1.0 / count
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if need_grad else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+    for start in range(0, hidden.shape[0], chunk):
+        h = hidden[start : start + chunk].to(dtype)
+        t = targets[start : start + chunk]
+        logits = h @ w.t()  # (chunk, vocab): the only vocabulary-sized tensors live here
+        if not need_grad:  # validation: the loss alone
+            total += _chunk_loss(logits.float(), t)[0]
+            continue
+        loss, grad_logits = fn(logits, t, scale)
+        total += loss
+        grad_hidden[start : start + chunk] = grad_logits @ w
+        grad_weight += grad_logits.t() @ h
+    return total, count, grad_hidden, grad_weight
+
+
 def _float8_forward(hidden, weight, targets, chunk, need_grad, fast_accum, dtype):
-    """The float8 chunk loop of :class:`_ChunkedLinearCrossEntropy`: the loss sum, the count, and the gradients (the
-    hidden states' in ``dtype``, the weight's in fp32) of the mean, or None without ``need_grad``. The forward product
+    """:func:`_forward` with the three products in float8 (the hidden states' gradient in ``dtype``). The forward product
     accumulates in Hopper's fast mode as torchao's recipes do; the two backward ones with ``fast_accum`` only.
 
     The float8 products need every size a multiple of 16, the chunk's too (the weight's gradient sums over it): the
@@ -123,9 +148,10 @@ def _float8_forward(hidden, weight, targets, chunk, need_grad, fast_accum, dtype
         targets = F.pad(targets, (0, -n % _ALIGN), value=IGNORE_INDEX)
     chunk = -(-chunk // _ALIGN) * _ALIGN
     count = (targets != IGNORE_INDEX).sum().clamp(min=1).float()
-    w8, w_inv = _to_float8(weight.to(dtype), E4M3)
-    w8_columns = w8.t().contiguous().t()  # (V, E) column-major, for the hidden states' gradient
-    h8, h8t, h_inv = _on(hidden.device, _hidden_to_float8)(hidden.to(dtype))
+    cast = _on(hidden.device, _e4m3_both_layouts)
+    w8, w8t, w_inv = cast(weight.to(dtype))
+    w8_columns = w8t.t()  # (V, E) column-major, for the hidden states' gradient
+    h8, h8t, h_inv = cast(hidden.to(dtype))
     g_inv = (1.0 / torch.finfo(E5M2).max) / count  # the gradient's fixed scale, and the mean
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_grad else None
@@ -153,31 +179,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         dtype = _compute_dtype(hidden)
         ctx.weight_dtype = weight.dtype
-        if float8:
-            with torch.autocast(hidden.device.type, enabled=False):
-                total, count, grad_hidden, grad_weight = _float8_forward(hidden, weight, targets, chunk, need_grad, fast_accum, dtype)
-            if need_grad:
-                ctx.save_for_backward(grad_hidden, grad_weight)
-            return total / count
-        fn = _on(hidden.device, _chunk_loss_and_grad)
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(dtype)
-            count = (targets != IGNORE_INDEX).sum().clamp(min=1).float()
-            scale = 1.0 / count
-            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            grad_hidden = torch.empty_like(hidden) if need_grad else None
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
-            for start in range(0, hidden.shape[0], chunk):
-                h = hidden[start : start + chunk].to(dtype)
-                t = targets[start : start + chunk]
-                logits = h @ w.t()  # (chunk, vocab): the only vocabulary-sized tensors live here
-                if not need_grad:  # validation: the loss alone
-                    total += _chunk_loss(logits.float(), t)[0]
-                    continue
-                loss, grad_logits = fn(logits, t, scale)
-                total += loss
-                grad_hidden[start : start + chunk] = grad_logits @ w
-                grad_weight += grad_logits.t() @ h
+            if float8:
+                total, count, grad_hidden, grad_weight = _float8_forward(hidden, weight, targets, chunk, need_grad, fast_accum, dtype)
+            else:
+                total, count, grad_hidden, grad_weight = _forward(hidden, weight, targets, chunk, need_grad, dtype)
         if need_grad:
             ctx.save_for_backward(grad_hidden, grad_weight)
         return total / count

@@ -90,7 +90,7 @@ def config_problems(
 ) -> list[str]:
     """What in the config forbids ``module.fp8=recipe`` with ``module.fp8_fast_accum=fast_accum`` and
     ``module.fp8_layers=layers`` (empty when it can run, or when all are unset); ``loss_kernel`` and
-    ``loss_chunk_tokens`` are the module's, which bypass a float8 head."""
+    ``loss_chunk_tokens`` are the module's: the first bypasses a float8 head, the second makes it chunked."""
     if not isinstance(fast_accum, bool):
         return [f"module.fp8_fast_accum={fast_accum!r} must be true or false"]
     if layers not in LAYERS:
@@ -215,7 +215,10 @@ def describe(model: nn.Module, layers: str) -> str:
     head = isinstance(getattr(model, "lm_head", None), Float8Linear)
     n = converted(model) - head
     parts = [f"{n} linear layers of the transformer blocks"] if layers != "head" else []
-    parts += ["the output head"] if head else [f"the chunked output head ({model.loss_chunk_tokens} tokens at a time)"] if chunked else []
+    if head:
+        parts.append("the output head")
+    elif chunked:
+        parts.append(f"the chunked output head ({model.loss_chunk_tokens} tokens at a time)")
     return " and ".join(parts) + (" computes" if parts == ["the output head"] else " compute")
 
 
