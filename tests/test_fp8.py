@@ -116,6 +116,33 @@ def test_the_output_head_in_float8_keeps_its_tie_and_is_never_gathered_in_float8
         assert describe(model, layers) == said
 
 
+def test_a_model_without_the_parts_asked_for_is_refused_and_left_as_it_was():
+    """A model of one's own (LMModule takes any nn.Module) that lacks what module.fp8_layers names: one error naming
+    the option and the missing part, raised before any layer is converted (its blocks stay nn.Linear)."""
+    from lmtrain.errors import InputError
+    from lmtrain.training.fp8 import convert
+
+    class OwnModel(torch.nn.Module):
+        def __init__(self, head: bool):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(32, 32)])
+            if head:
+                self.lm_head = torch.nn.Sequential(torch.nn.Linear(32, 64))  # not a plain linear layer
+
+    cpu = torch.device("cpu")
+    for head, chunked, message in (
+        (False, False, r"module.fp8_layers=all: the model OwnModel has no linear output head lm_head"),
+        (True, False, r"module.fp8_layers=all: the model OwnModel has no linear output head lm_head"),
+        (True, True, r"module.fp8_layers=all with module.loss_chunk_tokens: the model OwnModel has no chunked head"),
+    ):
+        model = OwnModel(head)
+        with pytest.raises(InputError, match=message):
+            convert(model, "tensorwise", sharded=False, device=cpu, layers="all", chunked_head=chunked)
+        assert type(model.blocks[0]) is torch.nn.Linear
+    with pytest.raises(InputError, match=r"module.fp8: the model Sequential has no transformer blocks"):
+        convert(torch.nn.Sequential(torch.nn.Linear(32, 32)), "tensorwise", sharded=False, device=cpu)
+
+
 def test_a_model_too_narrow_for_fp8_to_pay_is_told_so():
     """The measured crossover (docs/BENCHMARKS.md): below d_model 2048 the trainer warns that FP8 saves memory, not time."""
     from lmtrain.formats.presets import preset

@@ -182,26 +182,24 @@ def convert(
     problem = device_problem(recipe, device)
     if problem:
         raise InputError(problem)
+    # every part checked before any is converted: a refused model is left as it was
+    blocks, head = getattr(model, "blocks", None), getattr(model, "lm_head", None)
+    if layers != "head" and blocks is None:
+        raise InputError(f"module.fp8: the model {type(model).__name__} has no transformer blocks (lmtrain.nn.model.Decoder has)")
+    if layers != "blocks" and chunked_head and not hasattr(model, "loss_float8"):
+        raise InputError(f"module.fp8_layers={layers} with module.loss_chunk_tokens: the model {type(model).__name__} has no chunked head")
+    if layers != "blocks" and not chunked_head and type(head) is not nn.Linear:
+        raise InputError(f"module.fp8_layers={layers}: the model {type(model).__name__} has no linear output head lm_head")
     config = float8_config(recipe, sharded=sharded, device=device, fast_accum=fast_accum)
     if layers != "head":
-        blocks = getattr(model, "blocks", None)
-        if blocks is None:
-            raise InputError(f"module.fp8: the model {type(model).__name__} has no transformer blocks (lmtrain.nn.model.Decoder has)")
         marked = {name for name, m in blocks.named_modules() if getattr(m, "residual_out", False)}
         convert_to_float8_training(blocks, module_filter_fn=lambda m, fqn: isinstance(m, nn.Linear), config=config)
         for name, m in blocks.named_modules():
             if name in marked:
                 m.residual_out = True
     if layers != "blocks" and chunked_head:
-        if not hasattr(model, "loss_float8"):
-            raise InputError(
-                f"module.fp8_layers={layers} with module.loss_chunk_tokens: the model {type(model).__name__} has no chunked head"
-            )
         model.loss_float8, model.loss_float8_fast_accum = True, fast_accum
     elif layers != "blocks":
-        head = getattr(model, "lm_head", None)
-        if type(head) is not nn.Linear:
-            raise InputError(f"module.fp8_layers={layers}: the model {type(model).__name__} has no linear output head lm_head")
         # never all-gathered in float8: a tied head's parameter is also the embedding table the lookup reads
         model.lm_head = Float8Linear.from_float(head, config=dataclasses.replace(config, enable_fsdp_float8_all_gather=False))
     return model
