@@ -31,7 +31,9 @@ gradient buckets, 4 B/param. The total is the larger of two peaks: at the end of
 optimizer state, activations, logits; gradients only when ``trainer.accumulate_grad_batches`` or
 ``global_batch_size`` makes several micro-batches per step, since the trainer frees them after each optimizer step)
 and at the end of the backward pass (weights, gradients, optimizer state; under fsdp/hsdp one block's unsharded
-gradients in bf16 and fp32 for the reduce-scatter; the DDP buckets in both). Measured against both in
+gradients in bf16 and fp32 for the reduce-scatter; the DDP buckets in both). Under fsdp/hsdp the forward peak also
+holds two blocks' gathered bf16 parameters, or all of them, 2 B/param, with ``strategy.reshard_after_forward=false``
+(measured +2.2 GiB at 1.3B on 2 GPUs). Measured against both in
 docs/BENCHMARKS.md. A 10% margin is kept free.
 
 Checkpoints: fp32 weights and AdamW's two moments, 12 B/param on disk per save (llama-7b: 80.86 GB counted, 80.864 GB
@@ -103,6 +105,7 @@ def memory(
     accumulate: int = 1,
     fp8: bool = False,
     fp8_head: bool = False,
+    reshard: bool = True,
 ) -> dict:
     """Bytes per GPU (see the module docstring): each term, and ``total``, the larger of the two peaks."""
     shard = {"ddp": 1, "fsdp": world, "hsdp": min(node, world)}[strategy]
@@ -127,8 +130,9 @@ def memory(
         else 6 * min(loss_chunk, batch * seq) * V + 4 * (batch * seq + V) * cfg.emb_dim,
     }
     always = out["weights"] + out["optimizer"]
-    if strategy != "ddp":  # one block's bf16 parameters gathered for compute (forward and the prefetched next one)
-        out["gathered"] = 2 * 2 * (params / max(L, 1))
+    if strategy != "ddp":  # bf16 parameters gathered for compute: one block and the prefetched next one, or, with
+        # strategy.reshard_after_forward=false, all of them from the forward pass to the backward (+2.2 GiB at 1.3B)
+        out["gathered"] = 2 * 2 * (params / max(L, 1)) if reshard else 2 * params
         always += out["gathered"]
     elif world > 1:  # DDP's gradient buckets: a second fp32 copy of the gradients (gradient_as_bucket_view off)
         out["buckets"] = 4 * params
@@ -177,6 +181,7 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
     fp8_head = bool(module_cfg.get("fp8")) and fp8_layers != "blocks"
     chunk_uncounted = bool(chunk) and bool(module_cfg.get("compile") or strategy_cfg.get("compile")) and not fp8_head
     chunk = None if chunk_uncounted else chunk
+    reshard = strategy_cfg.get("reshard_after_forward", True) is not False
     gpus, node = int(cluster["gpus"]), int(cluster["gpus_per_node"])
     gbs = cfg.get("global_batch_size")
     if gbs and gbs % (batch * gpus):
@@ -191,6 +196,7 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
     out["loss_chunk_counted"] = not chunk_uncounted
     out["fp8"] = module_cfg.get("fp8")
     out["fp8_layers"] = fp8_layers if out["fp8"] else None
+    out["reshard_after_forward"] = reshard
     out["cluster"] = {"gpus": gpus, "gpus_per_node": node, "memory_gb": cluster["memory_gb"]}
     if cluster.get("tokens_per_sec_per_gpu"):
         rate_flops = float(cluster["tokens_per_sec_per_gpu"]) * nums["flops_per_token"]
@@ -205,7 +211,7 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
         out["run"] = {"flops": flops, "tokens": tokens, "days": seconds / 86400, "gpu_hours": gpus * seconds / 3600}
     out["memory_gb_per_gpu"] = {
         s: {
-            ac: {k: v / GB for k, v in memory(mcfg, nums["params"], seq, batch, s, gpus, node, ac, chunk, accum, fp8, fp8_head).items()}
+            ac: {k: v / GB for k, v in memory(mcfg, nums["params"], seq, batch, s, gpus, node, ac, chunk, accum, fp8, fp8_head, reshard).items()}
             for ac in AC
         }
         for s in STRATEGIES
@@ -258,6 +264,7 @@ def table(p: dict) -> str:
         + ("" if p["loss_chunk_counted"] else ", chunked loss counted as whole-batch logits under compile")
         + ", bf16 mixed"
         + (f" with {p['fp8']} fp8 products ({p.get('fp8_layers') or 'blocks'})" if p.get("fp8") else "")
+        + ("" if p.get("reshard_after_forward", True) else ", fsdp/hsdp keeping every gathered parameter from forward to backward")
         + ", AdamW; total: the larger of the peaks at the end of the forward and of the backward pass:"
     )
     lines.append("| strategy | activation ckpt | weights | gradients | optimizer | activations | logits | total | peak at | fits |")
