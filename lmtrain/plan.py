@@ -211,7 +211,10 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
         out["run"] = {"flops": flops, "tokens": tokens, "days": seconds / 86400, "gpu_hours": gpus * seconds / 3600}
     out["memory_gb_per_gpu"] = {
         s: {
-            ac: {k: v / GB for k, v in memory(mcfg, nums["params"], seq, batch, s, gpus, node, ac, chunk, accum, fp8, fp8_head, reshard).items()}
+            ac: {
+                k: v / GB
+                for k, v in memory(mcfg, nums["params"], seq, batch, s, gpus, node, ac, chunk, accum, fp8, fp8_head, reshard).items()
+            }
             for ac in AC
         }
         for s in STRATEGIES

@@ -32,7 +32,14 @@ BIG = ["model.vocab_size=50272", "model.max_seq_len=2048"]  # the presets as the
 
 B13 = ["model=opt-1.3b", "model.n_heads=16"]
 F13 = ["cluster.gpus=1", "module.compile=true", "module.fp8=tensorwise"]
-FS13 = ["cluster.gpus=2", "strategy=fsdp", "strategy.compile=true", "module.fp8=tensorwise", "module.fp8_layers=all", "module.loss_chunk_tokens=8192"]
+FS13 = [
+    "cluster.gpus=2",
+    "strategy=fsdp",
+    "strategy.compile=true",
+    "module.fp8=tensorwise",
+    "module.fp8_layers=all",
+    "module.loss_chunk_tokens=8192",
+]
 L7 = ["model=llama-7b", "cluster.gpus=2", "data.seq_len=4096", "model.vocab_size=32000", "model.max_seq_len=4096"]
 
 
