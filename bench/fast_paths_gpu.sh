@@ -25,6 +25,8 @@
 #   RAW=... bash bench/fast_paths_gpu.sh fp8chunk                          # opt-1.3b: raw at batch 48, fp8 fast at 48 with the head in fp8 whole and chunked (module.loss_chunk_tokens)
 #   RAW=... bash bench/fast_paths_gpu.sh fp8chunkcap                       # under an 80 GB H100's memory: raw at batch 32, fp8 fast at 48 with the liger head and with the chunked fp8 head
 #   RAW=... bash bench/fast_paths_gpu.sh smallchunk                        # opt-125m at batch 64: raw, the output head alone in fp8 and chunked
+#   bash bench/fast_paths_gpu.sh fsdpchunk                                  # 2 GPUs: opt-1.3b fp8 fast with the chunked fp8 head under fsdp (batch 32; 48 keeping the gathered parameters) vs one GPU
+#   bash bench/fast_paths_gpu.sh fp8chunkprof                               # opt-1.3b fp8 fast with the chunked fp8 head at batch 48, 3 steps profiled: the kernels by device time
 #   LOSS_GPU=1 bash bench/fast_paths_gpu.sh losshead                       # opt-1.3b, 1,000 steps in bf16 and in fp8 with fast accumulation and the head in fp8, both on GPU $LOSS_GPU
 #   bash bench/fast_paths_gpu.sh lossfresh                                 # 2 GPUs: the same 1,000 steps on a corpus read once (stdlib + transformers sources): bf16 and fp8 fast on GPU 0, fp8 fast with the head in fp8 on GPU 1
 #
@@ -75,7 +77,7 @@ llama7b() {  # PRECISION-CHECKPOINTING-bBATCH [noexpand] (PRECISION: bf16, fp8, 
   )
 }
 
-for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, op7bfast, alloc7b, allocop7b, loss, lossfast, fp8head, fp8headcap, smallhead, fp8chunk, fp8chunkcap, smallchunk, losshead or lossfresh}"; do
+for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, op7bfast, alloc7b, allocop7b, loss, lossfast, fp8head, fp8headcap, smallhead, fp8chunk, fp8chunkcap, smallchunk, fsdpchunk, fp8chunkprof, losshead or lossfresh}"; do
 case "$mode" in
 fp8)
   raw raw-1.3b 1.3b --compile --batch 16 --steps 30
@@ -146,6 +148,20 @@ fp8chunkcap)  # fp8chunk under an 80 GB H100's memory (CAP_GIB, as fp8headcap): 
   TMO=200 bench fp8fast-liger-b48-cap $F module.loss_kernel=liger
   TMO=200 bench fp8fast-allchunk-b48-cap $F module.fp8_layers=all module.loss_chunk_tokens=8192
   unset CAP_GIB
+  ;;
+fsdpchunk)  # 2 GPUs: opt-1.3b fp8 fast with the chunked float8 head under fsdp (float8 all-gather, per-block compile), each against one GPU of the same host
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  F="--no-raw $M13 data.seq_len=1024 module.fp8=tensorwise module.fp8_fast_accum=true module.fp8_layers=all module.loss_chunk_tokens=8192"
+  FS="strategy=fsdp strategy.compile=true trainer.devices=2"
+  LMTRAIN_RUN_ID=fc32 TMO=230 bench fp8chunk-fsdp2-b32 --dir /tmp/fc32 --steps 24 --warmup 8 $F data.batch_size=32 $FS --launcher
+  CUDA_VISIBLE_DEVICES=0 TMO=200 bench fp8chunk-1gpu-b32 --steps 24 --warmup 8 $F data.batch_size=32
+  LMTRAIN_RUN_ID=fc48 TMO=230 bench fp8chunk-fsdp2-b48-nr --dir /tmp/fc48 --steps 16 --warmup 6 $F data.batch_size=48 $FS strategy.reshard_after_forward=false --launcher
+  CUDA_VISIBLE_DEVICES=0 TMO=200 bench fp8chunk-1gpu-b48 --steps 16 --warmup 6 $F data.batch_size=48
+  ;;
+fp8chunkprof)  # opt-1.3b fp8 fast with the chunked float8 head at batch 48: 3 steps profiled after the timed ones, the kernel table per step
+  TMO=300 bench fp8chunk-prof-b48 --no-raw --dir /tmp/fcprof --steps 12 --warmup 4 --profile 3 $M13 data.seq_len=1024 data.batch_size=48 module.fp8=tensorwise module.fp8_fast_accum=true module.fp8_layers=all module.loss_chunk_tokens=8192
+  python3 bench/trace_gaps.py /tmp/fcprof/trainer/profile/trace_rank0.json --kernels 45 --steps 3 > "$OUT/fp8chunk-prof-b48-kernels.txt"
+  head -48 "$OUT/fp8chunk-prof-b48-kernels.txt"
   ;;
 smallchunk)  # opt-125m at batch 64: the output head alone in fp8, chunked, beside raw
   raw raw-124m 124m --compile --batch 64 --steps 40

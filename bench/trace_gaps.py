@@ -1,10 +1,13 @@
 """Where the GPU waits: idle gaps between kernels in a torch.profiler chrome trace, and what the host did meanwhile.
 
     python bench/trace_gaps.py RUN_DIR/profile/trace_rank0.json [--min-gap-us 20] [--top 25]
+    python bench/trace_gaps.py RUN_DIR/profile/trace_rank0.json --kernels 40 --steps 3
 
 Prints the device-busy share, the idle time in gaps of at least ``--min-gap-us``, and the host events (operators,
 Python functions, CUDA runtime calls such as a synchronize) that overlap those gaps, by overlapped time: what the
-device was waiting for. Made to read traces written by callbacks/profiler.py.
+device was waiting for. With ``--kernels N``, also the N kernels with the most device time, in ms and calls per step
+over the ``--steps`` the trace holds (``callbacks.profiler.steps``): where a busy device spends its step. Made to
+read traces written by callbacks/profiler.py.
 """
 
 from __future__ import annotations
@@ -14,20 +17,40 @@ import json
 from collections import defaultdict
 
 
+def kernel_table(device: list[dict], top: int, steps: int) -> None:
+    """The ``top`` kernels (by name) with the most device time: ms and calls per step, and their share of it all."""
+    total: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for e in device:
+        total[e["name"]] += e["dur"]
+        count[e["name"]] += 1
+    whole = sum(total.values())
+    print(
+        f"device time {whole / steps / 1e3:.2f} ms per step in {len(device) / steps:.0f} kernels; the {top} longest (ms, calls per step):"
+    )
+    for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {us / steps / 1e3:8.2f} {count[name] / steps:6.1f}x {us / whole:6.1%}  {name[:140]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace")
     p.add_argument("--min-gap-us", type=float, default=20.0)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--kernels", type=int, default=0, help="also list this many kernels by device time")
+    p.add_argument("--steps", type=int, default=1, help="steps in the trace: the kernel table is per step")
     a = p.parse_args()
     with open(a.trace) as fh:
         events = [e for e in json.load(fh)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in device)
     if not kernels:
         print("no device kernels in the trace")
         return
+    if a.kernels:
+        kernel_table(device, a.kernels, a.steps)
     gaps, end = [], kernels[0][1]
-    busy = 0.0
+    busy = kernels[0][1] - kernels[0][0]  # the first kernel, which the loop below starts after
     for start, stop in kernels:
         if start > end:
             if start - end >= a.min_gap_us:

@@ -1,0 +1,139 @@
+"""The MLP half of an OPT block alone, ``x + fc2(gelu_tanh(fc1(layer_norm(x))))``, stacked and compiled, forward and
+backward: bf16 against float8 (torchao tensorwise with fast accumulation, as ``module.fp8=tensorwise
+module.fp8_fast_accum=true``), under Inductor settings given on the command line. Prints the time per block and, on
+a GPU, the kernels by device time per block: how much of an FP8 step is casts, amax reductions and the GELU
+around the float8 products, and whether a compiler setting shortens them (docs/BENCHMARKS.md)::
+
+    python3 bench/fp8_mlp.py                                      # d 2048, 49,152 tokens (opt-1.3b, batch 48), 2 blocks, bf16 and fp8
+    python3 bench/fp8_mlp.py --kinds fp8 --inductor triton.max_tiles=3
+    python3 bench/fp8_mlp.py --kinds fp8 --inductor coordinate_descent_tuning=true
+    python3 bench/fp8_mlp.py --device cpu --d 64 --tokens 256 --blocks 2 --steps 1   # eager, the numbers only (tests)
+
+Each ``--inductor KEY=VALUE`` sets ``torch._inductor.config.KEY`` (true/false, integers, else text) before anything
+compiles. Run one setting per process: Inductor reads its settings when it compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmtrain.training.fp8 import float8_config
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x)), approximate="tanh"))
+
+
+def inductor_setting(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--inductor {text!r}: expected KEY=VALUE")
+    if value.lower() in ("true", "false"):
+        return key, value.lower() == "true"
+    try:
+        return key, int(value)
+    except ValueError:
+        return key, value
+
+
+def apply(settings: list[tuple[str, object]]) -> None:
+    import torch._inductor.config as config
+
+    for key, value in settings:
+        *path, name = key.split(".")
+        node = config
+        for part in path:
+            node = getattr(node, part)
+        if not hasattr(node, name):
+            raise SystemExit(f"--inductor {key}: torch._inductor.config has no such setting")
+        setattr(node, name, value)
+
+
+def measure(kind: str, d: int, tokens: int, blocks: int, steps: int, device: str, top: int) -> str:
+    from torchao.float8 import convert_to_float8_training
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[MLP(d) for _ in range(blocks)]).to(device)
+    if kind == "fp8":
+        convert_to_float8_training(model, config=float8_config("tensorwise", sharded=False, device=torch.device(device), fast_accum=True))
+    x = torch.randn(tokens, d, device=device, requires_grad=True)
+    grad = torch.randn(tokens, d, device=device, dtype=torch.bfloat16)
+    cuda = device == "cuda"
+
+    def forward():
+        x.grad = None  # each step's gradients alone, as training zeroes them
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device, torch.bfloat16):
+            return model(x)
+
+    if cuda:  # as training runs it; on the CPU eager, for the numbers only
+        forward = torch.compile(forward)
+    start = time.perf_counter()
+    for _ in range(3 if cuda else 1):
+        forward().backward(grad)
+    if cuda:
+        torch.cuda.synchronize()
+    compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = forward()
+        out.backward(grad)
+    if cuda:
+        torch.cuda.synchronize()
+    ms = (time.perf_counter() - start) / steps * 1e3
+    line = (
+        f"{kind}: {ms / blocks:.3f} ms per block (forward and backward, {blocks} blocks, d {d}, {tokens:,} tokens), "
+        f"warm-up (compiling) {compile_s:.0f} s, output norm {float(out.detach().float().norm()):.4f}, x grad norm {float(x.grad.float().norm()):.4f}"
+    )
+    if not cuda or top <= 0:
+        return line
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            forward().backward(grad)
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name] += e.device_time
+            count[e.name] += 1
+    per_block = 3 * blocks * 1e3
+    rows = [
+        f"  {t / per_block:7.3f} ms {count[n] / (3 * blocks):4.1f}x  {n[:120]}"
+        for n, t in sorted(total.items(), key=lambda kv: -kv[1])[:top]
+    ]
+    return "\n".join([line, f"  kernels per block: {sum(total.values()) / per_block:.3f} ms, the {top} longest:", *rows])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--d", type=int, default=2048)
+    p.add_argument("--tokens", type=int, default=49152)
+    p.add_argument("--blocks", type=int, default=2)
+    p.add_argument("--kinds", nargs="+", choices=("bf16", "fp8"), default=["bf16", "fp8"])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--top", type=int, default=18, help="kernels listed per kind (GPU)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--inductor", type=inductor_setting, action="append", default=[], metavar="KEY=VALUE")
+    a = p.parse_args()
+    apply(a.inductor)
+    settings = " ".join(f"{k}={v}" for k, v in a.inductor) or "default"
+    name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+    print(f"{name}, torch {torch.__version__}, Inductor settings: {settings}", flush=True)
+    for kind in a.kinds:
+        print(measure(kind, a.d, a.tokens, a.blocks, a.steps, a.device, a.top), flush=True)
+
+
+if __name__ == "__main__":
+    main()
