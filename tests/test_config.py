@@ -52,6 +52,20 @@ def test_default_config_is_valid(tmp_path):
             ["module.fp8=tensorwise", "module.fp8_layers=head", "model.vocab_size=1000"],
             r"float8 matmuls need linear sizes divisible by 16, not model.vocab_size=1000$",
         ),
+        (["module.fp8_fused_mlp=true"], r"module.fp8_fused_mlp=true changes the float8 matmuls, and module.fp8 is null"),
+        (["module.fp8=tensorwise", "module.fp8_fused_mlp=1"], r"module.fp8_fused_mlp=1 must be true or false"),
+        (
+            ["module.fp8=rowwise", "module.fp8_fused_mlp=true"],
+            r"module.fp8_fused_mlp=true scales per tensor; with module.fp8=rowwise use module.fp8_fused_mlp=false",
+        ),
+        (
+            ["module.fp8=tensorwise", "module.fp8_layers=head", "module.fp8_fused_mlp=true"],
+            r"module.fp8_fused_mlp=true computes the blocks' MLPs in float8, and module.fp8_layers=head leaves the blocks out",
+        ),
+        (
+            ["model=tiny-llama", "module.fp8=tensorwise", "module.fp8_fused_mlp=true"],
+            r"module.fp8_fused_mlp=true fuses an OPT block's MLP \(GELU or ReLU\); the llama family's gated MLP is not fused",
+        ),
         (
             ["module.fp8=tensorwise", "trainer.precision=16-mixed"],
             r"module.fp8=tensorwise with trainer.precision=16-mixed: .* use bf16-mixed",

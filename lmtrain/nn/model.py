@@ -256,8 +256,13 @@ class MLP(nn.Module):
             self.down = nn.Linear(cfg.hidden_dim, cfg.d_model, bias=True)
         self.down.residual_out = True
         self.act = cfg.act
+        # module.fp8_fused_mlp: lmtrain.nn.float8_mlp.float8_mlp, computing up, the activation and down in float8 as
+        # one function (set by lmtrain.training.fp8.convert, which imports it: Triton only where it is used)
+        self.float8, self.float8_fast_accum = None, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float8 is not None:
+            return self.float8(x, self.up, self.down, self.act, self.float8_fast_accum)
         if self.swiglu:
             gate, up = self.gate_up(x).chunk(2, dim=-1)
             return self.down(F.silu(gate) * up)

@@ -280,7 +280,7 @@ def validate_config(cfg: DictConfig) -> None:
 
     problems += _strategy_problems(cfg)
     module = cfg.get("module")
-    fp8_keys = (("fp8", None), ("fp8_fast_accum", False), ("fp8_layers", "blocks"))
+    fp8_keys = (("fp8", None), ("fp8_fast_accum", False), ("fp8_layers", "blocks"), ("fp8_fused_mlp", False))
     if module is not None and any(module.get(key, unset) != unset for key, unset in fp8_keys):
         from lmtrain.training import fp8
 
@@ -293,6 +293,7 @@ def validate_config(cfg: DictConfig) -> None:
             layers=module.get("fp8_layers", "blocks"),
             loss_kernel=module.get("loss_kernel"),
             loss_chunk_tokens=module.get("loss_chunk_tokens"),
+            fused_mlp=module.get("fp8_fused_mlp", False),
         )
     if module is not None and module.get("loss_kernel") == "liger" and trainer is not None:
         if device_type(trainer.get("accelerator", "auto")) == "cpu":

@@ -15,6 +15,12 @@
                                  chunked; opt-125m at 47.8% MFU with the head alone, chunked; validation loss after
                                  1,000 steps on a corpus read once 0.86% below bf16's (docs/BENCHMARKS.md)
 
+    module.fp8_fused_mlp=true    with tensorwise, an OPT block's MLP (up, GELU or ReLU, down) as one float8 function of
+                                 ours instead of two torchao layers: the activation and its float8 casts in two Triton
+                                 passes each way (lmtrain.nn.float8_mlp), where the compiler's kernels for them ran at a
+                                 third of the bandwidth; the same numbers as torchao's layers (tests/test_fp8.py). Its
+                                 weights are all-gathered in bf16 under fsdp/hsdp. Not yet measured in a whole model
+
 Each converted ``nn.Linear`` becomes torchao's ``Float8Linear``: the same parameters under the same names
 (checkpoints load either way), its forward and backward matmuls in float8 with dynamic scales. The output head is a
 product as wide as the vocabulary (at opt-125m's width a quarter of the model's FLOPs) whose logits feed the loss
@@ -86,18 +92,29 @@ def _linear_dims(model_cfg, layers: str) -> dict[str, int]:
 
 
 def config_problems(
-    recipe, *, model_cfg=None, precision: str = "bf16-mixed", fast_accum=False, layers="blocks", loss_kernel=None, loss_chunk_tokens=None
+    recipe,
+    *,
+    model_cfg=None,
+    precision: str = "bf16-mixed",
+    fast_accum=False,
+    layers="blocks",
+    loss_kernel=None,
+    loss_chunk_tokens=None,
+    fused_mlp=False,
 ) -> list[str]:
-    """What in the config forbids ``module.fp8=recipe`` with ``module.fp8_fast_accum=fast_accum`` and
-    ``module.fp8_layers=layers`` (empty when it can run, or when all are unset); ``loss_kernel`` and
-    ``loss_chunk_tokens`` are the module's: the first bypasses a float8 head, the second makes it chunked."""
-    if not isinstance(fast_accum, bool):
-        return [f"module.fp8_fast_accum={fast_accum!r} must be true or false"]
+    """What in the config forbids ``module.fp8=recipe`` with ``module.fp8_fast_accum=fast_accum``,
+    ``module.fp8_layers=layers`` and ``module.fp8_fused_mlp=fused_mlp`` (empty when it can run, or when all are
+    unset); ``loss_kernel`` and ``loss_chunk_tokens`` are the module's: the first bypasses a float8 head, the second
+    makes it chunked."""
+    for key, value in (("fp8_fast_accum", fast_accum), ("fp8_fused_mlp", fused_mlp)):
+        if not isinstance(value, bool):
+            return [f"module.{key}={value!r} must be true or false"]
     if layers not in LAYERS:
         return [f"module.fp8_layers={layers!r} is not one of {list(LAYERS)}"]
     if recipe is None:
         unused = [f"module.fp8_fast_accum={str(fast_accum).lower()}"] if fast_accum else []
         unused += [f"module.fp8_layers={layers}"] if layers != "blocks" else []
+        unused += ["module.fp8_fused_mlp=true"] if fused_mlp else []
         verb = "changes" if len(unused) == 1 else "change"
         return (
             [f"{' and '.join(unused)} {verb} the float8 matmuls, and module.fp8 is null: set module.fp8=tensorwise or rowwise"]
@@ -119,6 +136,15 @@ def config_problems(
         out.append(
             f"module.fp8={recipe} with module.fp8_layers={layers} and module.loss_chunk_tokens={loss_chunk_tokens}: the chunked "
             "float8 head scales per tensor; use module.fp8=tensorwise, or module.fp8_layers=blocks"
+        )
+    if fused_mlp and recipe != "tensorwise":
+        out.append(f"module.fp8_fused_mlp=true scales per tensor; with module.fp8={recipe} use module.fp8_fused_mlp=false")
+    elif fused_mlp and layers == "head":
+        out.append("module.fp8_fused_mlp=true computes the blocks' MLPs in float8, and module.fp8_layers=head leaves the blocks out")
+    elif fused_mlp and model_cfg is not None and getattr(model_cfg, "family", "opt") != "opt":
+        out.append(
+            f"module.fp8_fused_mlp=true fuses an OPT block's MLP (GELU or ReLU); the {model_cfg.family} family's gated MLP "
+            "is not fused: use module.fp8_fused_mlp=false"
         )
     if model_cfg is not None:
         bad = [f"{k}={v}" for k, v in _linear_dims(model_cfg, layers).items() if v % 16]
@@ -169,6 +195,7 @@ def convert(
     fast_accum: bool = False,
     layers: str = "blocks",
     chunked_head: bool = False,
+    fused_mlp: bool = False,
 ) -> nn.Module:
     """Swap the linear layers inside ``model.blocks`` (``layers`` blocks or all) and the output head ``model.lm_head``
     (all or head) for float8 ones in place (before sharding and compiling; works on the meta device). Attributes our
@@ -190,19 +217,47 @@ def convert(
         raise InputError(f"module.fp8_layers={layers} with module.loss_chunk_tokens: the model {type(model).__name__} has no chunked head")
     if layers != "blocks" and not chunked_head and type(head) is not nn.Linear:
         raise InputError(f"module.fp8_layers={layers}: the model {type(model).__name__} has no linear output head lm_head")
+    mlps = _fusable_mlps(model, blocks) if fused_mlp else []
     config = float8_config(recipe, sharded=sharded, device=device, fast_accum=fast_accum)
     if layers != "head":
         marked = {name for name, m in blocks.named_modules() if getattr(m, "residual_out", False)}
-        convert_to_float8_training(blocks, module_filter_fn=lambda m, fqn: isinstance(m, nn.Linear), config=config)
+        fused = {id(m) for mlp in mlps for m in (mlp.up, mlp.down)}
+        convert_to_float8_training(blocks, module_filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and id(m) not in fused, config=config)
         for name, m in blocks.named_modules():
             if name in marked:
                 m.residual_out = True
+    if mlps:
+        from lmtrain.nn.float8_mlp import float8_mlp
+
+        for mlp in mlps:
+            mlp.float8, mlp.float8_fast_accum = float8_mlp, fast_accum
     if layers != "blocks" and chunked_head:
         model.loss_float8, model.loss_float8_fast_accum = True, fast_accum
     elif layers != "blocks":
         # never all-gathered in float8: a tied head's parameter is also the embedding table the lookup reads
         model.lm_head = Float8Linear.from_float(head, config=dataclasses.replace(config, enable_fsdp_float8_all_gather=False))
     return model
+
+
+def _fusable_mlps(model: nn.Module, blocks) -> list[nn.Module]:
+    """Every block's MLP, each an OPT one (``up`` and ``down`` linear layers with biases, a GELU or ReLU), or a
+    refusal naming what is not."""
+    from lmtrain.nn.float8_mlp import ACTS
+
+    mlps = [getattr(b, "mlp", None) for b in (blocks if blocks is not None else [])]
+    ok = bool(mlps) and all(
+        m is not None
+        and getattr(m, "act", None) in ACTS
+        and all(type(getattr(m, n, None)) is nn.Linear and getattr(m, n).bias is not None for n in ("up", "down"))
+        and hasattr(m, "float8")
+        for m in mlps
+    )
+    if not ok:
+        raise InputError(
+            f"module.fp8_fused_mlp=true: the model {type(model).__name__} has blocks without an OPT MLP (linear up and "
+            f"down with biases, activation one of {list(ACTS)}; lmtrain.nn.model's opt family has them): use module.fp8_fused_mlp=false"
+        )
+    return mlps
 
 
 def describe(model: nn.Module, layers: str) -> str:
@@ -212,7 +267,10 @@ def describe(model: nn.Module, layers: str) -> str:
     chunked = bool(getattr(model, "loss_float8", False))
     head = isinstance(getattr(model, "lm_head", None), Float8Linear)
     n = converted(model) - head
+    fused = sum(getattr(m, "float8", None) is not None for m in model.modules())
     parts = [f"{n} linear layers of the transformer blocks"] if layers != "head" else []
+    if fused:
+        parts.append(f"{fused} fused MLPs (lmtrain.nn.float8_mlp)")
     if head:
         parts.append("the output head")
     elif chunked:

@@ -115,6 +115,9 @@ class LMModule(L.LightningModule):
         fp8_layers: which products ``fp8`` converts: ``blocks`` (the default), ``all`` (the blocks and the output
             head) or ``head`` (the output head alone). A float8 head excludes ``loss_kernel``; with ``loss_chunk_tokens``
             the chunked head computes in float8 (tensorwise).
+        fp8_fused_mlp: with ``fp8=tensorwise``, each OPT block's MLP (up, GELU or ReLU, down) as one float8 function
+            whose activation and casts are two Triton passes each way (lmtrain.nn.float8_mlp) instead of two torchao
+            layers; the same numbers.
         seed: if set, torch's RNG (dropout) is re-seeded before every training batch from (seed, batch number,
             rank): the masks of a batch then do not depend on what else drew random numbers before it
             (validation, loader start-up), so a resumed or rolled-back run draws exactly the same ones.
@@ -134,15 +137,21 @@ class LMModule(L.LightningModule):
         fp8: str | None = None,
         fp8_fast_accum: bool = False,
         fp8_layers: str = "blocks",
+        fp8_fused_mlp: bool = False,
     ) -> None:
         super().__init__()
         self._sdpa = sdpa_backends(sdpa_backend)
         problems = fp8_module.config_problems(
-            fp8, fast_accum=fp8_fast_accum, layers=fp8_layers, loss_kernel=loss_kernel, loss_chunk_tokens=loss_chunk_tokens
+            fp8,
+            fast_accum=fp8_fast_accum,
+            layers=fp8_layers,
+            loss_kernel=loss_kernel,
+            loss_chunk_tokens=loss_chunk_tokens,
+            fused_mlp=fp8_fused_mlp,
         )
         if problems:
             raise InputError("; ".join(problems))
-        self.fp8, self.fp8_fast_accum, self.fp8_layers = fp8, fp8_fast_accum, fp8_layers
+        self.fp8, self.fp8_fast_accum, self.fp8_layers, self.fp8_fused_mlp = fp8, fp8_fast_accum, fp8_layers, fp8_fused_mlp
         if loss_chunk_tokens is not None and (
             not isinstance(loss_chunk_tokens, int) or isinstance(loss_chunk_tokens, bool) or loss_chunk_tokens < 1
         ):
@@ -203,6 +212,7 @@ class LMModule(L.LightningModule):
                 fast_accum=self.fp8_fast_accum,
                 layers=self.fp8_layers,
                 chunked_head=self.loss_chunk_tokens is not None,
+                fused_mlp=self.fp8_fused_mlp,
             )
             self._fp8_converted = True
             if self.global_rank == 0:

@@ -1,0 +1,220 @@
+"""The MLP of an OPT block, ``down(act(up(x)))`` with biases and a GELU or ReLU, in float8 as one autograd function.
+
+torchao's float8 layers cast each product's inputs on their own: the compiler fuses the casts with the activation
+around them, but on an H200 the kernels it makes for them ran at a third of the memory bandwidth or less (the
+transposed one-byte stores the backward products need; docs/BENCHMARKS.md). Here the activation and its casts are
+written once, as two Triton passes over the MLP's wide tensor (tokens x ffn):
+
+* forward: one pass takes the activation of ``h = up(x)`` and its largest magnitude, the next writes it in e4m3 as
+  the second product reads it and transposed, as that product's weight gradient reads it;
+* backward: one pass takes the activation's gradient from ``h`` and the incoming gradient, its largest magnitude
+  and its sum over the tokens (``up``'s bias gradient); the next writes it in e5m2 in both layouts.
+
+Scales are torchao's tensorwise ones (the largest magnitude maps to the format's largest value), the forward products
+accumulate in fast mode as torchao's recipes do, the four backward ones with ``fast_accum``. The narrow tensors
+(x, the weights, the output's gradient) are cast by compiled PyTorch code, as in lmtrain.nn.loss. Saved for the
+backward: ``x`` in e4m3 (transposed), ``h`` in bf16 and the activation in e4m3 (transposed).
+
+On the CPU, or without Triton, the same passes run as PyTorch code (:func:`act_float8_reference`), which the Triton
+kernels match bit for bit on a GPU (tests/test_fp8.py). Selected with ``module.fp8=tensorwise
+module.fp8_fused_mlp=true`` (lmtrain.training.fp8)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lmtrain.nn.loss import E4M3, E5M2, _compute_dtype, _e4m3_both_layouts, _on, _scaled_mm, _to_float8
+
+ACTS = ("gelu", "gelu_tanh", "relu")
+_ALIGN = 16  # float8 matmuls: every size a multiple of this, the tokens' too (the weight gradients sum over them)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU install: the PyTorch passes below
+    triton = None
+
+
+def _activation(h: torch.Tensor, act: str) -> torch.Tensor:
+    return F.relu(h) if act == "relu" else F.gelu(h, approximate="tanh" if act == "gelu_tanh" else "none")
+
+
+def _activation_grad(dy: torch.Tensor, h: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "relu":
+        return torch.ops.aten.threshold_backward(dy, h, 0)
+    return torch.ops.aten.gelu_backward(dy, h, approximate="tanh" if act == "gelu_tanh" else "none")
+
+
+def act_float8_reference(h: torch.Tensor, dy: torch.Tensor | None, act: str) -> tuple[torch.Tensor, ...]:
+    """``act(h)`` (``dy`` None) in e4m3, or the gradient ``act'(h) * dy`` in e5m2: (float8 (M, N), the same transposed
+    and contiguous (N, M), the inverse scale, and for the gradient its fp32 sum over the M rows, else an empty tensor).
+    The value is computed in ``h``'s dtype, as the plain MLP computes it."""
+    v = _activation(h, act) if dy is None else _activation_grad(dy, h, act)
+    v8, inv = _to_float8(v, E4M3 if dy is None else E5M2)
+    total = v.float().sum(0) if dy is not None else v.new_empty(0, dtype=torch.float32)
+    return v8, v8.t().contiguous(), inv, total
+
+
+if triton is not None:
+
+    @triton.jit
+    def _value(h_ptr, dy_ptr, offs, mask, ACT: tl.constexpr, GRAD: tl.constexpr):
+        """The activation (GRAD false) or its gradient at ``offs``, in fp32 after rounding to bf16 as the plain
+        MLP's bf16 tensor holds it; 0 outside ``mask``."""
+        x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 2:  # relu
+            d = 1.0
+            v = tl.maximum(x, 0.0)
+        elif ACT == 1:  # gelu, tanh approximation
+            x2 = x * x
+            t = 2.0 * tl.sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x2 * x)) - 1.0
+            v = 0.5 * x * (1.0 + t)
+            d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x2)
+        else:  # gelu
+            cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+            v = x * cdf
+            d = cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+        if GRAD:
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if ACT == 2:
+                v = tl.where(x > 0.0, dy, 0.0)
+            else:
+                v = dy * d
+        return tl.where(mask, v.to(tl.bfloat16).to(tl.float32), 0.0)
+
+    @triton.jit
+    def _amax_pass(h_ptr, dy_ptr, amax_ptr, sum_ptr, M, N, ACT: tl.constexpr, GRAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        pm, pn = tl.program_id(0), tl.program_id(1)
+        rows = pm * BM + tl.arange(0, BM)[:, None]
+        cols = pn * BN + tl.arange(0, BN)[None, :]
+        mask = (rows < M) & (cols < N)
+        v = _value(h_ptr, dy_ptr, rows * N + cols, mask, ACT, GRAD)
+        tl.store(amax_ptr + pm * tl.num_programs(1) + pn, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
+        if GRAD:  # this block of rows' share of the sum over tokens (the bias gradient); summed after
+            c = pn * BN + tl.arange(0, BN)
+            tl.store(sum_ptr + pm * N + c, tl.sum(v, axis=0), mask=c < N)
+
+    @triton.jit
+    def _cast_pass(
+        h_ptr, dy_ptr, scale_ptr, out_ptr, out_t_ptr, M, N, ACT: tl.constexpr, GRAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr
+    ):
+        pm, pn = tl.program_id(0), tl.program_id(1)
+        rows = pm * BM + tl.arange(0, BM)[:, None]
+        cols = pn * BN + tl.arange(0, BN)[None, :]
+        mask = (rows < M) & (cols < N)
+        v = _value(h_ptr, dy_ptr, rows * N + cols, mask, ACT, GRAD) * tl.load(scale_ptr)
+        if GRAD:
+            v = tl.clamp(v, -57344.0, 57344.0).to(tl.float8e5)
+        else:
+            v = tl.clamp(v, -448.0, 448.0).to(tl.float8e4nv)
+        tl.store(out_ptr + rows * N + cols, v, mask=mask)
+        tl.store(out_t_ptr + cols * M + rows, v, mask=mask)  # the transposed copy: the compiler stages it for coalesced stores
+
+
+# blocks: the backward's measured on an H200 at 49,152 x 8,192 (bench: 1.44 ms against 2.16 for the compiled passes)
+_AMAX_BLOCK, _CAST_BLOCK, _WARPS = (64, 128), (64, 128), 8
+
+
+def _act_float8_triton(h: torch.Tensor, dy: torch.Tensor | None, act: str) -> tuple[torch.Tensor, ...]:
+    M, N = h.shape
+    grad = dy is not None
+    grid = (triton.cdiv(M, _AMAX_BLOCK[0]), triton.cdiv(N, _AMAX_BLOCK[1]))
+    amax = torch.empty(grid[0] * grid[1], device=h.device, dtype=torch.float32)
+    sums = torch.empty((grid[0], N) if grad else (1,), device=h.device, dtype=torch.float32)  # a pointer either way
+    dy_arg = dy if grad else h  # not read without GRAD
+    code = ACTS.index(act)
+    _amax_pass[grid](h, dy_arg, amax, sums, M, N, ACT=code, GRAD=grad, BM=_AMAX_BLOCK[0], BN=_AMAX_BLOCK[1], num_warps=_WARPS)
+    dtype = E5M2 if grad else E4M3
+    top = torch.finfo(dtype).max
+    scale = top / amax.max().clamp(min=1e-12)  # as lmtrain.nn.loss._to_float8
+    out = torch.empty(M, N, device=h.device, dtype=dtype)
+    out_t = torch.empty(N, M, device=h.device, dtype=dtype)
+    grid = (triton.cdiv(M, _CAST_BLOCK[0]), triton.cdiv(N, _CAST_BLOCK[1]))
+    _cast_pass[grid](
+        h, dy_arg, scale.reshape(1), out, out_t, M, N, ACT=code, GRAD=grad, BM=_CAST_BLOCK[0], BN=_CAST_BLOCK[1], num_warps=_WARPS
+    )
+    return out, out_t, scale.reciprocal(), sums.sum(0) if grad else sums[:0]
+
+
+def _uses_triton(h: torch.Tensor) -> bool:
+    return triton is not None and h.is_cuda and h.dtype == torch.bfloat16
+
+
+@torch.library.custom_op(
+    "lmtrain::act_float8", mutates_args=(), schema="(Tensor h, Tensor? dy, str act) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+def act_float8(h: torch.Tensor, dy: torch.Tensor | None, act: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`act_float8_reference`'s results; on a GPU in bf16 by the two Triton passes. An operator of its own:
+    compiled code calls it as it is, rather than splitting it into the kernels this module replaces."""
+    h, dy = h.contiguous(), None if dy is None else dy.contiguous()
+    return _act_float8_triton(h, dy, act) if _uses_triton(h) else act_float8_reference(h, dy, act)
+
+
+@act_float8.register_fake
+def _(h, dy, act):
+    M, N = h.shape
+    dtype = E4M3 if dy is None else E5M2
+    total = h.new_empty((N,) if dy is not None else (0,), dtype=torch.float32)
+    return h.new_empty((M, N), dtype=dtype), h.new_empty((N, M), dtype=dtype), h.new_empty((), dtype=torch.float32), total
+
+
+def _e5m2_both_layouts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x8, inv = _to_float8(x, E5M2)
+    return x8, x8.t().contiguous(), inv
+
+
+def _cast(fn, device: torch.device):
+    """A narrow tensor's cast: traced with the model when it is compiled, else compiled on its own on a GPU."""
+    return fn if torch.compiler.is_compiling() else _on(device, fn)
+
+
+class _Float8MLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_up, b_up, w_down, b_down, act: str, fast_accum: bool):
+        dtype = _compute_dtype(x)
+        shape, n = x.shape, x.shape[:-1].numel()
+        ctx.x_dtype, ctx.w_dtypes, ctx.act, ctx.fast_accum, ctx.n = (
+            x.dtype,
+            (w_up.dtype, b_up.dtype, w_down.dtype, b_down.dtype),
+            act,
+            fast_accum,
+            n,
+        )
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(n, shape[-1]).to(dtype)
+            if n % _ALIGN:  # padded tokens: zero rows whose output is dropped and whose gradient is zero
+                x2 = F.pad(x2, (0, 0, 0, -n % _ALIGN))
+            cast = _cast(_e4m3_both_layouts, x.device)
+            x8, x8t, x_inv = cast(x2)
+            wu8, wu8t, wu_inv = cast(w_up.to(dtype))  # (F, d), (d, F)
+            wd8, wd8t, wd_inv = cast(w_down.to(dtype))  # (d, F), (F, d)
+            h = _scaled_mm(x8, wu8.t(), x_inv, wu_inv, dtype, True) + b_up.to(dtype)
+            a8, a8t, a_inv, _ = act_float8(h, None, act)
+            y = _scaled_mm(a8, wd8.t(), a_inv, wd_inv, dtype, True) + b_down.to(dtype)
+        ctx.save_for_backward(x8t, x_inv, wu8t, wu_inv, wd8t, wd_inv, h, a8t, a_inv)
+        return y[:n].reshape(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x8t, x_inv, wu8t, wu_inv, wd8t, wd_inv, h, a8t, a_inv = ctx.saved_tensors
+        fast, n, dtype = ctx.fast_accum, ctx.n, h.dtype
+        with torch.autocast(grad_y.device.type, enabled=False):
+            dy = grad_y.reshape(n, grad_y.shape[-1]).to(dtype)
+            if h.shape[0] != n:
+                dy = F.pad(dy, (0, 0, 0, h.shape[0] - n))
+            dy8, dy8t, dy_inv = _cast(_e5m2_both_layouts, dy.device)(dy)
+            d_a = _scaled_mm(dy8, wd8t.t(), dy_inv, wd_inv, dtype, fast)  # (T, F)
+            d_wd = _scaled_mm(dy8t, a8t.t(), dy_inv, a_inv, torch.float32, fast)  # (d, F)
+            d_bd = dy.float().sum(0)
+            g8, g8t, g_inv, d_bu = act_float8(h, d_a, ctx.act)
+            d_x = _scaled_mm(g8, wu8t.t(), g_inv, wu_inv, dtype, fast)  # (T, d)
+            d_wu = _scaled_mm(g8t, x8t.t(), g_inv, x_inv, torch.float32, fast)  # (F, d)
+        d_x = d_x[:n].reshape(*grad_y.shape[:-1], d_x.shape[-1]).to(ctx.x_dtype)
+        wu_t, bu_t, wd_t, bd_t = ctx.w_dtypes
+        return d_x, d_wu.to(wu_t), d_bu.to(bu_t), d_wd.to(wd_t), d_bd.to(bd_t), None, None
+
+
+def float8_mlp(x: torch.Tensor, up: torch.nn.Linear, down: torch.nn.Linear, act: str, fast_accum: bool = False) -> torch.Tensor:
+    """``down(act(up(x)))`` with every product in float8 (see the module docstring); ``up`` and ``down`` with biases."""
+    return _Float8MLP.apply(x, up.weight, up.bias, down.weight, down.bias, act, bool(fast_accum))
