@@ -27,6 +27,8 @@
 #   RAW=... bash bench/fast_paths_gpu.sh smallchunk                        # opt-125m at batch 64: raw, the output head alone in fp8 and chunked
 #   bash bench/fast_paths_gpu.sh fsdpchunk                                  # 2 GPUs: opt-1.3b fp8 fast with the chunked fp8 head under fsdp (batch 32; 48 keeping the gathered parameters) vs one GPU
 #   bash bench/fast_paths_gpu.sh fp8chunkprof                               # opt-1.3b fp8 fast with the chunked fp8 head at batch 48, 3 steps profiled: the kernels by device time
+#   RAW=... bash bench/fast_paths_gpu.sh fusedmlp                          # opt-1.3b: raw at batch 48, fp8 fast + chunked fp8 head at 48 with torchao's MLP layers and with module.fp8_fused_mlp
+#   RAW=... bash bench/fast_paths_gpu.sh fusedmlpcap                       # the same under an 80 GB H100's memory (CAP_GIB=79.1): raw at batch 32
 #   LOSS_GPU=1 bash bench/fast_paths_gpu.sh losshead                       # opt-1.3b, 1,000 steps in bf16 and in fp8 with fast accumulation and the head in fp8, both on GPU $LOSS_GPU
 #   bash bench/fast_paths_gpu.sh lossfresh                                 # 2 GPUs: the same 1,000 steps on a corpus read once (stdlib + transformers sources): bf16 and fp8 fast on GPU 0, fp8 fast with the head in fp8 on GPU 1
 #
@@ -77,7 +79,7 @@ llama7b() {  # PRECISION-CHECKPOINTING-bBATCH [noexpand] (PRECISION: bf16, fp8, 
   )
 }
 
-for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, op7bfast, alloc7b, allocop7b, loss, lossfast, fp8head, fp8headcap, smallhead, fp8chunk, fp8chunkcap, smallchunk, fsdpchunk, fp8chunkprof, losshead or lossfresh}"; do
+for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, op7bfast, alloc7b, allocop7b, loss, lossfast, fp8head, fp8headcap, smallhead, fp8chunk, fp8chunkcap, smallchunk, fsdpchunk, fp8chunkprof, fusedmlp, fusedmlpcap, losshead or lossfresh}"; do
 case "$mode" in
 fp8)
   raw raw-1.3b 1.3b --compile --batch 16 --steps 30
@@ -162,6 +164,20 @@ fp8chunkprof)  # opt-1.3b fp8 fast with the chunked float8 head at batch 48: 3 s
   TMO=300 bench fp8chunk-prof-b48 --no-raw --dir /tmp/fcprof --steps 12 --warmup 4 --profile 3 $M13 data.seq_len=1024 data.batch_size=48 module.fp8=tensorwise module.fp8_fast_accum=true module.fp8_layers=all module.loss_chunk_tokens=8192
   python3 bench/trace_gaps.py /tmp/fcprof/trainer/profile/trace_rank0.json --kernels 45 --steps 3 > "$OUT/fp8chunk-prof-b48-kernels.txt"
   head -48 "$OUT/fp8chunk-prof-b48-kernels.txt"
+  ;;
+fusedmlp)  # opt-1.3b fp8 fast with the chunked float8 head at batch 48: torchao's MLP layers against the fused float8 MLP (lmtrain.nn.float8_mlp), beside raw at the same batch
+  raw raw-1.3b-b48 1.3b --compile --batch 48 --steps 20
+  F48="--no-raw --steps 16 --warmup 6 $M13 data.seq_len=1024 data.batch_size=48 module.fp8=tensorwise module.fp8_fast_accum=true module.fp8_layers=all module.loss_chunk_tokens=8192"
+  TMO=200 bench fp8chunk-b48 $F48
+  TMO=200 bench fp8chunk-fusedmlp-b48 $F48 module.fp8_fused_mlp=true
+  ;;
+fusedmlpcap)  # fusedmlp under an 80 GB H100's memory (CAP_GIB, as fp8headcap): raw at its largest batch there, 32
+  export PYTHONPATH=$PWD/bench/memory_cap${PYTHONPATH:+:$PYTHONPATH} CAP_GIB=${CAP_GIB:-79.1}
+  TMO=100 raw raw-1.3b-b32-cap 1.3b --compile --batch 32 --steps 20
+  F48="--no-raw --steps 16 --warmup 6 $M13 data.seq_len=1024 data.batch_size=48 module.fp8=tensorwise module.fp8_fast_accum=true module.fp8_layers=all module.loss_chunk_tokens=8192"
+  TMO=200 bench fp8chunk-b48-cap $F48
+  TMO=200 bench fp8chunk-fusedmlp-b48-cap $F48 module.fp8_fused_mlp=true
+  unset CAP_GIB
   ;;
 smallchunk)  # opt-125m at batch 64: the output head alone in fp8, chunked, beside raw
   raw raw-124m 124m --compile --batch 64 --steps 40

@@ -1,10 +1,11 @@
 """The MLP half of an OPT block alone, ``x + fc2(gelu_tanh(fc1(layer_norm(x))))``, stacked and compiled, forward and
 backward: bf16 against float8 (torchao tensorwise with fast accumulation, as ``module.fp8=tensorwise
-module.fp8_fast_accum=true``), under Inductor settings given on the command line. Prints the time per block and, on
+module.fp8_fast_accum=true``) and against our fused float8 MLP (``fp8-fused``, as ``module.fp8_fused_mlp=true``:
+lmtrain.nn.float8_mlp), under Inductor settings given on the command line. Prints the time per block and, on
 a GPU, the kernels by device time per block: how much of an FP8 step is casts, amax reductions and the GELU
 around the float8 products, and whether a compiler setting shortens them (docs/BENCHMARKS.md)::
 
-    python3 bench/fp8_mlp.py                                      # d 2048, 49,152 tokens (opt-1.3b, batch 48), 2 blocks, bf16 and fp8
+    python3 bench/fp8_mlp.py                                      # d 2048, 49,152 tokens (opt-1.3b, batch 48), 2 blocks, bf16, fp8 and fp8-fused
     python3 bench/fp8_mlp.py --kinds fp8 --inductor triton.max_tiles=3
     python3 bench/fp8_mlp.py --kinds fp8 --inductor coordinate_descent_tuning=true
     python3 bench/fp8_mlp.py --device cpu --d 64 --tokens 256 --blocks 2 --steps 1   # eager, the numbers only (tests)
@@ -23,15 +24,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmtrain.nn.float8_mlp import float8_mlp
 from lmtrain.training.fp8 import float8_config
+
+KINDS = ("bf16", "fp8", "fp8-fused")
 
 
 class MLP(nn.Module):
     def __init__(self, d: int):
         super().__init__()
         self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.fused = False
 
     def forward(self, x):
+        if self.fused:
+            return x + float8_mlp(self.ln(x), self.fc1, self.fc2, "gelu_tanh", fast_accum=True)
         return x + self.fc2(F.gelu(self.fc1(self.ln(x)), approximate="tanh"))
 
 
@@ -67,6 +74,8 @@ def measure(kind: str, d: int, tokens: int, blocks: int, steps: int, device: str
     model = nn.Sequential(*[MLP(d) for _ in range(blocks)]).to(device)
     if kind == "fp8":
         convert_to_float8_training(model, config=float8_config("tensorwise", sharded=False, device=torch.device(device), fast_accum=True))
+    for block in model if kind == "fp8-fused" else ():
+        block.fused = True
     x = torch.randn(tokens, d, device=device, requires_grad=True)
     grad = torch.randn(tokens, d, device=device, dtype=torch.bfloat16)
     cuda = device == "cuda"
@@ -121,7 +130,7 @@ def main() -> None:
     p.add_argument("--d", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=49152)
     p.add_argument("--blocks", type=int, default=2)
-    p.add_argument("--kinds", nargs="+", choices=("bf16", "fp8"), default=["bf16", "fp8"])
+    p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=18, help="kernels listed per kind (GPU)")
     p.add_argument("--device", default="cuda")
