@@ -261,7 +261,9 @@ def test_the_mlp_bench_runs_and_float8_follows_bf16():
     argv = [sys.executable, "bench/fp8_mlp.py", "--device", "cpu", "--d", "64", "--tokens", "256", "--blocks", "2", "--steps", "1"]
     res = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    norms = {k: (float(o), float(g)) for k, o, g in re.findall(r"^([\w-]+): .* output norm ([\d.]+), x grad norm ([\d.]+)", res.stdout, re.M)}
+    norms = {
+        k: (float(o), float(g)) for k, o, g in re.findall(r"^([\w-]+): .* output norm ([\d.]+), x grad norm ([\d.]+)", res.stdout, re.M)
+    }
     assert set(norms) == {"bf16", "fp8", "fp8-fused"}, res.stdout
     assert norms["fp8"] != norms["bf16"] and norms["fp8-fused"] != norms["bf16"]
     assert norms["fp8"] == pytest.approx(norms["bf16"], rel=2e-2), norms
