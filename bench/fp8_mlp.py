@@ -9,6 +9,7 @@ around the float8 products, and whether a compiler setting shortens them (docs/B
     python3 bench/fp8_mlp.py --kinds fp8 --inductor triton.max_tiles=3
     python3 bench/fp8_mlp.py --kinds fp8 --inductor coordinate_descent_tuning=true
     python3 bench/fp8_mlp.py --device cpu --d 64 --tokens 256 --blocks 2 --steps 1   # eager, the numbers only (tests)
+    python3 bench/fp8_mlp.py --passes --act gelu                  # the fused MLP's activation passes alone, Triton against compiled PyTorch
 
 Each ``--inductor KEY=VALUE`` sets ``torch._inductor.config.KEY`` (true/false, integers, else text) before anything
 compiles. Run one setting per process: Inductor reads its settings when it compiles.
@@ -125,6 +126,38 @@ def measure(kind: str, d: int, tokens: int, blocks: int, steps: int, device: str
     return "\n".join([line, f"  kernels per block: {sum(total.values()) / per_block:.3f} ms, the {top} longest:", *rows])
 
 
+def passes(d: int, tokens: int, act: str, steps: int) -> None:
+    """lmtrain.nn.float8_mlp's activation passes on a (tokens, 4 d) bf16 tensor, forward (activation to e4m3) and
+    backward (gradient to e5m2, with the bias gradient): its Triton kernels against its PyTorch passes compiled, the
+    time and the share of values that differ."""
+    from lmtrain.nn import float8_mlp as fm
+
+    torch.manual_seed(0)
+    h = torch.randn(tokens, 4 * d, device="cuda").bfloat16()
+    dy = (torch.randn(tokens, 4 * d, device="cuda") * 1e-3).bfloat16()
+    compiled = torch.compile(fm.act_float8_reference)
+    for grad in (None, dy):
+        ref, ours = compiled(h, grad, act), fm._act_float8_triton(h, grad, act)
+        differ = (ours[0].float() != ref[0].float()).float().mean().item()
+        times = []
+        for fn in (compiled, fm._act_float8_triton):
+            for _ in range(3):
+                fn(h, grad, act)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                fn(h, grad, act)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / steps)
+        moved = (2 * (2 if grad is None else 4) + 2) * h.numel()  # both passes read h (and dy), the second writes two float8 copies
+        print(
+            f"{act} {'backward' if grad is not None else 'forward'} ({tokens:,} x {4 * d:,}): compiled PyTorch {times[0]:.3f} ms, "
+            f"Triton {times[1]:.3f} ms ({moved / times[1] / 1e9:.2f} TB/s over {moved / 1e9:.2f} GB), values differing {differ:.1e}",
+            flush=True,
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--d", type=int, default=2048)
@@ -135,11 +168,16 @@ def main() -> None:
     p.add_argument("--top", type=int, default=18, help="kernels listed per kind (GPU)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--inductor", type=inductor_setting, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--passes", action="store_true", help="time the fused MLP's activation passes alone (GPU)")
+    p.add_argument("--act", choices=("gelu", "gelu_tanh", "relu"), default="gelu_tanh", help="with --passes")
     a = p.parse_args()
     apply(a.inductor)
     settings = " ".join(f"{k}={v}" for k, v in a.inductor) or "default"
     name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     print(f"{name}, torch {torch.__version__}, Inductor settings: {settings}", flush=True)
+    if a.passes:
+        passes(a.d, a.tokens, a.act, a.steps)
+        return
     for kind in a.kinds:
         print(measure(kind, a.d, a.tokens, a.blocks, a.steps, a.device, a.top), flush=True)
 
