@@ -86,8 +86,8 @@ if triton is not None:
     @triton.jit
     def _amax_pass(h_ptr, dy_ptr, amax_ptr, sum_ptr, M, N, ACT: tl.constexpr, GRAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
         pm, pn = tl.program_id(0), tl.program_id(1)
-        rows = pm * BM + tl.arange(0, BM)[:, None]
-        cols = pn * BN + tl.arange(0, BN)[None, :]
+        rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)[:, None]  # 64-bit offsets: tokens x ffn may pass 2**31
+        cols = (pn * BN + tl.arange(0, BN)).to(tl.int64)[None, :]
         mask = (rows < M) & (cols < N)
         v = _value(h_ptr, dy_ptr, rows * N + cols, mask, ACT, GRAD)
         tl.store(amax_ptr + pm * tl.num_programs(1) + pn, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
@@ -100,8 +100,8 @@ if triton is not None:
         h_ptr, dy_ptr, scale_ptr, out_ptr, out_t_ptr, M, N, ACT: tl.constexpr, GRAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr
     ):
         pm, pn = tl.program_id(0), tl.program_id(1)
-        rows = pm * BM + tl.arange(0, BM)[:, None]
-        cols = pn * BN + tl.arange(0, BN)[None, :]
+        rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)[:, None]  # 64-bit offsets: tokens x ffn may pass 2**31
+        cols = (pn * BN + tl.arange(0, BN)).to(tl.int64)[None, :]
         mask = (rows < M) & (cols < N)
         v = _value(h_ptr, dy_ptr, rows * N + cols, mask, ACT, GRAD) * tl.load(scale_ptr)
         if GRAD:
