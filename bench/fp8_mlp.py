@@ -73,6 +73,10 @@ def measure(kind: str, d: int, tokens: int, blocks: int, steps: int, device: str
 
     torch.manual_seed(0)
     model = nn.Sequential(*[MLP(d) for _ in range(blocks)]).to(device)
+    if kind == "fp8-fused":
+        from lmtrain.training.kernels import register_float8_mlp_passes
+
+        register_float8_mlp_passes()  # its Triton passes on a GPU, as module.fp8_fused_mlp has them
     if kind == "fp8":
         convert_to_float8_training(model, config=float8_config("tensorwise", sharded=False, device=torch.device(device), fast_accum=True))
     for block in model if kind == "fp8-fused" else ():
@@ -131,16 +135,19 @@ def passes(d: int, tokens: int, act: str, steps: int) -> None:
     backward (gradient to e5m2, with the bias gradient): its Triton kernels against its PyTorch passes compiled, the
     time and the share of values that differ."""
     from lmtrain.nn import float8_mlp as fm
+    from lmtrain.training.kernels import act_float8_triton, register_float8_mlp_passes
 
+    if not register_float8_mlp_passes():
+        raise SystemExit("--passes needs Triton (a GPU machine)")
     torch.manual_seed(0)
     h = torch.randn(tokens, 4 * d, device="cuda").bfloat16()
     dy = (torch.randn(tokens, 4 * d, device="cuda") * 1e-3).bfloat16()
     compiled = torch.compile(fm.act_float8_reference)
     for grad in (None, dy):
-        ref, ours = compiled(h, grad, act), fm._act_float8_triton(h, grad, act)
+        ref, ours = compiled(h, grad, act), act_float8_triton(h, grad, act)
         differ = (ours[0].float() != ref[0].float()).float().mean().item()
         times = []
-        for fn in (compiled, fm._act_float8_triton):
+        for fn in (compiled, act_float8_triton):
             for _ in range(3):
                 fn(h, grad, act)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

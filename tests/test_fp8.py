@@ -292,19 +292,21 @@ def test_the_fused_float8_mlp_computes_what_torchaos_float8_layers_compute(act, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "relu"])
 def test_the_fused_mlps_triton_passes_give_the_pytorch_passes_results(act):
-    """On a GPU, lmtrain.nn.float8_mlp's two Triton passes each way give what its PyTorch passes give (the CPU's):
+    """On a GPU, the two Triton passes each way that lmtrain.training.kernels registers for lmtrain.nn.float8_mlp's
+    operator give what its PyTorch passes give (the CPU's):
     the activation in e4m3 and its gradient in e5m2, both layouts, the scale and the bias gradient, at an odd size and
     a large one; and the fused MLP, compiled under bf16 autocast, follows torchao's float8 layers."""
     from lmtrain.nn import float8_mlp as fm
+    from lmtrain.training import kernels
 
-    if not torch.cuda.is_available() or fm.triton is None:
+    if not torch.cuda.is_available() or not kernels.register_float8_mlp_passes():
         pytest.skip("needs a GPU and Triton")
     torch.manual_seed(0)
     for m, n in ((301, 200), (4096, 2048)):
         h = torch.randn(m, n, device="cuda").bfloat16()
         dy = (torch.randn(m, n, device="cuda") * 1e-3).bfloat16()
         for grad in (None, dy):
-            ours, ref = fm._act_float8_triton(h, grad, act), fm.act_float8_reference(h, grad, act)
+            ours, ref = fm.act_float8(h, grad, act), fm.act_float8_reference(h, grad, act)  # the registered Triton passes
             assert ours[0].dtype == ref[0].dtype and torch.equal(ours[1].float(), ours[0].float().t())
             assert torch.equal(ref[1].float(), ref[0].float().t())
             differ = (ours[0].float() != ref[0].float()).float().mean().item()

@@ -15,8 +15,9 @@ accumulate in fast mode as torchao's recipes do, the four backward ones with ``f
 (x, the weights, the output's gradient) are cast by compiled PyTorch code, as in lmtrain.nn.loss. Saved for the
 backward: ``x`` in e4m3 (transposed), ``h`` in bf16 and the activation in e4m3 (transposed).
 
-On the CPU, or without Triton, the same passes run as PyTorch code (:func:`act_float8_reference`), which the Triton
-kernels match bit for bit on a GPU (tests/test_fp8.py). Selected with ``module.fp8=tensorwise
+The passes are the operator ``lmtrain::act_float8``: here as PyTorch code (:func:`act_float8_reference`, what runs on
+the CPU), and on a GPU as Triton kernels that lmtrain.training.kernels registers for it (this layer imports PyTorch
+alone), which match the PyTorch passes on a GPU (tests/test_fp8.py). Selected with ``module.fp8=tensorwise
 module.fp8_fused_mlp=true`` (lmtrain.training.fp8)."""
 
 from __future__ import annotations
@@ -28,12 +29,6 @@ from lmtrain.nn.loss import E4M3, E5M2, _compute_dtype, _e4m3_both_layouts, _on,
 
 ACTS = ("gelu", "gelu_tanh", "relu")
 _ALIGN = 16  # float8 matmuls: every size a multiple of this, the tokens' too (the weight gradients sum over them)
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU install: the PyTorch passes below
-    triton = None
 
 
 def _activation(h: torch.Tensor, act: str) -> torch.Tensor:
@@ -56,99 +51,14 @@ def act_float8_reference(h: torch.Tensor, dy: torch.Tensor | None, act: str) -> 
     return v8, v8.t().contiguous(), inv, total
 
 
-if triton is not None:
-
-    @triton.jit
-    def _value(h_ptr, dy_ptr, offs, mask, ACT: tl.constexpr, GRAD: tl.constexpr):
-        """The activation (GRAD false) or its gradient at ``offs``, in fp32 after rounding to bf16 as the plain
-        MLP's bf16 tensor holds it; 0 outside ``mask``."""
-        x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if ACT == 2:  # relu
-            d = 1.0
-            v = tl.maximum(x, 0.0)
-        elif ACT == 1:  # gelu, tanh approximation
-            x2 = x * x
-            t = 2.0 * tl.sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x2 * x)) - 1.0
-            v = 0.5 * x * (1.0 + t)
-            d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x2)
-        else:  # gelu
-            cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
-            v = x * cdf
-            d = cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
-        if GRAD:
-            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if ACT == 2:
-                v = tl.where(x > 0.0, dy, 0.0)
-            else:
-                v = dy * d
-        return tl.where(mask, v.to(tl.bfloat16).to(tl.float32), 0.0)
-
-    @triton.jit
-    def _amax_pass(h_ptr, dy_ptr, amax_ptr, sum_ptr, M, N, ACT: tl.constexpr, GRAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        pm, pn = tl.program_id(0), tl.program_id(1)
-        rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)[:, None]  # 64-bit offsets: tokens x ffn may pass 2**31
-        cols = (pn * BN + tl.arange(0, BN)).to(tl.int64)[None, :]
-        mask = (rows < M) & (cols < N)
-        v = _value(h_ptr, dy_ptr, rows * N + cols, mask, ACT, GRAD)
-        tl.store(amax_ptr + pm * tl.num_programs(1) + pn, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
-        if GRAD:  # this block of rows' share of the sum over tokens (the bias gradient); summed after
-            c = pn * BN + tl.arange(0, BN)
-            tl.store(sum_ptr + pm * N + c, tl.sum(v, axis=0), mask=c < N)
-
-    @triton.jit
-    def _cast_pass(
-        h_ptr, dy_ptr, scale_ptr, out_ptr, out_t_ptr, M, N, ACT: tl.constexpr, GRAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr
-    ):
-        pm, pn = tl.program_id(0), tl.program_id(1)
-        rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)[:, None]  # 64-bit offsets: tokens x ffn may pass 2**31
-        cols = (pn * BN + tl.arange(0, BN)).to(tl.int64)[None, :]
-        mask = (rows < M) & (cols < N)
-        v = _value(h_ptr, dy_ptr, rows * N + cols, mask, ACT, GRAD) * tl.load(scale_ptr)
-        if GRAD:
-            v = tl.clamp(v, -57344.0, 57344.0).to(tl.float8e5)
-        else:
-            v = tl.clamp(v, -448.0, 448.0).to(tl.float8e4nv)
-        tl.store(out_ptr + rows * N + cols, v, mask=mask)
-        tl.store(out_t_ptr + cols * M + rows, v, mask=mask)  # the transposed copy: the compiler stages it for coalesced stores
-
-
-# blocks: the backward's measured on an H200 at 49,152 x 8,192 (bench: 1.44 ms against 2.16 for the compiled passes)
-_AMAX_BLOCK, _CAST_BLOCK, _WARPS = (64, 128), (64, 128), 8
-
-
-def _act_float8_triton(h: torch.Tensor, dy: torch.Tensor | None, act: str) -> tuple[torch.Tensor, ...]:
-    M, N = h.shape
-    grad = dy is not None
-    grid = (triton.cdiv(M, _AMAX_BLOCK[0]), triton.cdiv(N, _AMAX_BLOCK[1]))
-    amax = torch.empty(grid[0] * grid[1], device=h.device, dtype=torch.float32)
-    sums = torch.empty((grid[0], N) if grad else (1,), device=h.device, dtype=torch.float32)  # a pointer either way
-    dy_arg = dy if grad else h  # not read without GRAD
-    code = ACTS.index(act)
-    _amax_pass[grid](h, dy_arg, amax, sums, M, N, ACT=code, GRAD=grad, BM=_AMAX_BLOCK[0], BN=_AMAX_BLOCK[1], num_warps=_WARPS)
-    dtype = E5M2 if grad else E4M3
-    top = torch.finfo(dtype).max
-    scale = top / amax.max().clamp(min=1e-12)  # as lmtrain.nn.loss._to_float8
-    out = torch.empty(M, N, device=h.device, dtype=dtype)
-    out_t = torch.empty(N, M, device=h.device, dtype=dtype)
-    grid = (triton.cdiv(M, _CAST_BLOCK[0]), triton.cdiv(N, _CAST_BLOCK[1]))
-    _cast_pass[grid](
-        h, dy_arg, scale.reshape(1), out, out_t, M, N, ACT=code, GRAD=grad, BM=_CAST_BLOCK[0], BN=_CAST_BLOCK[1], num_warps=_WARPS
-    )
-    return out, out_t, scale.reciprocal(), sums.sum(0) if grad else sums[:0]
-
-
-def _uses_triton(h: torch.Tensor) -> bool:
-    return triton is not None and h.is_cuda and h.dtype == torch.bfloat16
-
-
 @torch.library.custom_op(
     "lmtrain::act_float8", mutates_args=(), schema="(Tensor h, Tensor? dy, str act) -> (Tensor, Tensor, Tensor, Tensor)"
 )
 def act_float8(h: torch.Tensor, dy: torch.Tensor | None, act: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`act_float8_reference`'s results; on a GPU in bf16 by the two Triton passes. An operator of its own:
-    compiled code calls it as it is, rather than splitting it into the kernels this module replaces."""
-    h, dy = h.contiguous(), None if dy is None else dy.contiguous()
-    return _act_float8_triton(h, dy, act) if _uses_triton(h) else act_float8_reference(h, dy, act)
+    """:func:`act_float8_reference`'s results. An operator of its own, so that compiled code calls it as it is rather
+    than splitting it into the kernels it replaces; on a GPU lmtrain.training.kernels registers two Triton passes as
+    its CUDA implementation (:func:`lmtrain.training.kernels.register_float8_mlp_passes`)."""
+    return act_float8_reference(h.contiguous(), None if dy is None else dy.contiguous(), act)
 
 
 @act_float8.register_fake

@@ -16,10 +16,11 @@
                                  1,000 steps on a corpus read once 0.86% below bf16's (docs/BENCHMARKS.md)
 
     module.fp8_fused_mlp=true    with tensorwise, an OPT block's MLP (up, GELU or ReLU, down) as one float8 function of
-                                 ours instead of two torchao layers: the activation and its float8 casts in two Triton
-                                 passes each way (lmtrain.nn.float8_mlp), where the compiler's kernels for them ran at a
-                                 third of the bandwidth; the same numbers as torchao's layers (tests/test_fp8.py). Its
-                                 weights are all-gathered in bf16 under fsdp/hsdp. Not yet measured in a whole model
+                                 ours instead of two torchao layers (lmtrain.nn.float8_mlp): the activation and its
+                                 float8 casts in two Triton passes each way (lmtrain.training.kernels), where the
+                                 compiler's kernels for them ran at a third of the bandwidth; the same numbers as
+                                 torchao's layers (tests/test_fp8.py). Its weights are all-gathered in bf16 under
+                                 fsdp/hsdp. Not yet measured in a whole model
 
 Each converted ``nn.Linear`` becomes torchao's ``Float8Linear``: the same parameters under the same names
 (checkpoints load either way), its forward and backward matmuls in float8 with dynamic scales. The output head is a
@@ -228,7 +229,9 @@ def convert(
                 m.residual_out = True
     if mlps:
         from lmtrain.nn.float8_mlp import float8_mlp
+        from lmtrain.training.kernels import register_float8_mlp_passes
 
+        register_float8_mlp_passes()  # its Triton passes on a GPU
         for mlp in mlps:
             mlp.float8, mlp.float8_fast_accum = float8_mlp, fast_accum
     if layers != "blocks" and chunked_head:

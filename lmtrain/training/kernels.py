@@ -26,3 +26,119 @@ def liger_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 def loss_kernel(name: str):
     """The ``(hidden (N, E), weight (V, E), targets (N,)) -> mean loss`` function named by ``module.loss_kernel``."""
     return {"liger": liger_linear_cross_entropy}[name]
+
+
+# -- module.fp8_fused_mlp: the Triton passes of lmtrain.nn.float8_mlp's operator on a GPU -----------------------------
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU install: the operator keeps its PyTorch passes
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _value(h_ptr, dy_ptr, offs, mask, ACT: tl.constexpr, GRAD: tl.constexpr):
+        """The activation (GRAD false) or its gradient at ``offs``, in fp32 after rounding to bf16 as the plain
+        MLP's bf16 tensor holds it; 0 outside ``mask``. ACT: 0 gelu, 1 gelu_tanh, 2 relu (float8_mlp.ACTS)."""
+        x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 2:
+            d = 1.0
+            v = tl.maximum(x, 0.0)
+        elif ACT == 1:
+            x2 = x * x
+            t = 2.0 * tl.sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x2 * x)) - 1.0
+            v = 0.5 * x * (1.0 + t)
+            d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x2)
+        else:
+            cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+            v = x * cdf
+            d = cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+        if GRAD:
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if ACT == 2:
+                v = tl.where(x > 0.0, dy, 0.0)
+            else:
+                v = dy * d
+        return tl.where(mask, v.to(tl.bfloat16).to(tl.float32), 0.0)
+
+    @triton.jit
+    def _amax_pass(h_ptr, dy_ptr, amax_ptr, sum_ptr, M, N, ACT: tl.constexpr, GRAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        pm, pn = tl.program_id(0), tl.program_id(1)
+        rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)[:, None]  # 64-bit offsets: tokens x ffn may pass 2**31
+        cols = (pn * BN + tl.arange(0, BN)).to(tl.int64)[None, :]
+        mask = (rows < M) & (cols < N)
+        v = _value(h_ptr, dy_ptr, rows * N + cols, mask, ACT, GRAD)
+        tl.store(amax_ptr + pm * tl.num_programs(1) + pn, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
+        if GRAD:  # this block of rows' share of the sum over tokens (the bias gradient); summed after
+            c = pn * BN + tl.arange(0, BN)
+            tl.store(sum_ptr + pm * N + c, tl.sum(v, axis=0), mask=c < N)
+
+    @triton.jit
+    def _cast_pass(
+        h_ptr, dy_ptr, scale_ptr, out_ptr, out_t_ptr, M, N, ACT: tl.constexpr, GRAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr
+    ):
+        pm, pn = tl.program_id(0), tl.program_id(1)
+        rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)[:, None]
+        cols = (pn * BN + tl.arange(0, BN)).to(tl.int64)[None, :]
+        mask = (rows < M) & (cols < N)
+        v = _value(h_ptr, dy_ptr, rows * N + cols, mask, ACT, GRAD) * tl.load(scale_ptr)
+        if GRAD:
+            v = tl.clamp(v, -57344.0, 57344.0).to(tl.float8e5)
+        else:
+            v = tl.clamp(v, -448.0, 448.0).to(tl.float8e4nv)
+        tl.store(out_ptr + rows * N + cols, v, mask=mask)
+        tl.store(out_t_ptr + cols * M + rows, v, mask=mask)  # transposed: the compiler stages it for coalesced stores
+
+
+# blocks: measured on an H200 at 49,152 x 8,192 (backward: 1.44 ms against 2.16 for the compiled PyTorch passes)
+_AMAX_BLOCK, _CAST_BLOCK, _WARPS = (64, 128), (64, 128), 8
+
+
+def act_float8_triton(h: torch.Tensor, dy: torch.Tensor | None, act: str) -> tuple[torch.Tensor, ...]:
+    """lmtrain.nn.float8_mlp.act_float8_reference's results for a bf16 ``h`` (and ``dy``) on a GPU in two Triton
+    passes: the value's amax (and the gradient's partial sums over the rows), then both float8 layouts."""
+    from lmtrain.nn.float8_mlp import ACTS
+    from lmtrain.nn.loss import E4M3, E5M2
+
+    M, N = h.shape
+    grad = dy is not None
+    grid = (triton.cdiv(M, _AMAX_BLOCK[0]), triton.cdiv(N, _AMAX_BLOCK[1]))
+    amax = torch.empty(grid[0] * grid[1], device=h.device, dtype=torch.float32)
+    sums = torch.empty((grid[0], N) if grad else (1,), device=h.device, dtype=torch.float32)  # a pointer either way
+    dy_arg = dy if grad else h  # not read without GRAD
+    code = ACTS.index(act)
+    _amax_pass[grid](h, dy_arg, amax, sums, M, N, ACT=code, GRAD=grad, BM=_AMAX_BLOCK[0], BN=_AMAX_BLOCK[1], num_warps=_WARPS)
+    dtype = E5M2 if grad else E4M3
+    scale = torch.finfo(dtype).max / amax.max().clamp(min=1e-12)  # as lmtrain.nn.loss._to_float8
+    out = torch.empty(M, N, device=h.device, dtype=dtype)
+    out_t = torch.empty(N, M, device=h.device, dtype=dtype)
+    grid = (triton.cdiv(M, _CAST_BLOCK[0]), triton.cdiv(N, _CAST_BLOCK[1]))
+    _cast_pass[grid](
+        h, dy_arg, scale.reshape(1), out, out_t, M, N, ACT=code, GRAD=grad, BM=_CAST_BLOCK[0], BN=_CAST_BLOCK[1], num_warps=_WARPS
+    )
+    return out, out_t, scale.reciprocal(), sums.sum(0) if grad else sums[:0]
+
+
+_registered = False
+
+
+def register_float8_mlp_passes() -> bool:
+    """Make the Triton passes the CUDA implementation of ``lmtrain::act_float8`` (once; bf16 inputs, else its PyTorch
+    passes). False where Triton is missing: the PyTorch passes run everywhere."""
+    global _registered
+    if triton is None:
+        return False
+    if not _registered:
+        from lmtrain.nn.float8_mlp import act_float8, act_float8_reference
+
+        @act_float8.register_kernel("cuda")
+        def _(h, dy, act):
+            h, dy = h.contiguous(), None if dy is None else dy.contiguous()
+            if h.dtype == torch.bfloat16 and (dy is None or dy.dtype == torch.bfloat16):
+                return act_float8_triton(h, dy, act)
+            return act_float8_reference(h, dy, act)
+
+        _registered = True
+    return True
