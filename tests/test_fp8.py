@@ -245,10 +245,9 @@ def _opt_mlp(d: int = 64, ffn: int = 256):
 
 
 def _plain_mlp(x, up, down, act):
-    import torch.nn.functional as F
+    from lmtrain.nn.model import opt_activation
 
-    h = up(x)
-    return down(F.relu(h) if act == "relu" else F.gelu(h, approximate="tanh" if act == "gelu_tanh" else "none"))
+    return down(opt_activation(up(x), act))
 
 
 @pytest.mark.parametrize("tokens", [48, 37], ids=["aligned", "padded"])

@@ -25,14 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmtrain.nn.loss import E4M3, E5M2, _compute_dtype, _e4m3_both_layouts, _on, _scaled_mm, _to_float8
-
-ACTS = ("gelu", "gelu_tanh", "relu")
-_ALIGN = 16  # float8 matmuls: every size a multiple of this, the tokens' too (the weight gradients sum over them)
-
-
-def _activation(h: torch.Tensor, act: str) -> torch.Tensor:
-    return F.relu(h) if act == "relu" else F.gelu(h, approximate="tanh" if act == "gelu_tanh" else "none")
+from lmtrain.nn.loss import _ALIGN, E4M3, E5M2, _compute_dtype, _float8_both_layouts, _on, _scaled_mm, _to_float8
+from lmtrain.nn.model import opt_activation
 
 
 def _activation_grad(dy: torch.Tensor, h: torch.Tensor, act: str) -> torch.Tensor:
@@ -45,7 +39,7 @@ def act_float8_reference(h: torch.Tensor, dy: torch.Tensor | None, act: str) -> 
     """``act(h)`` (``dy`` None) in e4m3, or the gradient ``act'(h) * dy`` in e5m2: (float8 (M, N), the same transposed
     and contiguous (N, M), the inverse scale, and for the gradient its fp32 sum over the M rows, else an empty tensor).
     The value is computed in ``h``'s dtype, as the plain MLP computes it."""
-    v = _activation(h, act) if dy is None else _activation_grad(dy, h, act)
+    v = opt_activation(h, act) if dy is None else _activation_grad(dy, h, act)
     v8, inv = _to_float8(v, E4M3 if dy is None else E5M2)
     total = v.float().sum(0) if dy is not None else v.new_empty(0, dtype=torch.float32)
     return v8, v8.t().contiguous(), inv, total
@@ -69,16 +63,6 @@ def _(h, dy, act):
     return h.new_empty((M, N), dtype=dtype), h.new_empty((N, M), dtype=dtype), h.new_empty((), dtype=torch.float32), total
 
 
-def _e5m2_both_layouts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    x8, inv = _to_float8(x, E5M2)
-    return x8, x8.t().contiguous(), inv
-
-
-def _cast(fn, device: torch.device):
-    """A narrow tensor's cast: traced with the model when it is compiled, else compiled on its own on a GPU."""
-    return fn if torch.compiler.is_compiling() else _on(device, fn)
-
-
 class _Float8MLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_up, b_up, w_down, b_down, act: str, fast_accum: bool):
@@ -93,9 +77,9 @@ class _Float8MLP(torch.autograd.Function):
         )
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(n, shape[-1]).to(dtype)
-            if n % _ALIGN:  # padded tokens: zero rows whose output is dropped and whose gradient is zero
+            if n % _ALIGN:  # padded tokens (the weight gradients sum over them): zero rows, output dropped, gradient zero
                 x2 = F.pad(x2, (0, 0, 0, -n % _ALIGN))
-            cast = _cast(_e4m3_both_layouts, x.device)
+            cast = _on(x.device, _float8_both_layouts)  # the narrow tensors
             x8, x8t, x_inv = cast(x2)
             wu8, wu8t, wu_inv = cast(w_up.to(dtype))  # (F, d), (d, F)
             wd8, wd8t, wd_inv = cast(w_down.to(dtype))  # (d, F), (F, d)
@@ -113,7 +97,7 @@ class _Float8MLP(torch.autograd.Function):
             dy = grad_y.reshape(n, grad_y.shape[-1]).to(dtype)
             if h.shape[0] != n:
                 dy = F.pad(dy, (0, 0, 0, h.shape[0] - n))
-            dy8, dy8t, dy_inv = _cast(_e5m2_both_layouts, dy.device)(dy)
+            dy8, dy8t, dy_inv = _on(dy.device, _float8_both_layouts)(dy, E5M2)
             d_a = _scaled_mm(dy8, wd8t.t(), dy_inv, wd_inv, dtype, fast)  # (T, F)
             d_wd = _scaled_mm(dy8t, a8t.t(), dy_inv, a_inv, torch.float32, fast)  # (d, F)
             d_bd = dy.float().sum(0)

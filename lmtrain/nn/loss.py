@@ -51,15 +51,21 @@ def _chunk_loss(x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, t
     return torch.where(valid, lse - x.gather(1, t[:, None]).squeeze(1), 0.0).sum(), lse, valid, t
 
 
-def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk: the sum of its loss terms (fp32) and their gradient with respect to the logits times ``scale``
-    (softmax minus one-hot; zero for ignored targets), in the logits' dtype. On a GPU this runs compiled (see
-    ``_on``): one pass over the logits for the log-sum-exp, one that writes the gradient, no fp32 copy."""
+def _loss_and_logit_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk: the sum of its loss terms and the gradient of each term with respect to the logits (softmax minus
+    one-hot; zero for ignored targets), both fp32, the gradient not yet divided by the count."""
     x = logits.float()
     loss, lse, valid, t = _chunk_loss(x, targets)
     onehot = torch.arange(x.shape[1], device=x.device)[None, :] == t[:, None]
-    grad = torch.where(valid[:, None], (torch.exp(x - lse[:, None]) - onehot.float()) * scale, 0.0)
-    return loss, grad.to(logits.dtype)
+    return loss, torch.where(valid[:, None], torch.exp(x - lse[:, None]) - onehot.float(), 0.0)
+
+
+def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk: the sum of its loss terms (fp32) and their gradient with respect to the logits times ``scale``, in
+    the logits' dtype. On a GPU this runs compiled (see ``_on``): one pass over the logits for the log-sum-exp, one
+    that writes the gradient, no fp32 copy."""
+    loss, grad = _loss_and_logit_grad(logits, targets)
+    return loss, (grad * scale).to(logits.dtype)
 
 
 @functools.cache
@@ -70,8 +76,8 @@ def _compiled(fn):
 def _on(device: torch.device, fn):
     """``fn`` for this device: compiled on CUDA (fused: a chunk's logits read once for the log-sum-exp and once to
     write the gradient; a float8 cast in one pass after its amax), eager elsewhere (CPU runs are tests and small
-    models)."""
-    return _compiled(fn) if device.type == "cuda" else fn
+    models), and as it is inside code being compiled (lmtrain.nn.float8_mlp in a compiled model: traced with it)."""
+    return _compiled(fn) if device.type == "cuda" and not torch.compiler.is_compiling() else fn
 
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -87,22 +93,19 @@ def _to_float8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch
     return (x.float() * scale).clamp(-top, top).to(dtype), scale.reciprocal()
 
 
-def _e4m3_both_layouts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` (R, C) in e4m3, the same values transposed and contiguous (C, R), and the inverse scale: the hidden
-    states and the weight, each read by one product as it is and by another in the other layout."""
-    x8, inv = _to_float8(x, E4M3)
+def _float8_both_layouts(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` (R, C) in ``dtype``, the same values transposed and contiguous (C, R), and the inverse scale: a tensor read
+    by one product as it is and by another in the other layout (the hidden states and the weight here)."""
+    x8, inv = _to_float8(x, dtype)
     return x8, x8.t().contiguous(), inv
 
 
 def _chunk_loss_and_grad_float8(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk in float8: the sum of its loss terms (fp32) and the gradient of each term with respect to the logits
-    (softmax minus one-hot, zero for ignored targets; not yet divided by the count), times e5m2's largest value and
-    cast to e5m2, as (chunk, vocab) and transposed (vocab, chunk), both contiguous."""
-    x = logits.float()
-    loss, lse, valid, t = _chunk_loss(x, targets)
-    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == t[:, None]
-    grad = torch.where(valid[:, None], torch.exp(x - lse[:, None]) - onehot.float(), 0.0) * torch.finfo(E5M2).max
-    grad = grad.to(E5M2)
+    """One chunk in float8: the sum of its loss terms (fp32) and their gradient with respect to the logits (not yet
+    divided by the count) times e5m2's largest value and cast to e5m2, as (chunk, vocab) and transposed (vocab, chunk),
+    both contiguous."""
+    loss, grad = _loss_and_logit_grad(logits, targets)
+    grad = (grad * torch.finfo(E5M2).max).to(E5M2)
     return loss, grad, grad.t().contiguous()
 
 
@@ -148,7 +151,7 @@ def _float8_forward(hidden, weight, targets, chunk, need_grad, fast_accum, dtype
         targets = F.pad(targets, (0, -n % _ALIGN), value=IGNORE_INDEX)
     chunk = -(-chunk // _ALIGN) * _ALIGN
     count = (targets != IGNORE_INDEX).sum().clamp(min=1).float()
-    cast = _on(hidden.device, _e4m3_both_layouts)
+    cast = _on(hidden.device, _float8_both_layouts)
     w8, w8t, w_inv = cast(weight.to(dtype))
     w8_columns = w8t.t()  # (V, E) column-major, for the hidden states' gradient
     h8, h8t, h_inv = cast(hidden.to(dtype))

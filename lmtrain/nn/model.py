@@ -257,7 +257,7 @@ class MLP(nn.Module):
         self.down.residual_out = True
         self.act = cfg.act
         # module.fp8_fused_mlp: lmtrain.nn.float8_mlp.float8_mlp, computing up, the activation and down in float8 as
-        # one function (set by lmtrain.training.fp8.convert, which imports it: Triton only where it is used)
+        # one function (set by lmtrain.training.fp8.convert: that module imports this one)
         self.float8, self.float8_fast_accum = None, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -266,10 +266,12 @@ class MLP(nn.Module):
         if self.swiglu:
             gate, up = self.gate_up(x).chunk(2, dim=-1)
             return self.down(F.silu(gate) * up)
-        h = self.up(x)
-        if self.act == "relu":
-            return self.down(F.relu(h))
-        return self.down(F.gelu(h, approximate="tanh" if self.act == "gelu_tanh" else "none"))
+        return self.down(opt_activation(self.up(x), self.act))
+
+
+def opt_activation(h: torch.Tensor, act: str) -> torch.Tensor:
+    """The opt family's MLP activation named by ``ModelConfig.act`` (one of ACTIVATIONS["opt"])."""
+    return F.relu(h) if act == "relu" else F.gelu(h, approximate="tanh" if act == "gelu_tanh" else "none")
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:

@@ -245,12 +245,13 @@ def convert(
 def _fusable_mlps(model: nn.Module, blocks) -> list[nn.Module]:
     """Every block's MLP, each an OPT one (``up`` and ``down`` linear layers with biases, a GELU or ReLU), or a
     refusal naming what is not."""
-    from lmtrain.nn.float8_mlp import ACTS
+    from lmtrain.nn.model import ACTIVATIONS
 
+    acts = ACTIVATIONS["opt"]
     mlps = [getattr(b, "mlp", None) for b in (blocks if blocks is not None else [])]
     ok = bool(mlps) and all(
         m is not None
-        and getattr(m, "act", None) in ACTS
+        and getattr(m, "act", None) in acts
         and all(type(getattr(m, n, None)) is nn.Linear and getattr(m, n).bias is not None for n in ("up", "down"))
         and hasattr(m, "float8")
         for m in mlps
@@ -258,7 +259,7 @@ def _fusable_mlps(model: nn.Module, blocks) -> list[nn.Module]:
     if not ok:
         raise InputError(
             f"module.fp8_fused_mlp=true: the model {type(model).__name__} has blocks without an OPT MLP (linear up and "
-            f"down with biases, activation one of {list(ACTS)}; lmtrain.nn.model's opt family has them): use module.fp8_fused_mlp=false"
+            f"down with biases, activation one of {list(acts)}; lmtrain.nn.model's opt family has them): use module.fp8_fused_mlp=false"
         )
     return mlps
 

@@ -41,7 +41,7 @@ if triton is not None:
     @triton.jit
     def _value(h_ptr, dy_ptr, offs, mask, ACT: tl.constexpr, GRAD: tl.constexpr):
         """The activation (GRAD false) or its gradient at ``offs``, in fp32 after rounding to bf16 as the plain
-        MLP's bf16 tensor holds it; 0 outside ``mask``. ACT: 0 gelu, 1 gelu_tanh, 2 relu (float8_mlp.ACTS)."""
+        MLP's bf16 tensor holds it; 0 outside ``mask``. ACT: 0 gelu, 1 gelu_tanh, 2 relu (model.ACTIVATIONS["opt"])."""
         x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if ACT == 2:
             d = 1.0
@@ -99,8 +99,8 @@ _AMAX_BLOCK, _CAST_BLOCK, _WARPS = (64, 128), (64, 128), 8
 def act_float8_triton(h: torch.Tensor, dy: torch.Tensor | None, act: str) -> tuple[torch.Tensor, ...]:
     """lmtrain.nn.float8_mlp.act_float8_reference's results for a bf16 ``h`` (and ``dy``) on a GPU in two Triton
     passes: the value's amax (and the gradient's partial sums over the rows), then both float8 layouts."""
-    from lmtrain.nn.float8_mlp import ACTS
-    from lmtrain.nn.loss import E4M3, E5M2
+    from lmtrain.nn.loss import _AMAX_FLOOR, E4M3, E5M2
+    from lmtrain.nn.model import ACTIVATIONS
 
     M, N = h.shape
     grad = dy is not None
@@ -108,10 +108,10 @@ def act_float8_triton(h: torch.Tensor, dy: torch.Tensor | None, act: str) -> tup
     amax = torch.empty(grid[0] * grid[1], device=h.device, dtype=torch.float32)
     sums = torch.empty((grid[0], N) if grad else (1,), device=h.device, dtype=torch.float32)  # a pointer either way
     dy_arg = dy if grad else h  # not read without GRAD
-    code = ACTS.index(act)
+    code = ACTIVATIONS["opt"].index(act)
     _amax_pass[grid](h, dy_arg, amax, sums, M, N, ACT=code, GRAD=grad, BM=_AMAX_BLOCK[0], BN=_AMAX_BLOCK[1], num_warps=_WARPS)
     dtype = E5M2 if grad else E4M3
-    scale = torch.finfo(dtype).max / amax.max().clamp(min=1e-12)  # as lmtrain.nn.loss._to_float8
+    scale = torch.finfo(dtype).max / amax.max().clamp(min=_AMAX_FLOOR)  # as lmtrain.nn.loss._to_float8
     out = torch.empty(M, N, device=h.device, dtype=dtype)
     out_t = torch.empty(N, M, device=h.device, dtype=dtype)
     grid = (triton.cdiv(M, _CAST_BLOCK[0]), triton.cdiv(N, _CAST_BLOCK[1]))
