@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from trace_gaps import kernel_table  # this script's folder, bench/, is first on the path
 
 from lmtrain.nn.float8_mlp import float8_mlp
 from lmtrain.training.fp8 import float8_config
@@ -62,8 +62,8 @@ def apply(settings: list[tuple[str, object]]) -> None:
         *path, name = key.split(".")
         node = config
         for part in path:
-            node = getattr(node, part)
-        if not hasattr(node, name):
+            node = getattr(node, part, None)
+        if node is None or not hasattr(node, name):
             raise SystemExit(f"--inductor {key}: torch._inductor.config has no such setting")
         setattr(node, name, value)
 
@@ -116,18 +116,8 @@ def measure(kind: str, d: int, tokens: int, blocks: int, steps: int, device: str
         for _ in range(3):
             forward().backward(grad)
         torch.cuda.synchronize()
-    total: dict[str, float] = defaultdict(float)
-    count: dict[str, int] = defaultdict(int)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            total[e.name] += e.device_time
-            count[e.name] += 1
-    per_block = 3 * blocks * 1e3
-    rows = [
-        f"  {t / per_block:7.3f} ms {count[n] / (3 * blocks):4.1f}x  {n[:120]}"
-        for n, t in sorted(total.items(), key=lambda kv: -kv[1])[:top]
-    ]
-    return "\n".join([line, f"  kernels per block: {sum(total.values()) / per_block:.3f} ms, the {top} longest:", *rows])
+    kernels = [{"name": e.name, "dur": e.device_time} for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return "\n".join([line, *kernel_table(kernels, top, 3 * blocks, "block")])
 
 
 def passes(d: int, tokens: int, act: str, steps: int) -> None:

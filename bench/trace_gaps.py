@@ -17,19 +17,22 @@ import json
 from collections import defaultdict
 
 
-def kernel_table(device: list[dict], top: int, steps: int) -> None:
-    """The ``top`` kernels (by name) with the most device time: ms and calls per step, and their share of it all."""
+def kernel_table(device: list[dict], top: int, steps: float, unit: str = "step") -> list[str]:
+    """The ``top`` kernels (by name; each event a ``name`` and a ``dur`` in us) with the most device time: ms and calls
+    per ``unit`` (``steps`` of them in the events), and their share of it all. bench/fp8_mlp.py reads its profile
+    with it too."""
     total: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
     for e in device:
         total[e["name"]] += e["dur"]
         count[e["name"]] += 1
     whole = sum(total.values())
-    print(
-        f"device time {whole / steps / 1e3:.2f} ms per step in {len(device) / steps:.0f} kernels; the {top} longest (ms, calls per step):"
-    )
-    for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
-        print(f"  {us / steps / 1e3:8.2f} {count[name] / steps:6.1f}x {us / whole:6.1%}  {name[:140]}")
+    head = f"device time {whole / steps / 1e3:.2f} ms per {unit} in {len(device) / steps:.0f} kernels; the {top} longest (ms, calls per {unit}):"
+    rows = [
+        f"  {us / steps / 1e3:8.2f} {count[name] / steps:6.1f}x {us / whole:6.1%}  {name[:140]}"
+        for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]
+    ]
+    return [head, *rows]
 
 
 def main() -> None:
@@ -48,7 +51,7 @@ def main() -> None:
         print("no device kernels in the trace")
         return
     if a.kernels:
-        kernel_table(device, a.kernels, a.steps)
+        print("\n".join(kernel_table(device, a.kernels, a.steps)))
     gaps, end = [], kernels[0][1]
     busy = kernels[0][1] - kernels[0][0]  # the first kernel, which the loop below starts after
     for start, stop in kernels:

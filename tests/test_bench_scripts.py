@@ -272,6 +272,10 @@ def test_the_mlp_bench_runs_and_float8_follows_bf16():
         [*argv, "--kinds", "bf16", "--inductor", "triton.max_tile=3"], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert bad.returncode != 0 and "triton.max_tile: torch._inductor.config has no such setting" in bad.stderr, bad.stderr[-2000:]
+    bad = subprocess.run(
+        [*argv, "--kinds", "bf16", "--inductor", "trition.max_tiles=3"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert bad.returncode != 0 and "trition.max_tiles: torch._inductor.config has no such setting" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_trace_gaps_finds_the_gap_and_the_host_event_in_it_and_lists_kernels_per_step(tmp_path):
