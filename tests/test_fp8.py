@@ -292,27 +292,35 @@ def test_the_fused_float8_mlp_computes_what_torchaos_float8_layers_compute(act, 
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "relu"])
 def test_the_fused_mlps_triton_passes_give_the_pytorch_passes_results(act):
     """On a GPU, the two Triton passes each way that lmtrain.training.kernels registers for lmtrain.nn.float8_mlp's
-    operator give what its PyTorch passes give (the CPU's):
-    the activation in e4m3 and its gradient in e5m2, both layouts, the scale and the bias gradient, at an odd size and
-    a large one; and the fused MLP, compiled under bf16 autocast, follows torchao's float8 layers."""
+    operators give what their PyTorch passes give (the CPU's): the activation in e4m3 and its scale; its gradient in
+    e5m2 in both layouts, the scale and the bias gradient, and the activation again at the forward's scale,
+    transposed, equal to the forward's; at an odd size and a large one. And the fused MLP, compiled under bf16
+    autocast, is as close to the bf16 MLP as torchao's float8 layers are. (Not equal to torchao's there, as on the CPU:
+    compiled, Inductor keeps the activation in fp32 before its amax, so the two scales differ in the last bits and the
+    two casts round apart: 2.5% measured on an H200.)"""
     from lmtrain.nn import float8_mlp as fm
     from lmtrain.training import kernels
 
     if not torch.cuda.is_available() or not kernels.register_float8_mlp_passes():
         pytest.skip("needs a GPU and Triton")
+
+    def differ(a, b):  # the share of float8 values that differ
+        return (a.float() != b.float()).float().mean().item()
+
     torch.manual_seed(0)
     for m, n in ((301, 200), (4096, 2048)):
         h = torch.randn(m, n, device="cuda").bfloat16()
         dy = (torch.randn(m, n, device="cuda") * 1e-3).bfloat16()
-        for grad in (None, dy):
-            ours, ref = fm.act_float8(h, grad, act), fm.act_float8_reference(h, grad, act)  # the registered Triton passes
-            assert ours[0].dtype == ref[0].dtype and torch.equal(ours[1].float(), ours[0].float().t())
-            assert torch.equal(ref[1].float(), ref[0].float().t())
-            differ = (ours[0].float() != ref[0].float()).float().mean().item()
-            assert differ < 1e-3, (act, m, n, grad is None, differ)
-            assert float(ours[2] / ref[2]) == pytest.approx(1, rel=1e-2)
-            if grad is not None:
-                assert float((ours[3] - ref[3]).norm() / ref[3].norm()) < 1e-3
+        (a8, scale), ref = fm.act_float8(h, act), fm.act_float8_reference(h, act)  # the registered Triton passes
+        assert a8.dtype == ref[0].dtype and differ(a8, ref[0]) < 1e-3, (act, m, n, differ(a8, ref[0]))
+        assert float(scale / ref[1]) == pytest.approx(1, rel=1e-2)
+        ours, ref = fm.act_grad_float8(h, dy, act, scale), fm.act_grad_float8_reference(h, dy, act, scale)
+        assert ours[0].dtype == ref[0].dtype and torch.equal(ours[1].float(), ours[0].float().t())
+        assert torch.equal(ref[1].float(), ref[0].float().t())
+        assert differ(ours[0], ref[0]) < 1e-3, (act, m, n, differ(ours[0], ref[0]))
+        assert float(ours[2] / ref[2]) == pytest.approx(1, rel=1e-2)
+        assert float((ours[3] - ref[3]).norm() / ref[3].norm()) < 1e-3
+        assert ours[4].dtype == a8.dtype and differ(ours[4], a8.t()) < 1e-4, (act, m, n, differ(ours[4], a8.t()))
     import copy
 
     from torchao.float8 import convert_to_float8_training
@@ -322,18 +330,25 @@ def test_the_fused_mlps_triton_passes_give_the_pytorch_passes_results(act):
     up, down = (m.cuda() for m in _opt_mlp(256, 1024))
     x = torch.randn(4, 512, 256, device="cuda", requires_grad=True)
     grad = torch.randn(4, 512, 256, device="cuda")
-    outs = []
-    for fused in (False, True):
+    outs = {}
+    for kind in ("bf16", "torchao", "fused"):
         parts = copy.deepcopy(torch.nn.Sequential(up, down))
-        if fused:
+        if kind == "fused":
             fn = torch.compile(lambda x, p=parts: fm.float8_mlp(x, p[0], p[1], act))
         else:
-            convert_to_float8_training(parts, config=float8_config("tensorwise", sharded=False, device=torch.device("cuda")))
+            if kind == "torchao":
+                convert_to_float8_training(parts, config=float8_config("tensorwise", sharded=False, device=torch.device("cuda")))
             fn = torch.compile(lambda x, p=parts: _plain_mlp(x, p[0], p[1], act))
         with torch.autocast("cuda", torch.bfloat16):
             y = fn(x)
         y.float().backward(grad)
-        outs.append([y.float(), x.grad.clone(), parts[0].weight.grad, parts[1].weight.grad])
+        outs[kind] = [y.float(), x.grad.clone(), parts[0].weight.grad, parts[1].weight.grad]
         x.grad = None
-    rel = [float((a - b).norm() / b.norm()) for a, b in zip(*outs)]
-    assert max(rel) < 2e-2, rel
+
+    def rel(kind, to):
+        return [float((a - b).norm() / b.norm()) for a, b in zip(outs[kind], outs[to])]
+
+    ours, theirs = rel("fused", "bf16"), rel("torchao", "bf16")
+    assert all(0 < e < 0.25 for e in theirs), theirs  # as on the CPU: float8 rounding (ReLU's input gradient 17%)
+    assert all(a < 1.1 * b for a, b in zip(ours, theirs)), (ours, theirs)
+    assert max(rel("fused", "torchao")) < 5e-2, rel("fused", "torchao")

@@ -6,26 +6,40 @@ transposed one-byte stores the backward products need; docs/BENCHMARKS.md). Here
 written once, as two Triton passes over the MLP's wide tensor (tokens x ffn):
 
 * forward: one pass takes the activation of ``h = up(x)`` and its largest magnitude, the next writes it in e4m3 as
-  the second product reads it and transposed, as that product's weight gradient reads it;
+  the second product reads it;
 * backward: one pass takes the activation's gradient from ``h`` and the incoming gradient, its largest magnitude
-  and its sum over the tokens (``up``'s bias gradient); the next writes it in e5m2 in both layouts.
+  and its sum over the tokens (``up``'s bias gradient); the next writes it in e5m2 in both layouts, and the
+  activation again in e4m3 at the forward's scale, transposed, as ``down``'s weight gradient reads it.
 
 Scales are torchao's tensorwise ones (the largest magnitude maps to the format's largest value), the forward products
 accumulate in fast mode as torchao's recipes do, the four backward ones with ``fast_accum``. The narrow tensors
 (x, the weights, the output's gradient) are cast by compiled PyTorch code, as in lmtrain.nn.loss. Saved for the
-backward: ``x`` in e4m3 (transposed), ``h`` in bf16 and the activation in e4m3 (transposed).
+backward: ``x`` in e4m3 (transposed) and ``h`` in bf16, as torchao's layers under the compiler save them; the
+activation is recomputed from ``h`` (saving it too took 9 GiB more at opt-1.3b, batch 48; docs/BENCHMARKS.md).
 
-The passes are the operator ``lmtrain::act_float8``: here as PyTorch code (:func:`act_float8_reference`, what runs on
-the CPU), and on a GPU as Triton kernels that lmtrain.training.kernels registers for it (this layer imports PyTorch
-alone), which match the PyTorch passes on a GPU (tests/test_fp8.py). Selected with ``module.fp8=tensorwise
-module.fp8_fused_mlp=true`` (lmtrain.training.fp8)."""
+The passes are the operators ``lmtrain::act_float8`` and ``lmtrain::act_grad_float8``: here as PyTorch code
+(:func:`act_float8_reference`, :func:`act_grad_float8_reference`, what runs on the CPU), and on a GPU as Triton
+kernels that lmtrain.training.kernels registers for them (this layer imports PyTorch alone), which match the PyTorch
+passes on a GPU (tests/test_fp8.py). Selected with ``module.fp8=tensorwise module.fp8_fused_mlp=true``
+(lmtrain.training.fp8)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from lmtrain.nn.loss import _ALIGN, E4M3, E5M2, _compute_dtype, _float8_both_layouts, _on, _scaled_mm, _to_float8
+from lmtrain.nn.loss import (
+    _ALIGN,
+    E4M3,
+    E5M2,
+    _cast_float8,
+    _compute_dtype,
+    _float8_both_layouts,
+    _float8_scale,
+    _on,
+    _scaled_mm,
+    _to_float8,
+)
 from lmtrain.nn.model import opt_activation
 
 
@@ -35,32 +49,56 @@ def _activation_grad(dy: torch.Tensor, h: torch.Tensor, act: str) -> torch.Tenso
     return torch.ops.aten.gelu_backward(dy, h, approximate="tanh" if act == "gelu_tanh" else "none")
 
 
-def act_float8_reference(h: torch.Tensor, dy: torch.Tensor | None, act: str) -> tuple[torch.Tensor, ...]:
-    """``act(h)`` (``dy`` None) in e4m3, or the gradient ``act'(h) * dy`` in e5m2: (float8 (M, N), the same transposed
-    and contiguous (N, M), the inverse scale, and for the gradient its fp32 sum over the M rows, else an empty tensor).
-    The value is computed in ``h``'s dtype, as the plain MLP computes it."""
-    v = opt_activation(h, act) if dy is None else _activation_grad(dy, h, act)
-    v8, inv = _to_float8(v, E4M3 if dy is None else E5M2)
-    total = v.float().sum(0) if dy is not None else v.new_empty(0, dtype=torch.float32)
-    return v8, v8.t().contiguous(), inv, total
+def act_float8_reference(h: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``act(h)`` in e4m3 (M, N) and its scale (fp32; the product takes its inverse). The value is computed in ``h``'s
+    dtype, as the plain MLP computes it."""
+    v = opt_activation(h, act)
+    scale = _float8_scale(v, E4M3)
+    return _cast_float8(v, scale, E4M3), scale
 
 
-@torch.library.custom_op(
-    "lmtrain::act_float8", mutates_args=(), schema="(Tensor h, Tensor? dy, str act) -> (Tensor, Tensor, Tensor, Tensor)"
-)
-def act_float8(h: torch.Tensor, dy: torch.Tensor | None, act: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`act_float8_reference`'s results. An operator of its own, so that compiled code calls it as it is rather
-    than splitting it into the kernels it replaces; on a GPU lmtrain.training.kernels registers two Triton passes as
-    its CUDA implementation (:func:`lmtrain.training.kernels.register_float8_mlp_passes`)."""
-    return act_float8_reference(h.contiguous(), None if dy is None else dy.contiguous(), act)
+def act_grad_float8_reference(h: torch.Tensor, dy: torch.Tensor, act: str, act_scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The activation's gradient ``act'(h) * dy`` in e5m2 (M, N), the same transposed and contiguous (N, M), its inverse
+    scale and its fp32 sum over the M rows (``up``'s bias gradient); and ``act(h)`` again in e4m3 at the forward's
+    ``act_scale``, transposed (N, M) as ``down``'s weight gradient reads it: recomputed from ``h``, which the backward
+    reads here anyway, rather than saved (a byte per element of the widest tensor in every block)."""
+    g = _activation_grad(dy, h, act)
+    g8, inv = _to_float8(g, E5M2)
+    return g8, g8.t().contiguous(), inv, g.float().sum(0), _cast_float8(opt_activation(h, act), act_scale, E4M3).t().contiguous()
+
+
+# Operators of their own, so that compiled code calls them as they are rather than splitting them into the kernels
+# they replace; on a GPU lmtrain.training.kernels registers Triton passes as their CUDA implementations
+# (lmtrain.training.kernels.register_float8_mlp_passes).
+@torch.library.custom_op("lmtrain::act_float8", mutates_args=())
+def act_float8(h: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`act_float8_reference`'s results."""
+    return act_float8_reference(h.contiguous(), act)
 
 
 @act_float8.register_fake
-def _(h, dy, act):
+def _(h, act):
+    return h.new_empty(h.shape, dtype=E4M3), h.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("lmtrain::act_grad_float8", mutates_args=())
+def act_grad_float8(
+    h: torch.Tensor, dy: torch.Tensor, act: str, act_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`act_grad_float8_reference`'s results."""
+    return act_grad_float8_reference(h.contiguous(), dy.contiguous(), act, act_scale)
+
+
+@act_grad_float8.register_fake
+def _(h, dy, act, act_scale):
     M, N = h.shape
-    dtype = E4M3 if dy is None else E5M2
-    total = h.new_empty((N,) if dy is not None else (0,), dtype=torch.float32)
-    return h.new_empty((M, N), dtype=dtype), h.new_empty((N, M), dtype=dtype), h.new_empty((), dtype=torch.float32), total
+    return (
+        h.new_empty((M, N), dtype=E5M2),
+        h.new_empty((N, M), dtype=E5M2),
+        h.new_empty((), dtype=torch.float32),
+        h.new_empty((N,), dtype=torch.float32),
+        h.new_empty((N, M), dtype=E4M3),
+    )
 
 
 class _Float8MLP(torch.autograd.Function):
@@ -84,14 +122,14 @@ class _Float8MLP(torch.autograd.Function):
             wu8, wu8t, wu_inv = cast(w_up.to(dtype))  # (F, d), (d, F)
             wd8, wd8t, wd_inv = cast(w_down.to(dtype))  # (d, F), (F, d)
             h = _scaled_mm(x8, wu8.t(), x_inv, wu_inv, dtype, True) + b_up.to(dtype)
-            a8, a8t, a_inv, _ = act_float8(h, None, act)
-            y = _scaled_mm(a8, wd8.t(), a_inv, wd_inv, dtype, True) + b_down.to(dtype)
-        ctx.save_for_backward(x8t, x_inv, wu8t, wu_inv, wd8t, wd_inv, h, a8t, a_inv)
+            a8, a_scale = act_float8(h, act)
+            y = _scaled_mm(a8, wd8.t(), a_scale.reciprocal(), wd_inv, dtype, True) + b_down.to(dtype)
+        ctx.save_for_backward(x8t, x_inv, wu8t, wu_inv, wd8t, wd_inv, h, a_scale)
         return y[:n].reshape(*shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_y):
-        x8t, x_inv, wu8t, wu_inv, wd8t, wd_inv, h, a8t, a_inv = ctx.saved_tensors
+        x8t, x_inv, wu8t, wu_inv, wd8t, wd_inv, h, a_scale = ctx.saved_tensors
         fast, n, dtype = ctx.fast_accum, ctx.n, h.dtype
         with torch.autocast(grad_y.device.type, enabled=False):
             dy = grad_y.reshape(n, grad_y.shape[-1]).to(dtype)
@@ -99,9 +137,9 @@ class _Float8MLP(torch.autograd.Function):
                 dy = F.pad(dy, (0, 0, 0, h.shape[0] - n))
             dy8, dy8t, dy_inv = _on(dy.device, _float8_both_layouts)(dy, E5M2)
             d_a = _scaled_mm(dy8, wd8t.t(), dy_inv, wd_inv, dtype, fast)  # (T, F)
-            d_wd = _scaled_mm(dy8t, a8t.t(), dy_inv, a_inv, torch.float32, fast)  # (d, F)
+            g8, g8t, g_inv, d_bu, a8t = act_grad_float8(h, d_a, ctx.act, a_scale)
+            d_wd = _scaled_mm(dy8t, a8t.t(), dy_inv, a_scale.reciprocal(), torch.float32, fast)  # (d, F)
             d_bd = dy.float().sum(0)
-            g8, g8t, g_inv, d_bu = act_float8(h, d_a, ctx.act)
             d_x = _scaled_mm(g8, wu8t.t(), g_inv, wu_inv, dtype, fast)  # (T, d)
             d_wu = _scaled_mm(g8t, x8t.t(), g_inv, x_inv, torch.float32, fast)  # (F, d)
         d_x = d_x[:n].reshape(*grad_y.shape[:-1], d_x.shape[-1]).to(ctx.x_dtype)

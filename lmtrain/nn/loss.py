@@ -85,12 +85,21 @@ _AMAX_FLOOR = 1e-12  # as torchao: an all-zero tensor still gets a finite scale
 _ALIGN = 16  # float8 matmuls: every size a multiple of this
 
 
+def _float8_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The factor (fp32) that maps ``x``'s largest magnitude to ``dtype``'s largest value: torchao's tensorwise one."""
+    return torch.finfo(dtype).max / x.abs().amax().float().clamp(min=_AMAX_FLOOR)
+
+
+def _cast_float8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    top = torch.finfo(dtype).max
+    return (x.float() * scale).clamp(-top, top).to(dtype)
+
+
 def _to_float8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` scaled by one factor so that its largest magnitude is ``dtype``'s largest value, cast: the float8 tensor
     and the inverse factor (fp32, the scale ``torch._scaled_mm`` takes)."""
-    top = torch.finfo(dtype).max
-    scale = top / x.abs().amax().float().clamp(min=_AMAX_FLOOR)
-    return (x.float() * scale).clamp(-top, top).to(dtype), scale.reciprocal()
+    scale = _float8_scale(x, dtype)
+    return _cast_float8(x, scale, dtype), scale.reciprocal()
 
 
 def _float8_both_layouts(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

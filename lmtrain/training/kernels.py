@@ -39,9 +39,10 @@ except ImportError:  # the CPU install: the operator keeps its PyTorch passes
 if triton is not None:
 
     @triton.jit
-    def _value(h_ptr, dy_ptr, offs, mask, ACT: tl.constexpr, GRAD: tl.constexpr):
-        """The activation (GRAD false) or its gradient at ``offs``, in fp32 after rounding to bf16 as the plain
-        MLP's bf16 tensor holds it; 0 outside ``mask``. ACT: 0 gelu, 1 gelu_tanh, 2 relu (model.ACTIVATIONS["opt"])."""
+    def _values(h_ptr, dy_ptr, offs, mask, ACT: tl.constexpr, GRAD: tl.constexpr):
+        """The activation at ``offs`` and (GRAD) its gradient (else the activation again), each in fp32 after rounding
+        to bf16 as the plain MLP's bf16 tensors hold them; 0 outside ``mask``. ACT: 0 gelu, 1 gelu_tanh, 2 relu
+        (model.ACTIVATIONS["opt"])."""
         x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if ACT == 2:
             d = 1.0
@@ -55,13 +56,16 @@ if triton is not None:
             cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
             v = x * cdf
             d = cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+        v = tl.where(mask, v.to(tl.bfloat16).to(tl.float32), 0.0)
+        g = v
         if GRAD:
             dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             if ACT == 2:
-                v = tl.where(x > 0.0, dy, 0.0)
+                g = tl.where(x > 0.0, dy, 0.0)
             else:
-                v = dy * d
-        return tl.where(mask, v.to(tl.bfloat16).to(tl.float32), 0.0)
+                g = dy * d
+            g = tl.where(mask, g.to(tl.bfloat16).to(tl.float32), 0.0)
+        return v, g
 
     @triton.jit
     def _amax_pass(h_ptr, dy_ptr, amax_ptr, sum_ptr, M, N, ACT: tl.constexpr, GRAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
@@ -69,7 +73,7 @@ if triton is not None:
         rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)[:, None]  # 64-bit offsets: tokens x ffn may pass 2**31
         cols = (pn * BN + tl.arange(0, BN)).to(tl.int64)[None, :]
         mask = (rows < M) & (cols < N)
-        v = _value(h_ptr, dy_ptr, rows * N + cols, mask, ACT, GRAD)
+        _, v = _values(h_ptr, dy_ptr, rows * N + cols, mask, ACT, GRAD)
         tl.store(amax_ptr + pm * tl.num_programs(1) + pn, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
         if GRAD:  # this block of rows' share of the sum over tokens (the bias gradient); summed after
             c = pn * BN + tl.arange(0, BN)
@@ -77,28 +81,48 @@ if triton is not None:
 
     @triton.jit
     def _cast_pass(
-        h_ptr, dy_ptr, scale_ptr, out_ptr, out_t_ptr, M, N, ACT: tl.constexpr, GRAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr
+        h_ptr,
+        dy_ptr,
+        scale_ptr,
+        act_scale_ptr,
+        out_ptr,
+        out_t_ptr,
+        act_t_ptr,
+        M,
+        N,
+        ACT: tl.constexpr,
+        GRAD: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
     ):
+        """Forward: the activation in e4m3 (M, N). Backward (GRAD): its gradient in e5m2, (M, N) and transposed, and
+        the activation again in e4m3 at the forward's scale, transposed."""
         pm, pn = tl.program_id(0), tl.program_id(1)
         rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)[:, None]
         cols = (pn * BN + tl.arange(0, BN)).to(tl.int64)[None, :]
         mask = (rows < M) & (cols < N)
-        v = _value(h_ptr, dy_ptr, rows * N + cols, mask, ACT, GRAD) * tl.load(scale_ptr)
+        a, g = _values(h_ptr, dy_ptr, rows * N + cols, mask, ACT, GRAD)
         if GRAD:
-            v = tl.clamp(v, -57344.0, 57344.0).to(tl.float8e5)
+            g = tl.clamp(g * tl.load(scale_ptr), -57344.0, 57344.0).to(tl.float8e5)
+            tl.store(out_ptr + rows * N + cols, g, mask=mask)
+            tl.store(out_t_ptr + cols * M + rows, g, mask=mask)  # transposed: the compiler stages it for coalesced stores
+            a = tl.clamp(a * tl.load(act_scale_ptr), -448.0, 448.0).to(tl.float8e4nv)
+            tl.store(act_t_ptr + cols * M + rows, a, mask=mask)
         else:
-            v = tl.clamp(v, -448.0, 448.0).to(tl.float8e4nv)
-        tl.store(out_ptr + rows * N + cols, v, mask=mask)
-        tl.store(out_t_ptr + cols * M + rows, v, mask=mask)  # transposed: the compiler stages it for coalesced stores
+            a = tl.clamp(a * tl.load(scale_ptr), -448.0, 448.0).to(tl.float8e4nv)
+            tl.store(out_ptr + rows * N + cols, a, mask=mask)
 
 
 # blocks: measured on an H200 at 49,152 x 8,192 (backward: 1.44 ms against 2.16 for the compiled PyTorch passes)
 _AMAX_BLOCK, _CAST_BLOCK, _WARPS = (64, 128), (64, 128), 8
 
 
-def act_float8_triton(h: torch.Tensor, dy: torch.Tensor | None, act: str) -> tuple[torch.Tensor, ...]:
-    """lmtrain.nn.float8_mlp.act_float8_reference's results for a bf16 ``h`` (and ``dy``) on a GPU in two Triton
-    passes: the value's amax (and the gradient's partial sums over the rows), then both float8 layouts."""
+def act_float8_triton(
+    h: torch.Tensor, dy: torch.Tensor | None, act: str, act_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    """lmtrain.nn.float8_mlp's passes for a bf16 ``h`` on a GPU, in two Triton passes: the value's amax (and the
+    gradient's partial sums over the rows), then the casts. ``dy`` None: act_float8_reference's results; else
+    act_grad_float8_reference's (``act_scale`` the forward's scale)."""
     from lmtrain.nn.loss import _AMAX_FLOOR, E4M3, E5M2
     from lmtrain.nn.model import ACTIVATIONS
 
@@ -111,34 +135,56 @@ def act_float8_triton(h: torch.Tensor, dy: torch.Tensor | None, act: str) -> tup
     code = ACTIVATIONS["opt"].index(act)
     _amax_pass[grid](h, dy_arg, amax, sums, M, N, ACT=code, GRAD=grad, BM=_AMAX_BLOCK[0], BN=_AMAX_BLOCK[1], num_warps=_WARPS)
     dtype = E5M2 if grad else E4M3
-    scale = torch.finfo(dtype).max / amax.max().clamp(min=_AMAX_FLOOR)  # as lmtrain.nn.loss._to_float8
+    scale = torch.finfo(dtype).max / amax.max().clamp(min=_AMAX_FLOOR)  # as lmtrain.nn.loss._float8_scale
     out = torch.empty(M, N, device=h.device, dtype=dtype)
-    out_t = torch.empty(N, M, device=h.device, dtype=dtype)
+    out_t = torch.empty(N, M, device=h.device, dtype=dtype) if grad else out  # not written without GRAD
+    act_t = torch.empty(N, M, device=h.device, dtype=E4M3) if grad else out
+    act_scale = act_scale.reshape(1) if grad else scale.reshape(1)
     grid = (triton.cdiv(M, _CAST_BLOCK[0]), triton.cdiv(N, _CAST_BLOCK[1]))
     _cast_pass[grid](
-        h, dy_arg, scale.reshape(1), out, out_t, M, N, ACT=code, GRAD=grad, BM=_CAST_BLOCK[0], BN=_CAST_BLOCK[1], num_warps=_WARPS
+        h,
+        dy_arg,
+        scale.reshape(1),
+        act_scale,
+        out,
+        out_t,
+        act_t,
+        M,
+        N,
+        ACT=code,
+        GRAD=grad,
+        BM=_CAST_BLOCK[0],
+        BN=_CAST_BLOCK[1],
+        num_warps=_WARPS,
     )
-    return out, out_t, scale.reciprocal(), sums.sum(0) if grad else sums[:0]
+    if not grad:
+        return out, scale
+    return out, out_t, scale.reciprocal(), sums.sum(0), act_t
 
 
 _registered = False
 
 
 def register_float8_mlp_passes() -> bool:
-    """Make the Triton passes the CUDA implementation of ``lmtrain::act_float8`` (once; bf16 inputs, else its PyTorch
-    passes). False where Triton is missing: the PyTorch passes run everywhere."""
+    """Make the Triton passes the CUDA implementations of ``lmtrain::act_float8`` and ``lmtrain::act_grad_float8``
+    (once; bf16 inputs, else their PyTorch passes). False where Triton is missing: the PyTorch passes run everywhere."""
     global _registered
     if triton is None:
         return False
     if not _registered:
-        from lmtrain.nn.float8_mlp import act_float8, act_float8_reference
+        from lmtrain.nn import float8_mlp as fm
 
-        @act_float8.register_kernel("cuda")
-        def _(h, dy, act):
-            h, dy = h.contiguous(), None if dy is None else dy.contiguous()
-            if h.dtype == torch.bfloat16 and (dy is None or dy.dtype == torch.bfloat16):
-                return act_float8_triton(h, dy, act)
-            return act_float8_reference(h, dy, act)
+        @fm.act_float8.register_kernel("cuda")
+        def _(h, act):
+            if h.dtype == torch.bfloat16:
+                return act_float8_triton(h.contiguous(), None, act)
+            return fm.act_float8_reference(h, act)
+
+        @fm.act_grad_float8.register_kernel("cuda")
+        def _(h, dy, act, act_scale):
+            if h.dtype == torch.bfloat16 and dy.dtype == torch.bfloat16:
+                return act_float8_triton(h.contiguous(), dy.contiguous(), act, act_scale)
+            return fm.act_grad_float8_reference(h, dy, act, act_scale)
 
         _registered = True
     return True
