@@ -26,11 +26,13 @@
 #   RAW=... bash bench/fast_paths_gpu.sh fp8chunkcap                       # under an 80 GB H100's memory: raw at batch 32, fp8 fast at 48 with the liger head and with the chunked fp8 head
 #   RAW=... bash bench/fast_paths_gpu.sh smallchunk                        # opt-125m at batch 64: raw, the output head alone in fp8 and chunked
 #   bash bench/fast_paths_gpu.sh fsdpchunk                                  # 2 GPUs: opt-1.3b fp8 fast with the chunked fp8 head under fsdp (batch 32; 48 keeping the gathered parameters) vs one GPU
+#   bash bench/fast_paths_gpu.sh fsdpfused                                  # 2 GPUs: the same at batch 48 without resharding, with module.fp8_fused_mlp (its weights gathered in bf16) vs one GPU
 #   bash bench/fast_paths_gpu.sh fp8chunkprof                               # opt-1.3b fp8 fast with the chunked fp8 head at batch 48, 3 steps profiled: the kernels by device time
 #   RAW=... bash bench/fast_paths_gpu.sh fusedmlp                          # opt-1.3b: raw at batch 48, fp8 fast + chunked fp8 head at 48 with torchao's MLP layers and with module.fp8_fused_mlp
 #   RAW=... bash bench/fast_paths_gpu.sh fusedmlpcap                       # the same under an 80 GB H100's memory (CAP_GIB=79.1): raw at batch 32
 #   LOSS_GPU=1 bash bench/fast_paths_gpu.sh losshead                       # opt-1.3b, 1,000 steps in bf16 and in fp8 with fast accumulation and the head in fp8, both on GPU $LOSS_GPU
 #   bash bench/fast_paths_gpu.sh lossfresh                                 # 2 GPUs: the same 1,000 steps on a corpus read once (stdlib + transformers sources): bf16 and fp8 fast on GPU 0, fp8 fast with the head in fp8 on GPU 1
+#   bash bench/fast_paths_gpu.sh lossfused                                 # 2 GPUs: the same corpus read once: bf16 on GPU 0; fp8 fast with the chunked float8 head on GPU 1, with torchao's MLP layers and with module.fp8_fused_mlp
 #
 # Logs go to $OUT (default /tmp/fast_paths); the table rows printed at the end are the figures.
 set -euo pipefail
@@ -79,7 +81,7 @@ llama7b() {  # PRECISION-CHECKPOINTING-bBATCH [noexpand] (PRECISION: bf16, fp8, 
   )
 }
 
-for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, op7bfast, alloc7b, allocop7b, loss, lossfast, fp8head, fp8headcap, smallhead, fp8chunk, fp8chunkcap, smallchunk, fsdpchunk, fp8chunkprof, fusedmlp, fusedmlpcap, losshead or lossfresh}"; do
+for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, op7bfast, alloc7b, allocop7b, loss, lossfast, fp8head, fp8headcap, smallhead, fp8chunk, fp8chunkcap, smallchunk, fsdpchunk, fsdpfused, fp8chunkprof, fusedmlp, fusedmlpcap, losshead, lossfresh or lossfused}"; do
 case "$mode" in
 fp8)
   raw raw-1.3b 1.3b --compile --batch 16 --steps 30
@@ -160,6 +162,12 @@ fsdpchunk)  # 2 GPUs: opt-1.3b fp8 fast with the chunked float8 head under fsdp 
   LMTRAIN_RUN_ID=fc48 TMO=230 bench fp8chunk-fsdp2-b48-nr --dir /tmp/fc48 --steps 16 --warmup 6 $F data.batch_size=48 $FS strategy.reshard_after_forward=false --launcher
   CUDA_VISIBLE_DEVICES=0 TMO=200 bench fp8chunk-1gpu-b48 --steps 16 --warmup 6 $F data.batch_size=48
   ;;
+fsdpfused)  # 2 GPUs: opt-1.3b fp8 fast, the chunked float8 head and the fused float8 MLP under fsdp at batch 48 without resharding, against one GPU of the same host
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  F="--no-raw --steps 16 --warmup 6 $M13 data.seq_len=1024 data.batch_size=48 module.fp8=tensorwise module.fp8_fast_accum=true module.fp8_layers=all module.loss_chunk_tokens=8192 module.fp8_fused_mlp=true"
+  LMTRAIN_RUN_ID=ff48 TMO=230 bench fused-fsdp2-b48-nr --dir /tmp/ff48 $F strategy=fsdp strategy.compile=true trainer.devices=2 strategy.reshard_after_forward=false --launcher
+  CUDA_VISIBLE_DEVICES=0 TMO=200 bench fused-1gpu-b48 $F
+  ;;
 fp8chunkprof)  # opt-1.3b fp8 fast with the chunked float8 head at batch 48: 3 steps profiled after the timed ones, the kernel table per step
   TMO=300 bench fp8chunk-prof-b48 --no-raw --dir /tmp/fcprof --steps 12 --warmup 4 --profile 3 $M13 data.seq_len=1024 data.batch_size=48 module.fp8=tensorwise module.fp8_fast_accum=true module.fp8_layers=all module.loss_chunk_tokens=8192
   python3 bench/trace_gaps.py /tmp/fcprof/trainer/profile/trace_rank0.json --kernels 45 --steps 3 > "$OUT/fp8chunk-prof-b48-kernels.txt"
@@ -222,15 +230,16 @@ allocop7b)  # 2 GPUs: llama-7b with checkpointing by operator (bf16 and fp8 at b
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   for run in fp8-op-b2 bf16-op-b2; do llama7b "$run"; llama7b "$run" noexpand; done
   ;;
-loss|lossfast|losshead|lossfresh)  # loss: bf16 and fp8 tensorwise, both on one GPU; lossfast: bf16 on GPU 0, fp8 with fast accumulation on GPU 1; losshead: bf16 and fp8 with fast accumulation and the head in fp8, both on GPU $LOSS_GPU; lossfresh: see the top
+loss|lossfast|losshead|lossfresh|lossfused)  # loss: bf16 and fp8 tensorwise, both on one GPU; lossfast: bf16 on GPU 0, fp8 with fast accumulation on GPU 1; losshead: bf16 and fp8 with fast accumulation and the head in fp8, both on GPU $LOSS_GPU; lossfresh, lossfused: see the top
   L="$M13 data.seq_len=1024 data.batch_size=8 optimizer.lr=2e-4 scheduler.warmup_steps=100 trainer.max_steps=1000 trainer.val_check_interval=500 trainer.limit_val_batches=20 trainer.enable_progress_bar=false callbacks.checkpoint.every_n_steps=0 callbacks.disk_guard.margin_gb=0 paths.runs=$OUT/runs"
   # the runs at once (about 30 GiB each): the loss curves do not depend on speed; the timings of these runs are not figures
   case "$mode" in
   loss) runs=(null tensorwise); gpus=(0 0) ;;
   lossfast) runs=(null tensorwise-fast); gpus=(0 1) ;;
   losshead) runs=(null tensorwise-fast-all); gpus=("${LOSS_GPU:-0}" "${LOSS_GPU:-0}") ;;
-  lossfresh)
+  lossfresh | lossfused)
     runs=(null tensorwise-fast tensorwise-fast-all); gpus=(0 0 1)
+    [ "$mode" = lossfused ] && runs=(null tensorwise-fast-all-chunk tensorwise-fast-all-chunk-fused) && gpus=(0 1 1)
     # The embedded corpus is read 6-7 times in 1,000 steps of 8 x 1024 tokens; this one is read less than once.
     python3 - "$OUT/fresh.jsonl" <<'EOF'
 import importlib.util, json, pathlib, sys, sysconfig
@@ -263,7 +272,9 @@ EOF
     fp8=${runs[$i]%%-*}
     extra=""
     [[ ${runs[$i]} == *-fast* ]] && extra+=" module.fp8_fast_accum=true"
-    [[ ${runs[$i]} == *-all ]] && extra+=" module.fp8_layers=all"
+    [[ ${runs[$i]} == *-all* ]] && extra+=" module.fp8_layers=all"
+    [[ ${runs[$i]} == *-chunk* ]] && extra+=" module.loss_chunk_tokens=8192"
+    [[ ${runs[$i]} == *-fused* ]] && extra+=" module.fp8_fused_mlp=true"
     CUDA_VISIBLE_DEVICES=${gpus[$i]} python3 train.py $L module.fp8=$fp8 $extra run_name=loss-${runs[$i]} > "$OUT/loss-${runs[$i]}.log" 2>&1 &
   done
   wait || true
