@@ -14,6 +14,7 @@
 #   bash bench/fast_paths_gpu.sh op7b                                      # 2 GPUs: llama-7b bf16 at batch 2, checkpointing by operator beside selective
 #   bash bench/fast_paths_gpu.sh op7bfp8                                   # 2 GPUs: llama-7b fp8, checkpointing by operator, batch 3 and 2
 #   bash bench/fast_paths_gpu.sh op7bfast                                  # 2 GPUs: llama-7b fp8, checkpointing by operator, batch 2, with and without module.fp8_fast_accum
+#   bash bench/fast_paths_gpu.sh op7bfused                                 # 2 GPUs: llama-7b fp8 fast, checkpointing by operator, batch 2, torchao's MLP layers against module.fp8_fused_mlp (SwiGLU)
 #   bash bench/fast_paths_gpu.sh alloc7b                                   # 2 GPUs: llama-7b fp8 without checkpointing, with and without expandable segments
 #   bash bench/fast_paths_gpu.sh allocop7b                                 # 2 GPUs: llama-7b, checkpointing by operator, bf16 and fp8 at batch 2, with and without expandable segments
 #   bash bench/fast_paths_gpu.sh fsdp7b                                    # 2 GPUs: opt-1.3b fp8 scaling at batch 32; llama-7b in fp8 and bf16, batch 2-3, checkpointing selective, op or none
@@ -62,26 +63,27 @@ raw() {  # NAME ARGS...: the shared raw baseline
   echo "$name $(tail -2 "$OUT/$name.log" | tr '\n' ' ')"
 }
 
-llama7b() {  # PRECISION-CHECKPOINTING-bBATCH [noexpand] (PRECISION: bf16, fp8, or fp8fast with module.fp8_fast_accum): one llama-7b run at seq 4096 under fsdp on 2 GPUs (12 steps)
+llama7b() {  # PRECISION-CHECKPOINTING-bBATCH [noexpand] (PRECISION: bf16, fp8, fp8fast with module.fp8_fast_accum, fp8fused with it and module.fp8_fused_mlp): one llama-7b run at seq 4096 under fsdp on 2 GPUs (12 steps)
   # The short runs climb to optimizer.lr in 4 steps, and a 7B model spikes under such a warmup even at 3e-5 (bf16 and
   # fp8 alike, docs/BENCHMARKS.md): the divergence detector is left out, as throughput does not depend on the loss.
   # noexpand: without expandable segments (runs default to them: lmtrain.training.run), to see the allocator's share.
   local name=$1 precision ac batch
   IFS=- read -r precision ac batch <<< "$name"
-  local fp8=null fast=false
+  local fp8=null fast=false fused=false
   [ "$precision" = fp8 ] && fp8=tensorwise
   [ "$precision" = fp8fast ] && fp8=tensorwise fast=true
+  [ "$precision" = fp8fused ] && fp8=tensorwise fast=true fused=true
   [ "$ac" = sel ] && ac=selective
   (
   if [ "${2:-}" = noexpand ]; then name=$name-noexpand; export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False; fi
   LMTRAIN_RUN_ID=$name TMO=150 bench "$name-7b" --no-raw --dir "/tmp/$name" --steps 12 --warmup 4 \
     trainer=gpu logger=csv model=llama-7b data.seq_len=4096 strategy=fsdp strategy.compile=true strategy.init_device=meta \
     trainer.devices=2 optimizer.lr=3e-5 scheduler.warmup_steps=4 ~callbacks.divergence \
-    module.fp8=$fp8 module.fp8_fast_accum=$fast data.batch_size="${batch#b}" strategy.activation_checkpointing="$ac" --launcher
+    module.fp8=$fp8 module.fp8_fast_accum=$fast module.fp8_fused_mlp=$fused data.batch_size="${batch#b}" strategy.activation_checkpointing="$ac" --launcher
   )
 }
 
-for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, op7bfast, alloc7b, allocop7b, loss, lossfast, fp8head, fp8headcap, smallhead, fp8chunk, fp8chunkcap, smallchunk, fsdpchunk, fsdpfused, fp8chunkprof, fusedmlp, fusedmlpcap, losshead, lossfresh or lossfused}"; do
+for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, op7bfast, op7bfused, alloc7b, allocop7b, loss, lossfast, fp8head, fp8headcap, smallhead, fp8chunk, fp8chunkcap, smallchunk, fsdpchunk, fsdpfused, fp8chunkprof, fusedmlp, fusedmlpcap, losshead, lossfresh or lossfused}"; do
 case "$mode" in
 fp8)
   raw raw-1.3b 1.3b --compile --batch 16 --steps 30
@@ -212,6 +214,10 @@ fsdp7b)  # 2 GPUs: llama-7b at seq 4096 in fp8 and bf16; opt-1.3b fp8 scaling at
 op7b)  # 2 GPUs: llama-7b in bf16 with checkpointing by operator, beside the selective row it replaces
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   for run in bf16-sel-b2 bf16-op-b2; do llama7b "$run"; done
+  ;;
+op7bfused)  # 2 GPUs: llama-7b in fp8 fast with checkpointing by operator at batch 2, torchao's MLP layers against the fused float8 SwiGLU MLP
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  for run in fp8fast-op-b2 fp8fused-op-b2; do llama7b "$run"; done
   ;;
 op7bfast)  # 2 GPUs: llama-7b in fp8 with checkpointing by operator at batch 2, with and without fast accumulation
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

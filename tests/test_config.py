@@ -63,10 +63,6 @@ def test_default_config_is_valid(tmp_path):
             r"module.fp8_fused_mlp=true computes the blocks' MLPs in float8, and module.fp8_layers=head leaves the blocks out",
         ),
         (
-            ["model=tiny-llama", "module.fp8=tensorwise", "module.fp8_fused_mlp=true"],
-            r"module.fp8_fused_mlp=true fuses an OPT block's MLP \(GELU or ReLU\); the llama family's gated MLP is not fused",
-        ),
-        (
             ["module.fp8=tensorwise", "trainer.precision=16-mixed"],
             r"module.fp8=tensorwise with trainer.precision=16-mixed: .* use bf16-mixed",
         ),

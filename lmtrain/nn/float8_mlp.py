@@ -1,4 +1,6 @@
-"""The MLP of an OPT block, ``down(act(up(x)))`` with biases and a GELU or ReLU, in float8 as one autograd function.
+"""A block's MLP in float8 as one autograd function: OPT's, ``down(act(up(x)))`` with biases and a GELU or ReLU, or
+Llama's, ``down(silu(gate) * value)`` without biases, ``gate`` and ``value`` the two halves of one product
+(lmtrain.nn.model.MLP's ``gate_up``).
 
 torchao's float8 layers cast each product's inputs on their own: the compiler fuses the casts with the activation
 around them, but on an H200 the kernels it makes for them ran at a third of the memory bandwidth or less (the
@@ -8,8 +10,10 @@ written once, as two Triton passes over the MLP's wide tensor (tokens x ffn):
 * forward: one pass takes the activation of ``h = up(x)`` and its largest magnitude, the next writes it in e4m3 as
   the second product reads it;
 * backward: one pass takes the activation's gradient from ``h`` and the incoming gradient, its largest magnitude
-  and its sum over the tokens (``up``'s bias gradient); the next writes it in e5m2 in both layouts, and the
-  activation again in e4m3 at the forward's scale, transposed, as ``down``'s weight gradient reads it.
+  and its sum over the tokens (``up``'s bias gradient, OPT's only); the next writes it in e5m2 in both layouts (for
+  SwiGLU the gate's and the value's gradients side by side, as ``h``, under one scale, as torchao's layer for
+  ``gate_up`` casts them), and the activation again in e4m3 at the forward's scale, transposed, as ``down``'s weight
+  gradient reads it.
 
 Scales are torchao's tensorwise ones (the largest magnitude maps to the format's largest value), the forward products
 accumulate in fast mode as torchao's recipes do, the four backward ones with ``fast_accum``. The narrow tensors
@@ -40,10 +44,18 @@ from lmtrain.nn.loss import (
     _scaled_mm,
     _to_float8,
 )
-from lmtrain.nn.model import opt_activation
+from lmtrain.nn.model import ACTIVATIONS, mlp_activation
+
+# the activations it fuses: the opt family's, and the llama family's SwiGLU ("silu": up's output is the gate and the
+# value side by side, (M, 2F), as lmtrain.nn.model.MLP's gate_up computes them)
+ACTS = (*ACTIVATIONS["opt"], *ACTIVATIONS["llama"])
 
 
 def _activation_grad(dy: torch.Tensor, h: torch.Tensor, act: str) -> torch.Tensor:
+    """The gradient with respect to ``h`` that autograd computes for :func:`lmtrain.nn.model.mlp_activation` (in ``h``'s dtype)."""
+    if act == "silu":
+        gate, up = h.chunk(2, dim=-1)
+        return torch.cat([torch.ops.aten.silu_backward(dy * up, gate), dy * F.silu(gate)], dim=-1)
     if act == "relu":
         return torch.ops.aten.threshold_backward(dy, h, 0)
     return torch.ops.aten.gelu_backward(dy, h, approximate="tanh" if act == "gelu_tanh" else "none")
@@ -52,19 +64,21 @@ def _activation_grad(dy: torch.Tensor, h: torch.Tensor, act: str) -> torch.Tenso
 def act_float8_reference(h: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``act(h)`` in e4m3 (M, N) and its scale (fp32; the product takes its inverse). The value is computed in ``h``'s
     dtype, as the plain MLP computes it."""
-    v = opt_activation(h, act)
+    v = mlp_activation(h, act)
     scale = _float8_scale(v, E4M3)
     return _cast_float8(v, scale, E4M3), scale
 
 
 def act_grad_float8_reference(h: torch.Tensor, dy: torch.Tensor, act: str, act_scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The activation's gradient ``act'(h) * dy`` in e5m2 (M, N), the same transposed and contiguous (N, M), its inverse
-    scale and its fp32 sum over the M rows (``up``'s bias gradient); and ``act(h)`` again in e4m3 at the forward's
-    ``act_scale``, transposed (N, M) as ``down``'s weight gradient reads it: recomputed from ``h``, which the backward
-    reads here anyway, rather than saved (a byte per element of the widest tensor in every block)."""
+    """The activation's gradient with respect to ``h`` in e5m2 (the shape of ``h``), the same transposed and
+    contiguous, its inverse scale and its fp32 sum over the rows (``up``'s bias gradient; empty for SwiGLU, whose
+    layers have no biases); and the activation again in e4m3 at the forward's ``act_scale``, transposed, as ``down``'s
+    weight gradient reads it: recomputed from ``h``, which the backward reads here anyway, rather than saved (a byte
+    per element of the widest tensor in every block)."""
     g = _activation_grad(dy, h, act)
     g8, inv = _to_float8(g, E5M2)
-    return g8, g8.t().contiguous(), inv, g.float().sum(0), _cast_float8(opt_activation(h, act), act_scale, E4M3).t().contiguous()
+    total = g.new_empty(0, dtype=torch.float32) if act == "silu" else g.float().sum(0)
+    return g8, g8.t().contiguous(), inv, total, _cast_float8(mlp_activation(h, act), act_scale, E4M3).t().contiguous()
 
 
 # Operators of their own, so that compiled code calls them as they are rather than splitting them into the kernels
@@ -76,9 +90,13 @@ def act_float8(h: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
     return act_float8_reference(h.contiguous(), act)
 
 
+def _width(h: torch.Tensor, act: str) -> int:
+    return h.shape[1] // 2 if act == "silu" else h.shape[1]
+
+
 @act_float8.register_fake
 def _(h, act):
-    return h.new_empty(h.shape, dtype=E4M3), h.new_empty((), dtype=torch.float32)
+    return h.new_empty((h.shape[0], _width(h, act)), dtype=E4M3), h.new_empty((), dtype=torch.float32)
 
 
 @torch.library.custom_op("lmtrain::act_grad_float8", mutates_args=())
@@ -96,8 +114,8 @@ def _(h, dy, act, act_scale):
         h.new_empty((M, N), dtype=E5M2),
         h.new_empty((N, M), dtype=E5M2),
         h.new_empty((), dtype=torch.float32),
-        h.new_empty((N,), dtype=torch.float32),
-        h.new_empty((N, M), dtype=E4M3),
+        h.new_empty((0 if act == "silu" else N,), dtype=torch.float32),
+        h.new_empty((_width(h, act), M), dtype=E4M3),
     )
 
 
@@ -108,7 +126,7 @@ class _Float8MLP(torch.autograd.Function):
         shape, n = x.shape, x.shape[:-1].numel()
         ctx.x_dtype, ctx.w_dtypes, ctx.act, ctx.fast_accum, ctx.n = (
             x.dtype,
-            (w_up.dtype, b_up.dtype, w_down.dtype, b_down.dtype),
+            tuple(None if t is None else t.dtype for t in (w_up, b_up, w_down, b_down)),
             act,
             fast_accum,
             n,
@@ -119,11 +137,15 @@ class _Float8MLP(torch.autograd.Function):
                 x2 = F.pad(x2, (0, 0, 0, -n % _ALIGN))
             cast = _on(x.device, _float8_both_layouts)  # the narrow tensors
             x8, x8t, x_inv = cast(x2)
-            wu8, wu8t, wu_inv = cast(w_up.to(dtype))  # (F, d), (d, F)
+            wu8, wu8t, wu_inv = cast(w_up.to(dtype))  # (F, d), (d, F); SwiGLU: 2F, gate then value
             wd8, wd8t, wd_inv = cast(w_down.to(dtype))  # (d, F), (F, d)
-            h = _scaled_mm(x8, wu8.t(), x_inv, wu_inv, dtype, True) + b_up.to(dtype)
+            h = _scaled_mm(x8, wu8.t(), x_inv, wu_inv, dtype, True)
+            if b_up is not None:
+                h = h + b_up.to(dtype)
             a8, a_scale = act_float8(h, act)
-            y = _scaled_mm(a8, wd8.t(), a_scale.reciprocal(), wd_inv, dtype, True) + b_down.to(dtype)
+            y = _scaled_mm(a8, wd8.t(), a_scale.reciprocal(), wd_inv, dtype, True)
+            if b_down is not None:
+                y = y + b_down.to(dtype)
         ctx.save_for_backward(x8t, x_inv, wu8t, wu_inv, wd8t, wd_inv, h, a_scale)
         return y[:n].reshape(*shape[:-1], y.shape[-1])
 
@@ -139,14 +161,17 @@ class _Float8MLP(torch.autograd.Function):
             d_a = _scaled_mm(dy8, wd8t.t(), dy_inv, wd_inv, dtype, fast)  # (T, F)
             g8, g8t, g_inv, d_bu, a8t = act_grad_float8(h, d_a, ctx.act, a_scale)
             d_wd = _scaled_mm(dy8t, a8t.t(), dy_inv, a_scale.reciprocal(), torch.float32, fast)  # (d, F)
-            d_bd = dy.float().sum(0)
             d_x = _scaled_mm(g8, wu8t.t(), g_inv, wu_inv, dtype, fast)  # (T, d)
             d_wu = _scaled_mm(g8t, x8t.t(), g_inv, x_inv, torch.float32, fast)  # (F, d)
         d_x = d_x[:n].reshape(*grad_y.shape[:-1], d_x.shape[-1]).to(ctx.x_dtype)
         wu_t, bu_t, wd_t, bd_t = ctx.w_dtypes
-        return d_x, d_wu.to(wu_t), d_bu.to(bu_t), d_wd.to(wd_t), d_bd.to(bd_t), None, None
+        d_bu = None if bu_t is None else d_bu.to(bu_t)
+        d_bd = None if bd_t is None else dy.float().sum(0).to(bd_t)
+        return d_x, d_wu.to(wu_t), d_bu, d_wd.to(wd_t), d_bd, None, None
 
 
 def float8_mlp(x: torch.Tensor, up: torch.nn.Linear, down: torch.nn.Linear, act: str, fast_accum: bool = False) -> torch.Tensor:
-    """``down(act(up(x)))`` with every product in float8 (see the module docstring); ``up`` and ``down`` with biases."""
+    """``down(act(up(x)))`` with every product in float8 (see the module docstring): an OPT MLP (``act`` one of
+    ACTIVATIONS["opt"], layers with biases) or a SwiGLU one (``act`` "silu": ``up`` the gate and value projections
+    stacked, as lmtrain.nn.model.MLP's ``gate_up``; no biases)."""
     return _Float8MLP.apply(x, up.weight, up.bias, down.weight, down.bias, act, bool(fast_accum))

@@ -256,21 +256,23 @@ class MLP(nn.Module):
             self.down = nn.Linear(cfg.hidden_dim, cfg.d_model, bias=True)
         self.down.residual_out = True
         self.act = cfg.act
-        # module.fp8_fused_mlp: lmtrain.nn.float8_mlp.float8_mlp, computing up, the activation and down in float8 as
-        # one function (set by lmtrain.training.fp8.convert: that module imports this one)
+        # module.fp8_fused_mlp: lmtrain.nn.float8_mlp.float8_mlp, computing up (or gate_up), the activation and down
+        # in float8 as one function (set by lmtrain.training.fp8.convert: that module imports this one)
         self.float8, self.float8_fast_accum = None, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up = self.gate_up if self.swiglu else self.up
         if self.float8 is not None:
-            return self.float8(x, self.up, self.down, self.act, self.float8_fast_accum)
-        if self.swiglu:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-            return self.down(F.silu(gate) * up)
-        return self.down(opt_activation(self.up(x), self.act))
+            return self.float8(x, up, self.down, self.act, self.float8_fast_accum)
+        return self.down(mlp_activation(up(x), self.act))
 
 
-def opt_activation(h: torch.Tensor, act: str) -> torch.Tensor:
-    """The opt family's MLP activation named by ``ModelConfig.act`` (one of ACTIVATIONS["opt"])."""
+def mlp_activation(h: torch.Tensor, act: str) -> torch.Tensor:
+    """The MLP activation named by ``ModelConfig.act``: the opt family's (ACTIVATIONS["opt"]) on ``h``, or the llama
+    family's SwiGLU ("silu") on the gate and value projections side by side, ``h = (..., 2F)``."""
+    if act == "silu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
     return F.relu(h) if act == "relu" else F.gelu(h, approximate="tanh" if act == "gelu_tanh" else "none")
 
 

@@ -39,33 +39,51 @@ except ImportError:  # the CPU install: the operator keeps its PyTorch passes
 if triton is not None:
 
     @triton.jit
-    def _values(h_ptr, dy_ptr, offs, mask, ACT: tl.constexpr, GRAD: tl.constexpr):
-        """The activation at ``offs`` and (GRAD) its gradient (else the activation again), each in fp32 after rounding
-        to bf16 as the plain MLP's bf16 tensors hold them; 0 outside ``mask``. ACT: 0 gelu, 1 gelu_tanh, 2 relu
-        (model.ACTIVATIONS["opt"])."""
-        x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if ACT == 2:
-            d = 1.0
-            v = tl.maximum(x, 0.0)
-        elif ACT == 1:
-            x2 = x * x
-            t = 2.0 * tl.sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x2 * x)) - 1.0
-            v = 0.5 * x * (1.0 + t)
-            d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x2)
+    def _values(h_ptr, dy_ptr, rows, cols, mask, N, ACT: tl.constexpr, GRAD: tl.constexpr):
+        """At ``rows`` x ``cols`` of the activation (M, N): the activation, and (GRAD) its gradient with respect to
+        ``h``, each in fp32 after rounding to bf16 where the plain MLP's bf16 tensors hold them; 0 outside ``mask``.
+        ACT: 0 gelu, 1 gelu_tanh, 2 relu (lmtrain.nn.float8_mlp.ACTS), ``h`` (M, N); 3 SwiGLU, ``h`` (M, 2N) the
+        gate then the value, whose gradient has two parts (gate, value). Returns (activation, gradient, the value's
+        gradient under SwiGLU, else the gradient again)."""
+        if ACT == 3:
+            at = rows * 2 * N + cols
+            x = tl.load(h_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(h_ptr + at + N, mask=mask, other=0.0).to(tl.float32)
+            e = 1.0 + tl.exp(-x)
+            s = 1.0 / e
+            silu = (x / e).to(tl.bfloat16).to(tl.float32)  # as PyTorch's kernel computes it
+            v = tl.where(mask, (silu * u).to(tl.bfloat16).to(tl.float32), 0.0)
+            g, g2 = v, v
+            if GRAD:  # as autograd: d value = dy * silu(gate); d gate = silu_backward(dy * value, gate)
+                dy = tl.load(dy_ptr + rows * N + cols, mask=mask, other=0.0).to(tl.float32)
+                g2 = tl.where(mask, (dy * silu).to(tl.bfloat16).to(tl.float32), 0.0)
+                t = (dy * u).to(tl.bfloat16).to(tl.float32)
+                g = tl.where(mask, (t * s * (1.0 + x * (1.0 - s))).to(tl.bfloat16).to(tl.float32), 0.0)
         else:
-            cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
-            v = x * cdf
-            d = cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
-        v = tl.where(mask, v.to(tl.bfloat16).to(tl.float32), 0.0)
-        g = v
-        if GRAD:
-            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(h_ptr + rows * N + cols, mask=mask, other=0.0).to(tl.float32)
             if ACT == 2:
-                g = tl.where(x > 0.0, dy, 0.0)
+                d = 1.0
+                v = tl.maximum(x, 0.0)
+            elif ACT == 1:
+                x2 = x * x
+                t = 2.0 * tl.sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x2 * x)) - 1.0
+                v = 0.5 * x * (1.0 + t)
+                d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x2)
             else:
-                g = dy * d
-            g = tl.where(mask, g.to(tl.bfloat16).to(tl.float32), 0.0)
-        return v, g
+                cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+                v = x * cdf
+                d = cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+            v = tl.where(mask, v.to(tl.bfloat16).to(tl.float32), 0.0)
+            g = v
+            if GRAD:
+                dy = tl.load(dy_ptr + rows * N + cols, mask=mask, other=0.0).to(tl.float32)
+                if ACT == 2:
+                    g = tl.where(x > 0.0, dy, 0.0)
+                else:
+                    g = dy * d
+                g = tl.where(mask, g.to(tl.bfloat16).to(tl.float32), 0.0)
+            g2 = g
+        return v, g, g2
 
     @triton.jit
     def _amax_pass(h_ptr, dy_ptr, amax_ptr, sum_ptr, M, N, ACT: tl.constexpr, GRAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
@@ -73,11 +91,16 @@ if triton is not None:
         rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)[:, None]  # 64-bit offsets: tokens x ffn may pass 2**31
         cols = (pn * BN + tl.arange(0, BN)).to(tl.int64)[None, :]
         mask = (rows < M) & (cols < N)
-        _, v = _values(h_ptr, dy_ptr, rows * N + cols, mask, ACT, GRAD)
-        tl.store(amax_ptr + pm * tl.num_programs(1) + pn, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
-        if GRAD:  # this block of rows' share of the sum over tokens (the bias gradient); summed after
+        v, g, g2 = _values(h_ptr, dy_ptr, rows, cols, mask, N, ACT, GRAD)
+        if GRAD:
+            v = g
+        top = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
+        if GRAD and ACT == 3:
+            top = tl.maximum(top, tl.max(tl.max(tl.abs(g2), axis=1), axis=0))
+        tl.store(amax_ptr + pm * tl.num_programs(1) + pn, top)
+        if GRAD and ACT != 3:  # this block of rows' share of the sum over tokens (the bias gradient); summed after
             c = pn * BN + tl.arange(0, BN)
-            tl.store(sum_ptr + pm * N + c, tl.sum(v, axis=0), mask=c < N)
+            tl.store(sum_ptr + pm * N + c, tl.sum(g, axis=0), mask=c < N)
 
     @triton.jit
     def _cast_pass(
@@ -95,17 +118,23 @@ if triton is not None:
         BM: tl.constexpr,
         BN: tl.constexpr,
     ):
-        """Forward: the activation in e4m3 (M, N). Backward (GRAD): its gradient in e5m2, (M, N) and transposed, and
-        the activation again in e4m3 at the forward's scale, transposed."""
+        """Forward: the activation in e4m3 (M, N). Backward (GRAD): its gradient in e5m2, as ``h`` is laid out and
+        transposed, and the activation again in e4m3 at the forward's scale, transposed (N, M)."""
         pm, pn = tl.program_id(0), tl.program_id(1)
         rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)[:, None]
         cols = (pn * BN + tl.arange(0, BN)).to(tl.int64)[None, :]
         mask = (rows < M) & (cols < N)
-        a, g = _values(h_ptr, dy_ptr, rows * N + cols, mask, ACT, GRAD)
+        a, g, g2 = _values(h_ptr, dy_ptr, rows, cols, mask, N, ACT, GRAD)
         if GRAD:
-            g = tl.clamp(g * tl.load(scale_ptr), -57344.0, 57344.0).to(tl.float8e5)
-            tl.store(out_ptr + rows * N + cols, g, mask=mask)
+            width = 2 * N if ACT == 3 else N  # h's, and so the gradient's
+            scale = tl.load(scale_ptr)
+            g = tl.clamp(g * scale, -57344.0, 57344.0).to(tl.float8e5)
+            tl.store(out_ptr + rows * width + cols, g, mask=mask)
             tl.store(out_t_ptr + cols * M + rows, g, mask=mask)  # transposed: the compiler stages it for coalesced stores
+            if ACT == 3:  # the value's part, right of the gate's (below it transposed)
+                g2 = tl.clamp(g2 * scale, -57344.0, 57344.0).to(tl.float8e5)
+                tl.store(out_ptr + rows * width + N + cols, g2, mask=mask)
+                tl.store(out_t_ptr + (N + cols) * M + rows, g2, mask=mask)
             a = tl.clamp(a * tl.load(act_scale_ptr), -448.0, 448.0).to(tl.float8e4nv)
             tl.store(act_t_ptr + cols * M + rows, a, mask=mask)
         else:
@@ -123,21 +152,23 @@ def act_float8_triton(
     """lmtrain.nn.float8_mlp's passes for a bf16 ``h`` on a GPU, in two Triton passes: the value's amax (and the
     gradient's partial sums over the rows), then the casts. ``dy`` None: act_float8_reference's results; else
     act_grad_float8_reference's (``act_scale`` the forward's scale)."""
+    from lmtrain.nn.float8_mlp import ACTS
     from lmtrain.nn.loss import _AMAX_FLOOR, E4M3, E5M2
-    from lmtrain.nn.model import ACTIVATIONS
 
-    M, N = h.shape
+    code = ACTS.index(act)
+    glu = act == "silu"
+    M, H = h.shape
+    N = H // 2 if glu else H  # the activation's width
     grad = dy is not None
     grid = (triton.cdiv(M, _AMAX_BLOCK[0]), triton.cdiv(N, _AMAX_BLOCK[1]))
     amax = torch.empty(grid[0] * grid[1], device=h.device, dtype=torch.float32)
-    sums = torch.empty((grid[0], N) if grad else (1,), device=h.device, dtype=torch.float32)  # a pointer either way
+    sums = torch.empty((grid[0], N) if grad and not glu else (1,), device=h.device, dtype=torch.float32)  # a pointer either way
     dy_arg = dy if grad else h  # not read without GRAD
-    code = ACTIVATIONS["opt"].index(act)
     _amax_pass[grid](h, dy_arg, amax, sums, M, N, ACT=code, GRAD=grad, BM=_AMAX_BLOCK[0], BN=_AMAX_BLOCK[1], num_warps=_WARPS)
     dtype = E5M2 if grad else E4M3
     scale = torch.finfo(dtype).max / amax.max().clamp(min=_AMAX_FLOOR)  # as lmtrain.nn.loss._float8_scale
-    out = torch.empty(M, N, device=h.device, dtype=dtype)
-    out_t = torch.empty(N, M, device=h.device, dtype=dtype) if grad else out  # not written without GRAD
+    out = torch.empty(M, H if grad else N, device=h.device, dtype=dtype)
+    out_t = torch.empty(H, M, device=h.device, dtype=dtype) if grad else out  # not written without GRAD
     act_t = torch.empty(N, M, device=h.device, dtype=E4M3) if grad else out
     act_scale = act_scale.reshape(1) if grad else scale.reshape(1)
     grid = (triton.cdiv(M, _CAST_BLOCK[0]), triton.cdiv(N, _CAST_BLOCK[1]))
@@ -159,7 +190,8 @@ def act_float8_triton(
     )
     if not grad:
         return out, scale
-    return out, out_t, scale.reciprocal(), sums.sum(0), act_t
+    total = sums[:0] if glu else sums.sum(0)
+    return out, out_t, scale.reciprocal(), total, act_t
 
 
 _registered = False

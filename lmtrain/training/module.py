@@ -115,9 +115,9 @@ class LMModule(L.LightningModule):
         fp8_layers: which products ``fp8`` converts: ``blocks`` (the default), ``all`` (the blocks and the output
             head) or ``head`` (the output head alone). A float8 head excludes ``loss_kernel``; with ``loss_chunk_tokens``
             the chunked head computes in float8 (tensorwise).
-        fp8_fused_mlp: with ``fp8=tensorwise``, each OPT block's MLP (up, GELU or ReLU, down) as one float8 function
-            whose activation and casts are two Triton passes each way (lmtrain.nn.float8_mlp, lmtrain.training.kernels) instead of two torchao
-            layers; the same numbers.
+        fp8_fused_mlp: with ``fp8=tensorwise``, each block's MLP (OPT: up, GELU or ReLU, down; Llama: gate_up, SwiGLU,
+            down) as one float8 function whose activation and casts are two Triton passes each way
+            (lmtrain.nn.float8_mlp, lmtrain.training.kernels) instead of two torchao layers; the same numbers.
         seed: if set, torch's RNG (dropout) is re-seeded before every training batch from (seed, batch number,
             rank): the masks of a batch then do not depend on what else drew random numbers before it
             (validation, loader start-up), so a resumed or rolled-back run draws exactly the same ones.
