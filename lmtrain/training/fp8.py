@@ -244,6 +244,7 @@ def _fusable_mlps(model: nn.Module, blocks) -> list[nn.Module]:
     (linear ``gate_up``, twice as wide as ``down``'s input, and ``down``, without biases), or a refusal naming what is
     not."""
     from lmtrain.nn.float8_mlp import ACTS
+    from lmtrain.nn.model import ACTIVATIONS
 
     def linear(m, name, bias):
         layer = getattr(m, name, None)
@@ -260,7 +261,7 @@ def _fusable_mlps(model: nn.Module, blocks) -> list[nn.Module]:
     if not mlps or not all(fusable(m) for m in mlps):
         raise InputError(
             f"module.fp8_fused_mlp=true: the model {type(model).__name__} has blocks without an MLP it fuses (an OPT one: "
-            f"linear up and down with biases, activation one of {list(ACTS[:-1])}; or a SwiGLU one: gate_up and down "
+            f"linear up and down with biases, activation one of {list(ACTIVATIONS['opt'])}; or a SwiGLU one: gate_up and down "
             "without biases; lmtrain.nn.model's opt and llama families have them): use module.fp8_fused_mlp=false"
         )
     return mlps
