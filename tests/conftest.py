@@ -22,35 +22,43 @@ TEST_DEPS = (
     if os.access(sys.prefix, os.W_OK)
     else _CACHE / f"test-deps-{sys.version_info[0]}.{sys.version_info[1]}"
 )
+TRITON_DEPS = TEST_DEPS.with_name(TEST_DEPS.name.replace("test-deps", "triton"))  # tests/requirements-triton.txt
 
 
-def _test_deps() -> str:
-    """The pins of tests/requirements.txt installed into TEST_DEPS (once; again when a pin changes) unless the
-    environment has that version already, that folder on this process's path and on no other's: the processes the
-    tests start import what a user's install has. Where pip cannot install them (no network), pytest's header says so
-    and the tests that import them fail."""
+def install_pins(requirements: Path, folder: Path) -> tuple[list[str], list[str], str]:
+    """The exact pins of ``requirements`` installed into ``folder`` (once; again when a pin changes) unless the
+    environment has that version already: (the pins, those installed now, pip's last error line or "")."""
     from importlib.metadata import PackageNotFoundError, version
 
     def present(pin: str) -> bool:
         if pin.count("==") != 1:
-            raise SystemExit(f"tests/requirements.txt: {pin!r} is not one exact pin (name==version)")
+            raise SystemExit(f"{requirements.relative_to(ROOT)}: {pin!r} is not one exact pin (name==version)")
         name, want = pin.split("==")
-        if (TEST_DEPS / f"{name.replace('-', '_')}-{want}.dist-info").is_dir():
+        if (folder / f"{name.replace('-', '_')}-{want}.dist-info").is_dir():
             return True
         try:
             return version(name) == want
         except PackageNotFoundError:
             return False
 
-    pins = [line.split("#")[0].strip() for line in (ROOT / "tests" / "requirements.txt").read_text().splitlines()]
+    pins = [line.split("#")[0].strip() for line in requirements.read_text().splitlines()]
     pins = [p for p in pins if p]
     missing = [p for p in pins if not present(p)]
+    if not missing:
+        return pins, [], ""
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "--upgrade"]
+    res = subprocess.run([*pip, "--target", str(folder), *missing], capture_output=True, text=True)
+    return pins, missing, "" if res.returncode == 0 else (res.stderr.strip().splitlines() or ["?"])[-1]
+
+
+def _test_deps() -> str:
+    """The pins of tests/requirements.txt installed into TEST_DEPS, that folder on this process's path and on no
+    other's: the processes the tests start import what a user's install has. Where pip cannot install them (no
+    network), pytest's header says so and the tests that import them fail."""
+    pins, missing, error = install_pins(ROOT / "tests" / "requirements.txt", TEST_DEPS)
     said = f"test dependencies (tests/requirements.txt): {', '.join(pins)}, in {TEST_DEPS} or the environment"
     if missing:
-        pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "--upgrade"]
-        res = subprocess.run([*pip, "--target", str(TEST_DEPS), *missing], capture_output=True, text=True)
-        last = (res.stderr.strip().splitlines() or ["?"])[-1]
-        said += f"; installed {', '.join(missing)} now" if res.returncode == 0 else f"; COULD NOT INSTALL {', '.join(missing)}: {last}"
+        said += f"; COULD NOT INSTALL {', '.join(missing)}: {error}" if error else f"; installed {', '.join(missing)} now"
     sys.path.append(str(TEST_DEPS))
     return said
 

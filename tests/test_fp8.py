@@ -4,6 +4,7 @@ resume. The GPU's speed and its 1,000-step loss: docs/BENCHMARKS.md."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -296,6 +297,26 @@ def test_the_fused_float8_mlp_computes_what_torchaos_float8_layers_compute(act, 
     off = [float((a - b).norm() / b.norm()) for a, b in zip(ours, full)]
     exact = act != "silu"  # the last, down's bias gradient, is the output gradient's sum: exact
     assert all(0 < e < 0.25 for e in off[: len(off) - exact]), off
+
+
+def test_the_fused_mlps_triton_kernels_compile_for_hopper_without_a_gpu(tmp_path):
+    """Every variant of the fused float8 MLP's Triton passes (each activation, forward and backward) compiles for an
+    H100/H200 (sm_90) down to the GPU binary, on this machine without a GPU (Triton's ahead-of-time path,
+    lmtrain.training.kernels.compile_float8_mlp_passes): a kernel that does not compile fails here, not in the first
+    GPU call. Triton is installed apart (tests/requirements-triton.txt) and seen by this test's own process only."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, TRITON_DEPS, install_pins
+
+    _, missing, error = install_pins(ROOT / "tests" / "requirements-triton.txt", TRITON_DEPS)
+    assert not error, f"could not install {missing}: {error}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TRITON_DEPS), str(ROOT)]), "TRITON_CACHE_DIR": str(tmp_path)}
+    code = "from lmtrain.training.kernels import compile_float8_mlp_passes as c; print(*c(), sep='\\n')"
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    compiled = res.stdout.splitlines()
+    assert len(compiled) == 16 and "_cast_pass[silu, backward]" in compiled, compiled
 
 
 @pytest.mark.gpu

@@ -194,6 +194,32 @@ def act_float8_triton(
     return out, out_t, scale.reciprocal(), total, act_t
 
 
+def compile_float8_mlp_passes(capability: int = 90) -> list[str]:
+    """Compile every variant of the passes (each activation, forward and backward) for a GPU of this compute
+    capability, through Triton's ahead-of-time path down to the GPU's binary, with the argument types
+    :func:`act_float8_triton` launches them with: no GPU needed, so CI checks on a CPU machine that the kernels
+    compile (tests/test_fp8.py). Returns the variants compiled; raises Triton's CompilationError naming the line."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lmtrain.nn.float8_mlp import ACTS
+
+    target, done = GPUTarget("cuda", capability, 32), []
+    for code, act in enumerate(ACTS):
+        for grad in (False, True):
+            f8 = "*fp8e5" if grad else "*fp8e4nv"
+            consts = {"ACT": code, "GRAD": grad, "BM": _AMAX_BLOCK[0], "BN": _AMAX_BLOCK[1]}
+            ints = {"M": "i32", "N": "i32"} | {k: "constexpr" for k in consts}
+            amax = {"h_ptr": "*bf16", "dy_ptr": "*bf16", "amax_ptr": "*fp32", "sum_ptr": "*fp32"} | ints
+            cast = {"h_ptr": "*bf16", "dy_ptr": "*bf16", "scale_ptr": "*fp32", "act_scale_ptr": "*fp32"}
+            cast |= {"out_ptr": f8, "out_t_ptr": f8, "act_t_ptr": "*fp8e4nv"} | ints
+            for fn, signature, block in ((_amax_pass, amax, _AMAX_BLOCK), (_cast_pass, cast, _CAST_BLOCK)):
+                compiled = triton.compile(ASTSource(fn, signature, consts | {"BM": block[0], "BN": block[1]}), target=target)
+                assert "cubin" in compiled.asm, sorted(compiled.asm)
+                done.append(f"{fn.__name__}[{act}, {'backward' if grad else 'forward'}]")
+    return done
+
+
 _registered = False
 
 
