@@ -91,6 +91,7 @@ def act_float8(h: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _width(h: torch.Tensor, act: str) -> int:
+    """The activation's width for ``h`` (M, H): H, or for SwiGLU H / 2."""
     return h.shape[1] // 2 if act == "silu" else h.shape[1]
 
 

@@ -61,8 +61,7 @@ if triton is not None:
                 g = tl.where(mask, (t * s * (1.0 + x * (1.0 - s))).to(tl.bfloat16).to(tl.float32), 0.0)
         else:
             x = tl.load(h_ptr + rows * N + cols, mask=mask, other=0.0).to(tl.float32)
-            if ACT == 2:
-                d = 1.0
+            if ACT == 2:  # its gradient below is a mask, no derivative
                 v = tl.maximum(x, 0.0)
             elif ACT == 1:
                 x2 = x * x
@@ -152,13 +151,13 @@ def act_float8_triton(
     """lmtrain.nn.float8_mlp's passes for a bf16 ``h`` on a GPU, in two Triton passes: the value's amax (and the
     gradient's partial sums over the rows), then the casts. ``dy`` None: act_float8_reference's results; else
     act_grad_float8_reference's (``act_scale`` the forward's scale)."""
-    from lmtrain.nn.float8_mlp import ACTS
+    from lmtrain.nn.float8_mlp import ACTS, _width
     from lmtrain.nn.loss import _AMAX_FLOOR, E4M3, E5M2
 
     code = ACTS.index(act)
     glu = act == "silu"
     M, H = h.shape
-    N = H // 2 if glu else H  # the activation's width
+    N = _width(h, act)  # the activation's
     grad = dy is not None
     grid = (triton.cdiv(M, _AMAX_BLOCK[0]), triton.cdiv(N, _AMAX_BLOCK[1]))
     amax = torch.empty(grid[0] * grid[1], device=h.device, dtype=torch.float32)
