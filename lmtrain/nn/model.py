@@ -260,11 +260,15 @@ class MLP(nn.Module):
         # in float8 as one function (set by lmtrain.training.fp8.convert: that module imports this one)
         self.float8, self.float8_fast_accum = None, False
 
+    @property
+    def first(self) -> nn.Linear:
+        """The product before the activation: ``gate_up`` (SwiGLU) or ``up``."""
+        return self.gate_up if self.swiglu else self.up
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        up = self.gate_up if self.swiglu else self.up
         if self.float8 is not None:
-            return self.float8(x, up, self.down, self.act, self.float8_fast_accum)
-        return self.down(mlp_activation(up(x), self.act))
+            return self.float8(x, self.first, self.down, self.act, self.float8_fast_accum)
+        return self.down(mlp_activation(self.first(x), self.act))
 
 
 def mlp_activation(h: torch.Tensor, act: str) -> torch.Tensor:

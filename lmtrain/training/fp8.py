@@ -219,7 +219,7 @@ def convert(
     config = float8_config(recipe, sharded=sharded, device=device, fast_accum=fast_accum)
     if layers != "head":
         marked = {name for name, m in blocks.named_modules() if getattr(m, "residual_out", False)}
-        fused = {id(m) for mlp in mlps for m in (mlp.gate_up if mlp.act == "silu" else mlp.up, mlp.down)}
+        fused = {id(m) for mlp in mlps for m in (mlp.first, mlp.down)}
         convert_to_float8_training(blocks, module_filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and id(m) not in fused, config=config)
         for name, m in blocks.named_modules():
             if name in marked:
@@ -251,7 +251,7 @@ def _fusable_mlps(model: nn.Module, blocks) -> list[nn.Module]:
         return type(layer) is nn.Linear and (layer.bias is not None) == bias
 
     def fusable(m):
-        if m is None or not hasattr(m, "float8") or getattr(m, "act", None) not in ACTS:
+        if m is None or not hasattr(m, "float8") or not hasattr(m, "first") or getattr(m, "act", None) not in ACTS:
             return False
         if m.act == "silu":
             return linear(m, "gate_up", False) and linear(m, "down", False) and m.gate_up.out_features == 2 * m.down.in_features
