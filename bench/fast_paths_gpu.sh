@@ -33,7 +33,7 @@
 #   RAW=... bash bench/fast_paths_gpu.sh fusedmlpcap                       # the same under an 80 GB H100's memory (CAP_GIB=79.1): raw at batch 32
 #   LOSS_GPU=1 bash bench/fast_paths_gpu.sh losshead                       # opt-1.3b, 1,000 steps in bf16 and in fp8 with fast accumulation and the head in fp8, both on GPU $LOSS_GPU
 #   bash bench/fast_paths_gpu.sh lossfresh                                 # 2 GPUs: the same 1,000 steps on a corpus read once (stdlib + transformers sources): bf16 and fp8 fast on GPU 0, fp8 fast with the head in fp8 on GPU 1
-#   bash bench/fast_paths_gpu.sh lossfused                                 # 2 GPUs: the same corpus read once: bf16 on GPU 0; fp8 fast with the chunked float8 head on GPU 1, with torchao's MLP layers and with module.fp8_fused_mlp
+#   bash bench/fast_paths_gpu.sh lossfused                                 # 2-3 GPUs: the same corpus read once: bf16 on GPU 0; fp8 fast with the chunked float8 head, with torchao's MLP layers and with module.fp8_fused_mlp, on GPU 1 (or 1 and 2)
 #
 # Logs go to $OUT (default /tmp/fast_paths); the table rows printed at the end are the figures.
 set -euo pipefail
@@ -245,7 +245,12 @@ loss|lossfast|losshead|lossfresh|lossfused)  # loss: bf16 and fp8 tensorwise, bo
   losshead) runs=(null tensorwise-fast-all); gpus=("${LOSS_GPU:-0}" "${LOSS_GPU:-0}") ;;
   lossfresh | lossfused)
     runs=(null tensorwise-fast tensorwise-fast-all); gpus=(0 0 1)
-    [ "$mode" = lossfused ] && runs=(null tensorwise-fast-all-chunk tensorwise-fast-all-chunk-fused) && gpus=(0 1 1)
+    if [ "$mode" = lossfused ]; then
+      runs=(null tensorwise-fast-all-chunk tensorwise-fast-all-chunk-fused) gpus=(0 1 1)
+      n=$(nvidia-smi -L | wc -l)
+      [ "$n" -ge 3 ] && gpus=(0 1 2)  # a GPU each where there are 3: about 5 min instead of 8
+      [ "$n" -ge 4 ] && runs+=(tensorwise-fast-all-chunk-fused-again) gpus+=(3)  # and the fused run twice: its own spread
+    fi
     # The embedded corpus is read 6-7 times in 1,000 steps of 8 x 1024 tokens; this one is read less than once.
     python3 - "$OUT/fresh.jsonl" <<'EOF'
 import importlib.util, json, pathlib, sys, sysconfig
@@ -281,13 +286,15 @@ EOF
     [[ ${runs[$i]} == *-all* ]] && extra+=" module.fp8_layers=all"
     [[ ${runs[$i]} == *-chunk* ]] && extra+=" module.loss_chunk_tokens=8192"
     [[ ${runs[$i]} == *-fused* ]] && extra+=" module.fp8_fused_mlp=true"
-    CUDA_VISIBLE_DEVICES=${gpus[$i]} python3 train.py $L module.fp8=$fp8 $extra run_name=loss-${runs[$i]} > "$OUT/loss-${runs[$i]}.log" 2>&1 &
+    (  # each run's metrics copied as it ends: kept if a time limit stops the others
+      CUDA_VISIBLE_DEVICES=${gpus[$i]} python3 train.py $L module.fp8=$fp8 $extra run_name=loss-${runs[$i]} > "$OUT/loss-${runs[$i]}.log" 2>&1
+      cp "$OUT/runs/loss-${runs[$i]}/csv/metrics.csv" "$OUT/metrics-${runs[$i]}.csv" 2>/dev/null
+      rm -rf "$OUT/runs/loss-${runs[$i]}/checkpoints"
+    ) &
   done
   wait || true
   for run in "${runs[@]}"; do
     grep -h "finished run\|Error" "$OUT/loss-$run.log" || tail -20 "$OUT/loss-$run.log"
-    cp "$OUT/runs/loss-$run/csv/metrics.csv" "$OUT/metrics-$run.csv" 2>/dev/null || true
-    rm -rf "$OUT/runs/loss-$run/checkpoints"
   done
   python3 - "$OUT" "${runs[@]}" <<'EOF'
 import csv, sys
