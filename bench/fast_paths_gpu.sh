@@ -27,7 +27,7 @@
 #   RAW=... bash bench/fast_paths_gpu.sh fp8chunkcap                       # under an 80 GB H100's memory: raw at batch 32, fp8 fast at 48 with the liger head and with the chunked fp8 head
 #   RAW=... bash bench/fast_paths_gpu.sh smallchunk                        # opt-125m at batch 64: raw, the output head alone in fp8 and chunked
 #   bash bench/fast_paths_gpu.sh fsdpchunk                                  # 2 GPUs: opt-1.3b fp8 fast with the chunked fp8 head under fsdp (batch 32; 48 keeping the gathered parameters) vs one GPU
-#   bash bench/fast_paths_gpu.sh fsdpfused                                  # 2 GPUs: the same at batch 48 without resharding, with module.fp8_fused_mlp (its weights gathered in bf16) vs one GPU
+#   bash bench/fast_paths_gpu.sh fsdpfused                                  # 2 GPUs: the same at batch 48 without resharding, with module.fp8_fused_mlp (its weights gathered in float8) vs one GPU
 #   bash bench/fast_paths_gpu.sh fp8chunkprof                               # opt-1.3b fp8 fast with the chunked fp8 head at batch 48, 3 steps profiled: the kernels by device time
 #   RAW=... bash bench/fast_paths_gpu.sh fusedmlp                          # opt-1.3b: raw at batch 48, fp8 fast + chunked fp8 head at 48 with torchao's MLP layers and with module.fp8_fused_mlp
 #   RAW=... bash bench/fast_paths_gpu.sh fusedmlpcap                       # the same under an 80 GB H100's memory (CAP_GIB=79.1): raw at batch 32

@@ -102,7 +102,7 @@ def test_fast_accumulation_reaches_every_float8_product_and_only_with_the_option
 def test_the_output_head_in_float8_keeps_its_tie_and_is_never_gathered_in_float8(tied, monkeypatch):
     """module.fp8_layers: ``head`` converts the output head alone, ``all`` the blocks and the head, ``blocks`` leaves
     the head alone. A tied head keeps the embedding's very parameter (one tensor, one gradient: the loss's and the
-    lookup's), and under FSDP's float8 all-gather (tensorwise, sharded, on a GPU) the blocks' weights are gathered in
+    lookup's), and under FSDP's float8 all-gather (tensorwise, sharded) the blocks' weights are gathered in
     float8 and the head's is not: the embedding lookup reads it too."""
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
@@ -385,3 +385,84 @@ def test_the_fused_mlps_triton_passes_give_the_pytorch_passes_results(act):
     assert all(0 < e < 0.25 for e in theirs), theirs  # as on the CPU: float8 rounding (ReLU's input gradient 17%)
     assert all(a < 1.1 * b for a, b in zip(ours, theirs)), (ours, theirs)
     assert max(rel("fused", "torchao")) < 5e-2, rel("fused", "torchao")
+
+
+def _gathered_float8_worker(rank: int, init: str, name: str, results: dict) -> None:
+    """One of two gloo ranks: ``name`` with fused float8 MLPs, sharded with FSDP2 (float8 all-gather), two steps of
+    AdamW; the loss and the gathered gradients of each step, and the types of the weights the fused MLPs read."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from lmtrain.formats.presets import preset
+    from lmtrain.nn import float8_mlp as fm
+    from lmtrain.nn.model import Decoder
+    from lmtrain.training.fp8 import convert, precompute_scales, uses_float8_all_gather
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    seen = []
+    read = fm._weight_float8
+    fm._weight_float8 = lambda w, *a: seen.append(type(w).__name__) or read(w, *a)
+    torch.manual_seed(0)
+    model = Decoder(preset(name), vocab_size=512, dropout=0.0)
+    convert(model, "tensorwise", sharded=True, device=torch.device("cpu"), fused_mlp=True)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1 + rank))
+    out = {"all_gather": uses_float8_all_gather(model), "losses": [], "grads": []}
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx, idx.roll(-1, 1))
+        loss.backward()
+        out["grads"].append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+        precompute_scales(model)
+        total = loss.detach().float()
+        dist.all_reduce(total)  # the two ranks' means: the whole batch's mean (equal token counts)
+        out["losses"].append(float(total) / 2)
+    out["seen"] = sorted(set(seen))
+    if rank == 0:
+        results.update(out)
+    dist.barrier()  # neither rank closes its connections while the other still reads from them
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
+def test_fsdp_gathers_the_fused_mlps_weights_in_float8_and_computes_what_a_local_cast_computes(tmp_path, name):
+    """Under FSDP2 (2 gloo ranks) with tensorwise float8, the fused MLPs' weights are all-gathered in float8 as
+    torchao's layers' are: each rank casts its shard at the scale of the whole weight (after an optimizer step the one
+    precompute_scales computed), and the fused MLP reads the gathered e4m3 weight as it is. Two AdamW steps give the
+    losses and gradients of one process that casts the whole weights itself and runs the two ranks' batches one after
+    the other, to fp32 rounding: the same float8 values either way."""
+    import torch.multiprocessing as mp
+
+    from lmtrain.formats.presets import preset
+    from lmtrain.nn.model import Decoder
+    from lmtrain.training.fp8 import convert, uses_float8_all_gather
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(_gathered_float8_worker, args=(f"file://{tmp_path / 'pg'}", name, results), nprocs=2, start_method="spawn")
+        sharded = dict(results)
+    assert sharded["all_gather"] and sharded["seen"] == ["Float8TrainingTensor"], sharded["seen"]
+    torch.manual_seed(0)
+    model = Decoder(preset(name), vocab_size=512, dropout=0.0)
+    convert(model, "tensorwise", sharded=False, device=torch.device("cpu"), fused_mlp=True)
+    assert not uses_float8_all_gather(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    halves = [torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1 + r)) for r in (0, 1)]
+    for step in range(2):
+        loss = 0.0
+        for idx in halves:  # each rank's batch on its own: its activations' float8 scales are the rank's
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                half = model(idx, idx.roll(-1, 1)) / 2
+            half.backward()
+            loss += float(half)
+        apart = {n: float((sharded["grads"][step][n] - p.grad).norm() / p.grad.norm()) for n, p in model.named_parameters()}
+        assert max(apart.values()) < 1e-5, (step, apart)  # measured: 3e-6 at most (a bias gradient's sum)
+        assert sharded["losses"][step] == pytest.approx(loss, rel=1e-5)
+        optimizer.step()
+        optimizer.zero_grad()

@@ -120,6 +120,20 @@ def _(h, dy, act, act_scale):
     )
 
 
+# What FSDP's float8 all-gather hands a weight over as: torchao's Float8TrainingTensor, which lmtrain.training.fp8
+# puts here when it has the fused MLPs' weights gathered in float8 (this layer imports PyTorch alone)
+GATHERED_FLOAT8: tuple[type, ...] = ()
+
+
+def _weight_float8(w: torch.Tensor, cast) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A weight in e4m3 in both layouts and its inverse scale: as FSDP gathered it in float8 (each rank cast its shard
+    at the scale computed for the whole weight), or cast here. Either way from the weight's own precision (fp32 master
+    weights under autocast), as torchao's layers cast theirs, not rounded to bf16 first."""
+    if isinstance(w, GATHERED_FLOAT8):
+        return w._data, w._data.t().contiguous(), w._scale.reciprocal()
+    return cast(w)
+
+
 class _Float8MLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_up, b_up, w_down, b_down, act: str, fast_accum: bool):
@@ -138,8 +152,8 @@ class _Float8MLP(torch.autograd.Function):
                 x2 = F.pad(x2, (0, 0, 0, -n % _ALIGN))
             cast = _on(x.device, _float8_both_layouts)  # the narrow tensors
             x8, x8t, x_inv = cast(x2)
-            wu8, wu8t, wu_inv = cast(w_up.to(dtype))  # (F, d), (d, F); SwiGLU: 2F, gate then value
-            wd8, wd8t, wd_inv = cast(w_down.to(dtype))  # (d, F), (F, d)
+            wu8, wu8t, wu_inv = _weight_float8(w_up, cast)  # (F, d), (d, F); SwiGLU: 2F, gate then value
+            wd8, wd8t, wd_inv = _weight_float8(w_down, cast)  # (d, F), (F, d)
             h = _scaled_mm(x8, wu8.t(), x_inv, wu_inv, dtype, True)
             if b_up is not None:
                 h = h + b_up.to(dtype)

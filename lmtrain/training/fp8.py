@@ -20,9 +20,9 @@
                                  (lmtrain.nn.float8_mlp): the activation and its float8 casts in two Triton passes each
                                  way (lmtrain.training.kernels), where the compiler's kernels for them ran at a third of
                                  the bandwidth; the same numbers as torchao's layers (tests/test_fp8.py). Its weights
-                                 are all-gathered in bf16 under fsdp/hsdp. On an H200, opt-1.3b: +5.8% over torchao's
-                                 layers at the same memory, 1.283x raw PyTorch (docs/BENCHMARKS.md); Llama's not yet
-                                 measured on a GPU
+                                 are all-gathered in float8 under fsdp/hsdp, as torchao's layers' are. On an H200,
+                                 opt-1.3b: +5.8% over torchao's layers at the same memory, 1.283x raw PyTorch; llama-7b
+                                 under fsdp, its weights then gathered in bf16: 1.0% slower (docs/BENCHMARKS.md)
 
 Each converted ``nn.Linear`` becomes torchao's ``Float8Linear``: the same parameters under the same names
 (checkpoints load either way), its forward and backward matmuls in float8 with dynamic scales. The output head is a
@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import warnings
 
 import torch
@@ -178,8 +179,9 @@ def float8_config(recipe: str, *, sharded: bool, device: torch.device, fast_accu
         # periodic promotion to fp32; this makes all three fast (module.fp8_fast_accum)
         fast = Float8GemmConfig(use_fast_accum=True)
         config = dataclasses.replace(config, gemm_config_output=fast, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
-    if recipe == "tensorwise" and sharded and device.type == "cuda":
-        # FSDP2 all-gathers the weights already cast to float8 (half of bf16's bytes); scales computed once per step
+    if recipe == "tensorwise" and sharded:
+        # FSDP2 all-gathers the weights already cast to float8 (half of bf16's bytes); scales computed once per step.
+        # On the CPU too, where gloo gathers the bytes as NCCL does: the tests run this path there.
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     return config
 
@@ -231,12 +233,29 @@ def convert(
         register_float8_mlp_passes()  # its Triton passes on a GPU
         for mlp in mlps:
             mlp.float8, mlp.float8_fast_accum = float8_mlp, fast_accum
+            if config.enable_fsdp_float8_all_gather:  # its two weights gathered in float8 too, as torchao's layers'
+                for layer in (mlp.first, mlp.down):
+                    layer.weight = _gathered_in_float8(layer.weight, config)
     if layers != "blocks" and chunked_head:
         model.loss_float8, model.loss_float8_fast_accum = True, fast_accum
     elif layers != "blocks":
         # never all-gathered in float8: a tied head's parameter is also the embedding table the lookup reads
         model.lm_head = Float8Linear.from_float(head, config=dataclasses.replace(config, enable_fsdp_float8_all_gather=False))
     return model
+
+
+def _gathered_in_float8(weight: nn.Parameter, config) -> nn.Parameter:
+    """``weight`` as torchao's float8 layers hold theirs under FSDP's float8 all-gather: each rank casts its shard to
+    e4m3 at one scale for the whole weight (the one :func:`precompute_scales` computes after each optimizer step), and
+    the gathered weight arrives as torchao's ``Float8TrainingTensor``, which lmtrain.nn.float8_mlp reads as it is."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from lmtrain.nn import float8_mlp
+
+    float8_mlp.GATHERED_FLOAT8 = (Float8TrainingTensor,)
+    cast = WeightWithDynamicFloat8CastTensor(weight, LinearMMConfig(), config.cast_config_weight.target_dtype)
+    return nn.Parameter(cast, requires_grad=weight.requires_grad)
 
 
 def _fusable_mlps(model: nn.Module, blocks) -> list[nn.Module]:
@@ -304,16 +323,39 @@ def width_warning(model: nn.Module, recipe: str, layers: str = "blocks") -> str 
     )
 
 
+def _float8_gathered(model: nn.Module) -> list[torch.Tensor]:
+    """The parameters that FSDP all-gathers in float8 (torchao's layers' weights and the fused MLPs'), as held: each
+    a DTensor whose shard is torchao's ``WeightWithDynamicFloat8CastTensor``, or that tensor itself before sharding."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    return [p for p in model.parameters() if isinstance(getattr(p, "_local_tensor", p), WeightWithDynamicFloat8CastTensor)]
+
+
 def uses_float8_all_gather(model: nn.Module) -> bool:
-    return any(getattr(getattr(m, "config", None), "enable_fsdp_float8_all_gather", False) for m in model.modules())
+    return bool(_float8_gathered(model))
 
 
+@torch.no_grad()
 def precompute_scales(model: nn.Module) -> None:
-    """After each optimizer step under FSDP's float8 all-gather: every weight's scale in one fused pass, instead of
-    one small reduction per layer inside the next forward."""
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    """After each optimizer step under FSDP's float8 all-gather: every gathered weight's scale (torchao's layers' and
+    the fused MLPs') from one stacked amax and one all-reduce, instead of one of each per weight inside the next
+    forward. The scale is torchao's tensorwise one, as torchao's precompute_float8_dynamic_scale_for_fsdp computes it
+    for its own layers alone."""
+    weights = _float8_gathered(model)
+    if not weights:
+        return
+    from torch.distributed.tensor import DTensor
 
-    precompute_float8_dynamic_scale_for_fsdp(model)
+    from lmtrain.nn.loss import _AMAX_FLOOR
+
+    dtype = {p._local_tensor._dtype if isinstance(p, DTensor) else p._dtype for p in weights}
+    (dtype,) = dtype  # e4m3, one recipe for the model
+    amax = torch.stack(torch._foreach_norm(weights, ord=math.inf))  # a partial DTensor: reduced across the shards
+    amax = amax.clamp(min=_AMAX_FLOOR).to(torch.float64)
+    scales = (torch.finfo(dtype).max / amax).to(torch.float32)
+    scales = scales.full_tensor() if isinstance(scales, DTensor) else scales
+    for p, scale in zip(weights, scales):
+        getattr(p, "_local_tensor", p)._precomputed_scale = scale
 
 
 def converted(model: nn.Module) -> int:
