@@ -387,9 +387,10 @@ def test_the_fused_mlps_triton_passes_give_the_pytorch_passes_results(act):
     assert max(rel("fused", "torchao")) < 5e-2, rel("fused", "torchao")
 
 
-def _gathered_float8_worker(rank: int, init: str, name: str, results: dict) -> None:
-    """One of two gloo ranks: ``name`` with fused float8 MLPs, sharded with FSDP2 (float8 all-gather), two steps of
-    AdamW; the loss and the gathered gradients of each step, and the types of the weights the fused MLPs read."""
+def _gathered_float8_worker(rank: int, init: str, name: str, compiled: bool, results: dict) -> None:
+    """One of two gloo ranks: ``name`` with fused float8 MLPs, sharded with FSDP2 (float8 all-gather), each block
+    compiled or not, two steps of AdamW; the loss and the gathered gradients of each step, and the types of the
+    weights the fused MLPs read (eager)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -407,6 +408,8 @@ def _gathered_float8_worker(rank: int, init: str, name: str, results: dict) -> N
     convert(model, "tensorwise", sharded=True, device=torch.device("cpu"), fused_mlp=True)
     for block in model.blocks:
         fully_shard(block)
+        if compiled:
+            block.compile()  # as strategy.compile=true compiles them
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     idx = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1 + rank))
@@ -430,13 +433,17 @@ def _gathered_float8_worker(rank: int, init: str, name: str, results: dict) -> N
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
-def test_fsdp_gathers_the_fused_mlps_weights_in_float8_and_computes_what_a_local_cast_computes(tmp_path, name):
+@pytest.mark.parametrize(
+    "name, compiled", [("tiny", False), ("tiny-llama", False), ("tiny-llama", True)], ids=["tiny", "tiny-llama", "tiny-llama-compiled"]
+)
+def test_fsdp_gathers_the_fused_mlps_weights_in_float8_and_computes_what_a_local_cast_computes(tmp_path, name, compiled):
     """Under FSDP2 (2 gloo ranks) with tensorwise float8, the fused MLPs' weights are all-gathered in float8 as
     torchao's layers' are: each rank casts its shard at the scale of the whole weight (after an optimizer step the one
     precompute_scales computed), and the fused MLP reads the gathered e4m3 weight as it is. Two AdamW steps give the
     losses and gradients of one process that casts the whole weights itself and runs the two ranks' batches one after
-    the other, to fp32 rounding: the same float8 values either way."""
+    the other, to fp32 rounding: the same float8 values either way. Each block compiled (the GPU's path: the gathered
+    float8 weight traced into the fused function), the first step's loss and gradients are the eager process's to
+    Inductor's rounding (it keeps the activation in fp32 before its amax)."""
     import torch.multiprocessing as mp
 
     from lmtrain.formats.presets import preset
@@ -445,9 +452,11 @@ def test_fsdp_gathers_the_fused_mlps_weights_in_float8_and_computes_what_a_local
 
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_gathered_float8_worker, args=(f"file://{tmp_path / 'pg'}", name, results), nprocs=2, start_method="spawn")
+        mp.start_processes(
+            _gathered_float8_worker, args=(f"file://{tmp_path / 'pg'}", name, compiled, results), nprocs=2, start_method="spawn"
+        )
         sharded = dict(results)
-    assert sharded["all_gather"] and sharded["seen"] == ["Float8TrainingTensor"], sharded["seen"]
+    assert sharded["all_gather"] and sharded["seen"] == ["Float8TrainingTensor"], sharded["seen"]  # compiled: as traced
     torch.manual_seed(0)
     model = Decoder(preset(name), vocab_size=512, dropout=0.0)
     convert(model, "tensorwise", sharded=False, device=torch.device("cpu"), fused_mlp=True)
@@ -462,7 +471,11 @@ def test_fsdp_gathers_the_fused_mlps_weights_in_float8_and_computes_what_a_local
             half.backward()
             loss += float(half)
         apart = {n: float((sharded["grads"][step][n] - p.grad).norm() / p.grad.norm()) for n, p in model.named_parameters()}
-        assert max(apart.values()) < 1e-5, (step, apart)  # measured: 3e-6 at most (a bias gradient's sum)
-        assert sharded["losses"][step] == pytest.approx(loss, rel=1e-5)
+        if not compiled:
+            assert max(apart.values()) < 1e-5, (step, apart)  # measured: 3e-6 at most (a bias gradient's sum)
+            assert sharded["losses"][step] == pytest.approx(loss, rel=1e-5)
+        elif step == 0:
+            assert max(apart.values()) < 1e-1, apart  # measured: 7.3% (tiny-llama's float8 roundings flip)
+            assert sharded["losses"][step] == pytest.approx(loss, rel=1e-4)
         optimizer.step()
         optimizer.zero_grad()
