@@ -387,8 +387,8 @@ def test_the_fused_mlps_triton_passes_give_the_pytorch_passes_results(act):
     assert max(rel("fused", "torchao")) < 5e-2, rel("fused", "torchao")
 
 
-def _gathered_float8_worker(rank: int, init: str, name: str, compiled: bool, results: dict) -> None:
-    """One of two gloo ranks: ``name`` with fused float8 MLPs, sharded with FSDP2 (float8 all-gather), each block
+def _gathered_float8_worker(rank: int, init: str, name: str, compiled: bool, device: str, results: dict) -> None:
+    """One of two ranks (gloo on the CPU, NCCL on GPUs ``rank``): ``name`` with fused float8 MLPs, sharded with FSDP2 (float8 all-gather), each block
     compiled or not, two steps of AdamW; the loss and the gathered gradients of each step, and the types of the
     weights the fused MLPs read (eager)."""
     import torch.distributed as dist
@@ -400,26 +400,29 @@ def _gathered_float8_worker(rank: int, init: str, name: str, compiled: bool, res
     from lmtrain.train import _close_process_group
     from lmtrain.training.fp8 import convert, precompute_scales, uses_float8_all_gather
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    dev = torch.device(device, rank) if device == "cuda" else torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=init, rank=rank, world_size=2)
     seen = []
     read = fm._weight_float8
     fm._weight_float8 = lambda w, *a: seen.append(type(w).__name__) or read(w, *a)
     torch.manual_seed(0)
-    model = Decoder(preset(name), vocab_size=512, dropout=0.0)
-    convert(model, "tensorwise", sharded=True, device=torch.device("cpu"), fused_mlp=True)
+    model = Decoder(preset(name), vocab_size=512, dropout=0.0).to(dev)
+    convert(model, "tensorwise", sharded=True, device=dev, fused_mlp=True)
     for block in model.blocks:
         fully_shard(block)
         if compiled:
             block.compile()  # as strategy.compile=true compiles them
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    idx = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1 + rank))
+    idx = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1 + rank)).to(dev)
     out = {"all_gather": uses_float8_all_gather(model), "losses": [], "grads": []}
     for _ in range(2):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
             loss = model(idx, idx.roll(-1, 1))
         loss.backward()
-        out["grads"].append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        out["grads"].append({n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
         precompute_scales(model)
@@ -433,12 +436,28 @@ def _gathered_float8_worker(rank: int, init: str, name: str, compiled: bool, res
     _close_process_group()  # as train.py closes: no gloo thread left to abort the exit (tests/test_distributed.py)
 
 
+_TWO_HOPPERS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        torch.cuda.device_count() < 2 or torch.cuda.get_device_capability() < (8, 9),
+        reason="NCCL between 2 GPUs with float8 tensor cores (run there: docs/BENCHMARKS.md)",
+    ),
+]
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "name, compiled", [("tiny", False), ("tiny-llama", False), ("tiny-llama", True)], ids=["tiny", "tiny-llama", "tiny-llama-compiled"]
+    "name, compiled, device",
+    [
+        ("tiny", False, "cpu"),
+        ("tiny-llama", False, "cpu"),
+        ("tiny-llama", True, "cpu"),
+        pytest.param("tiny-llama", False, "cuda", marks=_TWO_HOPPERS),
+    ],
+    ids=["tiny", "tiny-llama", "tiny-llama-compiled", "tiny-llama-cuda"],
 )
-def test_fsdp_gathers_the_fused_mlps_weights_in_float8_and_computes_what_a_local_cast_computes(tmp_path, name, compiled):
-    """Under FSDP2 (2 gloo ranks) with tensorwise float8, the fused MLPs' weights are all-gathered in float8 as
+def test_fsdp_gathers_the_fused_mlps_weights_in_float8_and_computes_what_a_local_cast_computes(tmp_path, name, compiled, device):
+    """Under FSDP2 (2 gloo ranks; on GPUs 2 NCCL ranks, the Triton passes) with tensorwise float8, the fused MLPs' weights are all-gathered in float8 as
     torchao's layers' are: each rank casts its shard at the scale of the whole weight (after an optimizer step the one
     precompute_scales computed), and the fused MLP reads the gathered e4m3 weight as it is. Two AdamW steps give the
     losses and gradients of one process that casts the whole weights itself and runs the two ranks' batches one after
@@ -454,24 +473,25 @@ def test_fsdp_gathers_the_fused_mlps_weights_in_float8_and_computes_what_a_local
     with mp.Manager() as manager:
         results = manager.dict()
         mp.start_processes(
-            _gathered_float8_worker, args=(f"file://{tmp_path / 'pg'}", name, compiled, results), nprocs=2, start_method="spawn"
+            _gathered_float8_worker, args=(f"file://{tmp_path / 'pg'}", name, compiled, device, results), nprocs=2, start_method="spawn"
         )
         sharded = dict(results)
     assert sharded["all_gather"] and sharded["seen"] == ["Float8TrainingTensor"], sharded["seen"]  # compiled: as traced
     torch.manual_seed(0)
-    model = Decoder(preset(name), vocab_size=512, dropout=0.0)
-    convert(model, "tensorwise", sharded=False, device=torch.device("cpu"), fused_mlp=True)
+    dev = torch.device(device)
+    model = Decoder(preset(name), vocab_size=512, dropout=0.0).to(dev)
+    convert(model, "tensorwise", sharded=False, device=dev, fused_mlp=True)
     assert not uses_float8_all_gather(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    halves = [torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1 + r)) for r in (0, 1)]
+    halves = [torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1 + r)).to(dev) for r in (0, 1)]
     for step in range(2):
         loss = 0.0
         for idx in halves:  # each rank's batch on its own: its activations' float8 scales are the rank's
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
                 half = model(idx, idx.roll(-1, 1)) / 2
             half.backward()
             loss += float(half)
-        apart = {n: float((sharded["grads"][step][n] - p.grad).norm() / p.grad.norm()) for n, p in model.named_parameters()}
+        apart = {n: float((sharded["grads"][step][n] - p.grad.cpu()).norm() / p.grad.norm()) for n, p in model.named_parameters()}
         if not compiled:
             assert max(apart.values()) < 1e-5, (step, apart)  # measured: 3e-6 at most (a bias gradient's sum)
             assert sharded["losses"][step] == pytest.approx(loss, rel=1e-5)
