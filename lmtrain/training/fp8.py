@@ -227,13 +227,17 @@ def convert(
             if name in marked:
                 m.residual_out = True
     if mlps:
-        from lmtrain.nn.float8_mlp import float8_mlp
+        from lmtrain.nn import float8_mlp as fm
         from lmtrain.training.kernels import register_float8_mlp_passes
 
         register_float8_mlp_passes()  # its Triton passes on a GPU
+        if config.enable_fsdp_float8_all_gather:  # what its two weights arrive as, gathered in float8 too
+            from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+            fm.GATHERED_FLOAT8 = (Float8TrainingTensor,)
         for mlp in mlps:
-            mlp.float8, mlp.float8_fast_accum = float8_mlp, fast_accum
-            if config.enable_fsdp_float8_all_gather:  # its two weights gathered in float8 too, as torchao's layers'
+            mlp.float8, mlp.float8_fast_accum = fm.float8_mlp, fast_accum
+            if config.enable_fsdp_float8_all_gather:
                 for layer in (mlp.first, mlp.down):
                     layer.weight = _gathered_in_float8(layer.weight, config)
     if layers != "blocks" and chunked_head:
@@ -248,12 +252,9 @@ def _gathered_in_float8(weight: nn.Parameter, config) -> nn.Parameter:
     """``weight`` as torchao's float8 layers hold theirs under FSDP's float8 all-gather: each rank casts its shard to
     e4m3 at one scale for the whole weight (the one :func:`precompute_scales` computes after each optimizer step), and
     the gathered weight arrives as torchao's ``Float8TrainingTensor``, which lmtrain.nn.float8_mlp reads as it is."""
-    from torchao.float8.float8_training_tensor import Float8TrainingTensor, LinearMMConfig
+    from torchao.float8.float8_training_tensor import LinearMMConfig
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    from lmtrain.nn import float8_mlp
-
-    float8_mlp.GATHERED_FLOAT8 = (Float8TrainingTensor,)
     cast = WeightWithDynamicFloat8CastTensor(weight, LinearMMConfig(), config.cast_config_weight.target_dtype)
     return nn.Parameter(cast, requires_grad=weight.requires_grad)
 
@@ -348,14 +349,14 @@ def precompute_scales(model: nn.Module) -> None:
 
     from lmtrain.nn.loss import _AMAX_FLOOR
 
-    dtype = {p._local_tensor._dtype if isinstance(p, DTensor) else p._dtype for p in weights}
-    (dtype,) = dtype  # e4m3, one recipe for the model
+    shards = [getattr(p, "_local_tensor", p) for p in weights]  # torchao's WeightWithDynamicFloat8CastTensor each
+    (dtype,) = {t._dtype for t in shards}  # e4m3, one recipe for the model
     amax = torch.stack(torch._foreach_norm(weights, ord=math.inf))  # a partial DTensor: reduced across the shards
     amax = amax.clamp(min=_AMAX_FLOOR).to(torch.float64)
     scales = (torch.finfo(dtype).max / amax).to(torch.float32)
     scales = scales.full_tensor() if isinstance(scales, DTensor) else scales
-    for p, scale in zip(weights, scales):
-        getattr(p, "_local_tensor", p)._precomputed_scale = scale
+    for shard, scale in zip(shards, scales):
+        shard._precomputed_scale = scale
 
 
 def converted(model: nn.Module) -> int:
