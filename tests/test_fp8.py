@@ -385,35 +385,48 @@ def test_the_fused_mlps_triton_passes_give_the_pytorch_passes_results(act):
     assert max(rel("fused", "torchao")) < 5e-2, rel("fused", "torchao")
 
 
-def _gathered_float8_worker(rank: int, init: str, name: str, compiled: bool, device: str, results: dict) -> None:
+def _gathered_float8_worker(rank: int, init: str, name: str, compiled: bool, fast: bool, device: str, results: dict) -> None:
     """One of two ranks (gloo on the CPU, NCCL on GPUs ``rank``): ``name`` with fused float8 MLPs, sharded with FSDP2 (float8 all-gather), each block
     compiled or not, two steps of AdamW; the loss and the gathered gradients of each step, and the types of the
-    weights the fused MLPs read (eager)."""
+    weights the fused MLPs read (eager). A failure exits at once, as the trainer's ranks do: NCCL's teardown would
+    wait for the other rank."""
+    import torch.distributed as dist
+
+    from lmtrain.train import _close_process_group, _leave_at_once
+
+    dev = torch.device(device, rank) if device == "cuda" else torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        _gathered_float8_steps(rank, name, compiled, fast, dev, results)
+    except BaseException:
+        _leave_at_once(1, with_traceback=True)
+    _close_process_group()  # as train.py closes: no gloo thread left to abort the exit (tests/test_distributed.py)
+
+
+def _gathered_float8_steps(rank: int, name: str, compiled: bool, fast: bool, dev: torch.device, results: dict) -> None:
+    """The worker's model and steps; what it holds is freed on return, before the process group is closed."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     from lmtrain.formats.presets import preset
     from lmtrain.nn import float8_mlp as fm
     from lmtrain.nn.model import Decoder
-    from lmtrain.train import _close_process_group
     from lmtrain.training.fp8 import convert, precompute_scales, uses_float8_all_gather
 
-    dev = torch.device(device, rank) if device == "cuda" else torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=init, rank=rank, world_size=2)
     seen = []
     read = fm._weight_float8
     fm._weight_float8 = lambda w, *a: seen.append(type(w).__name__) or read(w, *a)
     torch.manual_seed(0)
     model = Decoder(preset(name), vocab_size=512, dropout=0.0).to(dev)
-    convert(model, "tensorwise", sharded=True, device=dev, fused_mlp=True)
+    convert(model, "tensorwise", sharded=True, device=dev, fast_accum=fast, fused_mlp=True)
     for block in model.blocks:
         fully_shard(block)
         if compiled:
             block.compile()  # as strategy.compile=true compiles them
     fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)  # all weights in one operation, as on GPUs
     idx = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1 + rank)).to(dev)
     out = {"all_gather": uses_float8_all_gather(model), "losses": [], "grads": []}
     for _ in range(2):
@@ -430,8 +443,6 @@ def _gathered_float8_worker(rank: int, init: str, name: str, compiled: bool, dev
     out["seen"] = sorted(set(seen))
     if rank == 0:
         results.update(out)
-    del model, optimizer, loss  # the FSDP state holds the gloo group: freed before the interpreter's finalization
-    _close_process_group()  # as train.py closes: no gloo thread left to abort the exit (tests/test_distributed.py)
 
 
 _TWO_HOPPERS = [
@@ -445,21 +456,23 @@ _TWO_HOPPERS = [
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "name, compiled, device",
+    "name, compiled, fast, device",
     [
-        ("tiny", False, "cpu"),
-        ("tiny-llama", False, "cpu"),
-        ("tiny-llama", True, "cpu"),
-        pytest.param("tiny-llama", False, "cuda", marks=_TWO_HOPPERS),
+        ("tiny", False, False, "cpu"),
+        ("tiny-llama", False, True, "cpu"),
+        ("tiny-llama", True, True, "cpu"),
+        pytest.param("tiny-llama", False, True, "cuda", marks=_TWO_HOPPERS),
     ],
     ids=["tiny", "tiny-llama", "tiny-llama-compiled", "tiny-llama-cuda"],
 )
-def test_fsdp_gathers_the_fused_mlps_weights_in_float8_and_computes_what_a_local_cast_computes(tmp_path, name, compiled, device):
+def test_fsdp_gathers_the_fused_mlps_weights_in_float8_and_computes_what_a_local_cast_computes(tmp_path, name, compiled, fast, device):
     """Under FSDP2 (2 gloo ranks; on GPUs 2 NCCL ranks, the Triton passes) with tensorwise float8, the fused MLPs' weights are all-gathered in float8 as
     torchao's layers' are: each rank casts its shard at the scale of the whole weight (after an optimizer step the one
     precompute_scales computed), and the fused MLP reads the gathered e4m3 weight as it is. Two AdamW steps give the
     losses and gradients of one process that casts the whole weights itself and runs the two ranks' batches one after
-    the other, to fp32 rounding: the same float8 values either way. Each block compiled (the GPU's path: the gathered
+    the other, to fp32 rounding: the same float8 values either way. The optimizer is fused AdamW, which takes every
+    weight in one operation as on GPUs: torchao refuses gathered weights whose matmul settings differ (fast
+    accumulation on: the fused MLPs' must be its layers'). Each block compiled (the GPU's path: the gathered
     float8 weight traced into the fused function), the first step's loss and gradients are the eager process's to
     Inductor's rounding (it keeps the activation in fp32 before its amax)."""
     import torch.multiprocessing as mp
@@ -471,16 +484,19 @@ def test_fsdp_gathers_the_fused_mlps_weights_in_float8_and_computes_what_a_local
     with mp.Manager() as manager:
         results = manager.dict()
         mp.start_processes(
-            _gathered_float8_worker, args=(f"file://{tmp_path / 'pg'}", name, compiled, device, results), nprocs=2, start_method="spawn"
+            _gathered_float8_worker,
+            args=(f"file://{tmp_path / 'pg'}", name, compiled, fast, device, results),
+            nprocs=2,
+            start_method="spawn",
         )
         sharded = dict(results)
     assert sharded["all_gather"] and sharded["seen"] == ["Float8TrainingTensor"], sharded["seen"]  # compiled: as traced
     torch.manual_seed(0)
     dev = torch.device(device)
     model = Decoder(preset(name), vocab_size=512, dropout=0.0).to(dev)
-    convert(model, "tensorwise", sharded=False, device=dev, fused_mlp=True)
+    convert(model, "tensorwise", sharded=False, device=dev, fast_accum=fast, fused_mlp=True)
     assert not uses_float8_all_gather(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     halves = [torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1 + r)).to(dev) for r in (0, 1)]
     for step in range(2):
         loss = 0.0

@@ -251,11 +251,22 @@ def convert(
 def _gathered_in_float8(weight: nn.Parameter, config) -> nn.Parameter:
     """``weight`` as torchao's float8 layers hold theirs under FSDP's float8 all-gather: each rank casts its shard to
     e4m3 at one scale for the whole weight (the one :func:`precompute_scales` computes after each optimizer step), and
-    the gathered weight arrives as torchao's ``Float8TrainingTensor``, which lmtrain.nn.float8_mlp reads as it is."""
-    from torchao.float8.float8_training_tensor import LinearMMConfig
+    the gathered weight arrives as torchao's ``Float8TrainingTensor``, which lmtrain.nn.float8_mlp reads as it is.
+
+    The matmul settings it carries are the ones torchao's ``Float8Linear`` derives from the same ``config``: torchao
+    asserts that every such weight in one operation carries equal ones, and a multi-tensor optimizer step (fused or
+    foreach AdamW, the default on GPUs) takes them all in one operation."""
+    from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    cast = WeightWithDynamicFloat8CastTensor(weight, LinearMMConfig(), config.cast_config_weight.target_dtype)
+    gemms = (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)
+    settings = LinearMMConfig(
+        *(
+            ScaledMMConfig(emulate=config.emulate, use_fast_accum=g.use_fast_accum, fp8_output=False, pad_inner_dim=config.pad_inner_dim)
+            for g in gemms
+        )
+    )
+    cast = WeightWithDynamicFloat8CastTensor(weight, settings, config.cast_config_weight.target_dtype)
     return nn.Parameter(cast, requires_grad=weight.requires_grad)
 
 
