@@ -21,8 +21,8 @@
                                  way (lmtrain.training.kernels), where the compiler's kernels for them ran at a third of
                                  the bandwidth; the same numbers as torchao's layers (tests/test_fp8.py). Its weights
                                  are all-gathered in float8 under fsdp/hsdp, as torchao's layers' are. On an H200,
-                                 opt-1.3b: +5.8% over torchao's layers at the same memory, 1.283x raw PyTorch; llama-7b
-                                 under fsdp, its weights then gathered in bf16: 1.0% slower (docs/BENCHMARKS.md)
+                                 opt-1.3b: +5.8% over torchao's layers at the same memory, 1.283x raw PyTorch (+5.4%
+                                 under fsdp on 2 GPUs); llama-7b under fsdp: level with them (docs/BENCHMARKS.md)
 
 Each converted ``nn.Linear`` becomes torchao's ``Float8Linear``: the same parameters under the same names
 (checkpoints load either way), its forward and backward matmuls in float8 with dynamic scales. The output head is a
