@@ -87,6 +87,8 @@ def trainer_tokens_per_sec(cfg, steps: int, warmup: int, out: Path, profile: int
             f"median {statistics.median(rates):,.0f}, min {min(rates):,.0f}, max {max(rates):,.0f}",
             flush=True,
         )
+        # each timed step's rate in thousands, in order: where the slow steps fall (a period points at its cause)
+        print(f"trainer per-step tokens/s (thousands) from step {warmup}: " + " ".join(f"{r / 1e3:.0f}" for r in rates), flush=True)
     return (
         rates,
         metric(run, "perf/mfu")[warmup:steps],

@@ -167,6 +167,8 @@ def test_throughput_bench_prints_its_table_row(tmp_path):
     assert len(row) == 18 and row[1] == "1" and row[6] == "-" and row[9] == "-" and row[11] == "8 (5)", row  # no fp8, no document mask
     trainer, raw, ratio = (float(row[i].replace(",", "")) for i in (12, 14, 15))
     assert trainer > 0 and raw > 0 and ratio == pytest.approx(trainer / raw, abs=2e-3)
+    series = next(line for line in res.stdout.splitlines() if line.startswith("trainer per-step tokens/s (thousands) from step 3:"))
+    assert len(series.split(":")[1].split()) == 5, series  # one rate per timed step, in order
 
 
 @pytest.mark.parametrize(
