@@ -99,6 +99,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _memory(t: torch.Tensor) -> tuple:
+    """What identifies the memory ``t`` shows: two tensors with equal keys are one (a tied weight). A wrapper
+    subclass holds no storage of its own (its ``data_ptr()`` is 0 for every instance): torchao's float8-gathered
+    weights (fsdp/hsdp with ``module.fp8=tensorwise``) are keyed by the tensors they wrap. Keyed by 0, every such
+    weight of one shape was saved with the first one's values (found by an asynchronous fp8 save under fsdp that did
+    not resume exactly: tests/test_fsdp.py)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return (type(t), *(_memory(getattr(t, n)) for n in names))
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+
 class HostCopy:
     """Copies of a checkpoint's tensors in host memory, into buffers kept from one save to the next.
 
@@ -184,7 +198,7 @@ class HostCopy:
         if isinstance(obj, torch.Tensor):  # a DTensor (a shard of a sharded state) is copied as its local part
             t = obj.detach()
             local = _local(t)
-            key = (local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride(), isinstance(t, DTensor))
+            key = (_memory(local), isinstance(t, DTensor))
             if key not in self._seen:
                 buf = self._buffer(t, local)
                 self._copies.append((_local(buf), local))

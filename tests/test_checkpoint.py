@@ -200,6 +200,24 @@ def test_the_host_copy_of_a_sharded_state_stays_in_host_memory_and_is_reused(tmp
         dist.destroy_process_group()
 
 
+def test_the_host_copy_keeps_float8_gathered_weights_of_one_shape_apart():
+    """Under fsdp/hsdp with module.fp8=tensorwise the blocks' weights are torchao's float8-gathered wrappers, which hold
+    no storage of their own (data_ptr() 0 for each): the host copy took every such weight of one shape for one tied
+    tensor, and an asynchronous save wrote them all with the first one's values. Each keeps its own values now; a
+    weight tied to itself is still one copy."""
+    import torch
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from lmtrain.callbacks.checkpoint import HostCopy
+
+    first, second = (WeightWithDynamicFloat8CastTensor(torch.randn(8, 4), LinearMMConfig(), torch.float8_e4m3fn) for _ in range(2))
+    assert first.data_ptr() == second.data_ptr() == 0  # what the copy cannot tell them apart by
+    staged = HostCopy()({"a": first, "b": second, "tied": first})
+    assert torch.equal(staged["a"], first._tensor) and torch.equal(staged["b"], second._tensor)
+    assert staged["tied"] is staged["a"] and staged["b"] is not staged["a"]
+
+
 def _mapped(address: int) -> bool:
     """Whether this process maps ``address`` (/proc/self/maps)."""
     for line in Path("/proc/self/maps").read_text().splitlines():
