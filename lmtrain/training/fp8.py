@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import sys
 import warnings
 
 import torch
@@ -345,6 +346,27 @@ def _float8_gathered(model: nn.Module) -> list[torch.Tensor]:
 
 def uses_float8_all_gather(model: nn.Module) -> bool:
     return bool(_float8_gathered(model))
+
+
+def plain_state(state: dict) -> dict:
+    """A sharded model state dict (``get_model_state_dict`` under fsdp/hsdp) with each float8-gathered weight's shard,
+    torchao's ``WeightWithDynamicFloat8CastTensor``, replaced by the tensor it wraps (the same memory) in a ``DTensor``
+    of the same layout. Saved as the wrapper, distributed checkpoint pickled each shard as an object: the run
+    resumed on the same ranks, but the checkpoint could not be read without torchao's class allowed (generate,
+    export), nor resharded. Saved plain, it loads back into the wrapped weights (tests/test_fsdp.py)."""
+    if "torchao.float8.fsdp_utils" not in sys.modules:  # never imported: no weight of this run is one
+        return state
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from lmtrain.training.compat import dtensor_around
+
+    def plain(t):
+        if isinstance(t, DTensor) and isinstance(t._local_tensor, WeightWithDynamicFloat8CastTensor):
+            return dtensor_around(t._local_tensor._tensor, t)
+        return t
+
+    return {name: plain(t) for name, t in state.items()}
 
 
 @torch.no_grad()
