@@ -101,10 +101,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _memory(t: torch.Tensor) -> tuple:
     """What identifies the memory ``t`` shows: two tensors with equal keys are one (a tied weight). A wrapper
-    subclass holds no storage of its own (its ``data_ptr()`` is 0 for every instance): torchao's float8-gathered
-    weights (fsdp/hsdp with ``module.fp8=tensorwise``) are keyed by the tensors they wrap. Keyed by 0, every such
-    weight of one shape was saved with the first one's values (found by an asynchronous fp8 save under fsdp that did
-    not resume exactly: tests/test_fsdp.py)."""
+    subclass holds no storage of its own (its ``data_ptr()`` is 0 for every instance): it is keyed by the tensors it
+    wraps. Keyed by 0, torchao's float8-gathered weights (fsdp/hsdp with ``module.fp8=tensorwise``) of one shape were
+    all saved with the first one's values (an asynchronous fp8 save under fsdp that did not resume exactly). The
+    strategy now hands those weights over as the plain tensors they wrap (lmtrain.training.fp8.plain_state), so the
+    trainer's states hold no wrapper today; this keeps the copy right for any state that does
+    (tests/test_checkpoint.py)."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     if is_traceable_wrapper_subclass(t):
