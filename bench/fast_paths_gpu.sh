@@ -85,6 +85,9 @@ llama7b() {  # PRECISION-CHECKPOINTING-bBATCH [noexpand] (PRECISION: bf16, fp8, 
   )
 }
 
+for mode in "$@"; do  # every mode checked before any runs: a misspelled one is an error, not a silent no-op
+  awk -v m="$mode" 'match($0, /^[[:alnum:]_|]+\)/) { n = split(substr($0, 1, RLENGTH - 1), l, "|"); for (i = 1; i <= n; i++) if (l[i] == m) found = 1 } END { exit !found }' "$0" || { echo "bench/fast_paths_gpu.sh: no mode '$mode' (the modes are listed at the top of the script)" >&2; exit 2; }
+done
 for mode in "${@:?fp8, rowwise, mask, head, small, fp8big, fp8accum, small32, fsdp, fsdp7b, op7b, op7bfp8, op7bfast, op7bfused, alloc7b, allocop7b, loss, lossfast, fp8head, fp8headcap, smallhead, fp8chunk, fp8chunkcap, smallchunk, fsdpchunk, fsdpfused, fp8chunkprof, fusedmlp, fusedmlpcap, losshead, lossfresh, lossfused, targets1 or targets2}"; do
 case "$mode" in
 fp8)

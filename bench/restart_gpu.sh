@@ -67,4 +67,8 @@ goodput)
   metrics "$OUT/runs/goodput" ckpt/stall_s ckpt/write_s
   rm -rf "$OUT/runs/goodput/checkpoints"
   ;;
+*)
+  echo "bench/restart_gpu.sh: no mode '$1' (reshard, stall, stall7b or goodput)" >&2
+  exit 2
+  ;;
 esac

@@ -113,6 +113,24 @@ def _validate_recorded(calls: list[list[str]], what: str, tmp_path: Path, throug
     assert not failed, "\n".join(failed)
 
 
+@pytest.mark.parametrize("script", ["fast_paths_gpu.sh", "restart_gpu.sh"])
+def test_a_misspelled_mode_is_refused_by_name_before_anything_runs(script, tmp_path):
+    """A bench script given a mode it does not have exits 2 naming it, where it used to run nothing and exit 0; with
+    several modes, a valid one before it does not start either (its python3 would have left a mark here)."""
+    import os
+    import subprocess
+
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "python3").write_text(f"#!/bin/sh\necho ran >> {tmp_path / 'ran'}\n")
+    (stub / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+    modes = ["fp8", "fp8x"] if script == "fast_paths_gpu.sh" else ["reshardx"]
+    res = subprocess.run(["bash", str(BENCH / script), *modes], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert res.returncode == 2 and f"no mode '{modes[-1]}'" in res.stderr, (res.returncode, res.stderr)
+    assert not (tmp_path / "ran").exists()
+
+
 def test_the_bench_refuses_a_config_without_the_throughput_callback(tmp_path):
     """``callbacks=none`` leaves bench/throughput.py nothing to read (one GPU call measured nothing that way): refused
     in its config step, naming the way to drop one callback instead; dropping one is accepted."""
