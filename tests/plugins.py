@@ -130,6 +130,20 @@ class RecordLR(L.Callback):
             json.dump(self.lrs, fh)
 
 
+class RecordOneDNN(L.Callback):
+    """Whether oneDNN was enabled at every training step (``seen``), in this process."""
+
+    seen: list[bool] = []
+
+    def __init__(self) -> None:
+        RecordOneDNN.seen = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import torch
+
+        RecordOneDNN.seen.append(torch.backends.mkldnn.enabled)
+
+
 class OperatorAt(L.Callback):
     """Act as an operator: run ``python -m lmtrain.control RUN_DIR lr --scale S`` (or ``--value V``) in-process when
     step ``step`` is done, once per run directory (a replay after a rollback does not ask again)."""

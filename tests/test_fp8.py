@@ -73,6 +73,21 @@ def test_fp8_trains_like_full_precision_keeps_parameter_names_and_resumes_exactl
     assert _losses(Path(resumed.run_dir)) == uninterrupted  # steps 3-5 resumed: the same printed values, 0 tolerance
 
 
+@pytest.mark.parametrize("precision, emulated", [("32-true", True), ("bf16-mixed", False), (None, False)], ids=["fp32", "bf16", "no-fp8"])
+def test_fp8_on_the_cpu_in_full_precision_runs_its_float8_products_in_pytorchs_emulation(tmp_path, dataset_dir, precision, emulated):
+    """On a CPU with AMX-INT8, torch._scaled_mm sends a tensorwise float8 product to oneDNN's float8 GEMM, some 350
+    times slower than PyTorch's fp32 emulation of the same numbers (lmtrain.training.fp8.emulate_cpu_matmuls). An FP8 run in
+    fp32 turns oneDNN off for its steps and gives it back at the end; under bf16-mixed (whose bf16 matmuls need
+    oneDNN) and without FP8 it stays on."""
+    from tests.plugins import RecordOneDNN
+
+    extra = ["module.fp8=tensorwise", f"trainer.precision={precision}"] if precision else []
+    cfg = make_cfg([*TINY, "+callbacks.onednn._target_=tests.plugins.RecordOneDNN", *extra], tmp_path, dataset_dir)
+    assert torch.backends.mkldnn.enabled
+    train(cfg)
+    assert RecordOneDNN.seen == [not emulated] * 4 and torch.backends.mkldnn.enabled  # given back when the run ended
+
+
 def test_fast_accumulation_reaches_every_float8_product_and_only_with_the_option():
     """module.fp8_fast_accum: torchao's recipes accumulate only the forward product in fast mode; the option makes the
     two backward ones fast too, in every converted layer, for both recipes, and leaves the recipe otherwise alone."""
@@ -235,9 +250,12 @@ def test_the_float8_head_gives_the_bf16_heads_loss_and_gradients(head, name, dev
     idx = torch.randint(0, 50304, (4, 128), device=device)
     results = {}
     for label, model in (("bf16", base), ("fp8", fp8)):
-        with torch.autocast(device, dtype=torch.bfloat16):
-            loss = (torch.compile(model) if device == "cuda" else model)(idx, idx.roll(-1, 1))
-        loss.backward()
+        # on the CPU, the float8 products in PyTorch's emulation: oneDNN's, on a CPU with AMX-INT8, took minutes here
+        # (lmtrain.training.fp8.emulate_cpu_matmuls); the bf16 model keeps oneDNN's bf16 matmuls
+        with torch.backends.mkldnn.flags(enabled=label == "bf16"):
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = (torch.compile(model) if device == "cuda" else model)(idx, idx.roll(-1, 1))
+            loss.backward()
         results[label] = (loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()})
     torch.testing.assert_close(results["fp8"][0], results["bf16"][0], rtol=1e-3, atol=1e-3)
     errors = {n: float((results["fp8"][1][n] - g).norm() / g.norm()) for n, g in results["bf16"][1].items()}
@@ -418,6 +436,9 @@ def _gathered_float8_steps(rank: int, name: str, compiled: bool, fast: bool, dev
     from lmtrain.nn.model import Decoder
     from lmtrain.training.fp8 import convert, precompute_scales, uses_float8_all_gather
 
+    # on the CPU without oneDNN, as the process checking these results runs: its float8 GEMM on CPUs with AMX-INT8 took
+    # minutes here (lmtrain.training.fp8.emulate_cpu_matmuls); this process ends after these steps
+    torch.backends.mkldnn.enabled = dev.type != "cpu"
     seen = []
     read = fm._weight_float8
     fm._weight_float8 = lambda w, *a: seen.append(type(w).__name__) or read(w, *a)
@@ -480,10 +501,6 @@ def test_fsdp_gathers_the_fused_mlps_weights_in_float8_and_computes_what_a_local
     Inductor's rounding (it keeps the activation in fp32 before its amax)."""
     import torch.multiprocessing as mp
 
-    from lmtrain.formats.presets import preset
-    from lmtrain.nn.model import Decoder
-    from lmtrain.training.fp8 import convert, uses_float8_all_gather
-
     with mp.Manager() as manager:
         results = manager.dict()
         mp.start_processes(
@@ -494,6 +511,16 @@ def test_fsdp_gathers_the_fused_mlps_weights_in_float8_and_computes_what_a_local
         )
         sharded = dict(results)
     assert sharded["all_gather"] and sharded["seen"] == ["Float8TrainingTensor"], sharded["seen"]  # compiled: as traced
+    with torch.backends.mkldnn.flags(enabled=False):  # as the ranks ran (their bf16 matmuls too)
+        _one_process_casts_the_whole_weights(sharded, name, compiled, fast, device)
+
+
+def _one_process_casts_the_whole_weights(sharded: dict, name: str, compiled: bool, fast: bool, device: str) -> None:
+    """The check of the test above: one process, the whole weights cast, the two ranks' batches one after the other."""
+    from lmtrain.formats.presets import preset
+    from lmtrain.nn.model import Decoder
+    from lmtrain.training.fp8 import convert, uses_float8_all_gather
+
     torch.manual_seed(0)
     dev = torch.device(device)
     model = Decoder(preset(name), vocab_size=512, dropout=0.0).to(dev)

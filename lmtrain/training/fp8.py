@@ -37,7 +37,8 @@ precision. The master weights, optimizer state and every other op keep their pre
 here, not a storage format.
 
 Where it runs: a GPU of compute capability 8.9 or later (Ada, Hopper: the float8 tensor cores), and the CPU, where
-PyTorch's float8 matmul computes the same numbers with no speed-up (the tests check the numerics there). Refused, before
+PyTorch's float8 matmul computes the same numbers with no speed-up (the tests check the numerics there; in fp32 the
+run keeps it in PyTorch's emulation, :func:`emulate_cpu_matmuls`). Refused, before
 any model is built: another GPU, ``trainer.precision`` in fp16 (torchao's recipes scale from bf16/fp32), a block's
 linear dimension (or, with the head, the vocabulary) not divisible by 16 (the float8 matmul's alignment), and a missing ``torchao``. Measured figures and
 where FP8 pays: docs/BENCHMARKS.md.
@@ -390,6 +391,30 @@ def precompute_scales(model: nn.Module) -> None:
     scales = scales.full_tensor() if isinstance(scales, DTensor) else scales
     for shard, scale in zip(shards, scales):
         shard._precomputed_scale = scale
+
+
+def emulate_cpu_matmuls(recipe: str | None, device: torch.device, precision) -> bool:
+    """Turn oneDNN off for an FP8 run on the CPU in full precision, so that its float8 matmuls run in PyTorch's own
+    emulation (both operands to fp32, one fp32 product: the same numbers); True if it was turned off (give it back
+    with :func:`restore_onednn` when the run ends).
+
+    On a CPU with AMX-INT8, ``torch._scaled_mm`` (2.13) sends a product of two e4m3 operands with one scale each (every
+    forward product of the tensorwise recipe) to oneDNN's float8 GEMM instead, which took 1.15-1.31 s against 3.6 ms
+    for the emulation on a (256, 512) x (512, 256) product on a 2-core CI-like machine (the results 8e-6 apart):
+    an 8-step 2-rank FP8 tiny-llama run spent 37 s in its steps. Rowwise scales and mixed e4m3/e5m2 operands took
+    2-6 ms either way (docs/BENCHMARKS.md).
+    Not under bf16-mixed, where the CPU's bf16 matmuls need oneDNN (167 ms against 2.9 ms for a (4096, 512) layer
+    without it); fp32 matmuls go to MKL either way (15-17 ms)."""
+    if recipe is None or device.type != "cpu" or str(precision) not in ("32", "32-true") or not torch.backends.mkldnn.enabled:
+        return False
+    torch.backends.mkldnn.enabled = False
+    return True
+
+
+def restore_onednn(turned_off: bool) -> None:
+    """Undo :func:`emulate_cpu_matmuls`."""
+    if turned_off:
+        torch.backends.mkldnn.enabled = True
 
 
 def converted(model: nn.Module) -> int:

@@ -250,6 +250,14 @@ class LMModule(L.LightningModule):
             return self._loss_fn(self.model, inputs, targets, doc)
 
     # -- training ---------------------------------------------------------------------------------
+    def on_fit_start(self) -> None:
+        # FP8 on the CPU in fp32: the float8 products in PyTorch's emulation, not oneDNN's slow path (fp8.emulate_cpu_matmuls)
+        self._onednn_off = fp8_module.emulate_cpu_matmuls(self.fp8, self.device, self.trainer.precision)
+
+    def teardown(self, stage: str) -> None:
+        fp8_module.restore_onednn(getattr(self, "_onednn_off", False))
+        self._onednn_off = False
+
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         if self.seed is not None:
             n = self.trainer.fit_loop.epoch_loop.total_batch_idx  # restored with the loops on resume
