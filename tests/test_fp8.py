@@ -212,6 +212,17 @@ def test_checking_for_torchao_prints_nothing(tmp_path):
     assert res.stderr == "", res.stderr[-2000:]
 
 
+def test_a_run_without_fp8_does_not_import_torchao(tmp_path, dataset_dir):
+    """torchao is imported only where FP8 is asked for: every run once imported it to look for float8-gathered
+    weights (1.1 s), and printed torchao's lines about the kernel libraries it could not load and a pytree warning."""
+    from tests.conftest import run_train_cli
+
+    res = run_train_cli([*TINY, f"paths.runs={tmp_path}", f"data.path={dataset_dir}", "data.prepare=null"], tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    for noise in ("torchao", "KernelPreference"):
+        assert noise not in res.stdout + res.stderr, (res.stdout + res.stderr)[-2000:]
+
+
 @pytest.mark.parametrize(
     "device",
     [
