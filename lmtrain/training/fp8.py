@@ -340,7 +340,7 @@ def width_warning(model: nn.Module, recipe: str, layers: str = "blocks") -> str 
 def _float8_gathered(model: nn.Module) -> list[torch.Tensor]:
     """The parameters that FSDP all-gathers in float8 (torchao's layers' weights and the fused MLPs'), as held: each
     a DTensor whose shard is torchao's ``WeightWithDynamicFloat8CastTensor``, or that tensor itself before sharding.
-    None where torchao's module was never imported: a run without FP8 does not import torchao (which took 1.1 s and
+    Empty where torchao's module was never imported: a run without FP8 does not import torchao (which took 1.1 s and
     printed three lines about kernel libraries and the pytree in every run; tests/test_fp8.py)."""
     if "torchao.float8.fsdp_utils" not in sys.modules:
         return []
