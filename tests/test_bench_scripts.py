@@ -216,9 +216,13 @@ def _check_benchmark_command(command: str, tmp_path: Path, throughput) -> None:
         unknown = [a for a in argv[2:] if not a.isdigit() and a not in modes]
         assert not unknown, f"{command}: {script.name} has no mode {unknown} (modes: {modes})"
         return
+    interpreter = []  # python's own options before -m (python -X importtime -m ...): run with them
+    while argv[0] in ("python", "python3") and len(argv) > 3 and argv[1] == "-X":
+        interpreter += argv[1:3]
+        del argv[1:3]
     if argv[:2] == ["python", "-m"] or argv[:2] == ["python3", "-m"]:
         tool = argv[2]
-        res = subprocess.run([sys.executable, "-m", tool, *argv[3:]], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        res = subprocess.run([sys.executable, *interpreter, "-m", tool, *argv[3:]], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                              env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
         assert res.returncode == 0, f"{command}\n{res.stderr[-2000:]}"
         return
