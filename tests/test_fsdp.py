@@ -38,8 +38,9 @@ def one_process_losses(tmp_path_factory, dataset_dir) -> dict[int, float]:
     return {s: float(v) for s, v in _losses(Path(cfg.run_dir)).items()}
 
 
-def _run(tmp_path, dataset_dir, name, *extra):
-    args = BASE + [f"paths.runs={tmp_path / 'runs'}", f"run_name={name}", f"data.path={dataset_dir}", "data.prepare=null", *extra]
+def _run(tmp_path, dataset_dir, name, *extra, base=None):
+    """``train.py`` on BASE (or ``base``: GPU's) plus ``extra``, named ``name``; it must succeed."""
+    args = (base or BASE) + [f"paths.runs={tmp_path / 'runs'}", f"run_name={name}", f"data.path={dataset_dir}", "data.prepare=null", *extra]
     res = run_train_cli(args, tmp_path)
     assert res.returncode == 0, res.stderr[-4000:]
     return res
@@ -245,12 +246,7 @@ def test_an_fp8_sharded_run_resumes_exactly_and_its_checkpoint_reads_anywhere(tm
     from lmtrain import generate
 
     def run(name, *extra):
-        if device == "cpu":
-            return _run(tmp_path, dataset_dir, name, *extra)
-        args = [*GPU, f"paths.runs={tmp_path / 'runs'}", f"run_name={name}", f"data.path={dataset_dir}", "data.prepare=null", *extra]
-        res = run_train_cli(args, tmp_path)
-        assert res.returncode == 0, res.stderr[-4000:]
-        return res
+        return _run(tmp_path, dataset_dir, name, *extra, base=GPU if device == "cuda" else None)
 
     fp8 = ["model=tiny-llama", "strategy=fsdp", "trainer.devices=2", "data.batch_size=4", f"callbacks.checkpoint.async_save={background}",
            "module.fp8=tensorwise", "module.fp8_fast_accum=true", "module.fp8_fused_mlp=true"]  # fmt: skip
