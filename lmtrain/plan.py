@@ -60,7 +60,18 @@ DEFAULT_TFLOPS = 0.5 * 989.0
 
 
 def model_numbers(model_cfg, seq_len: int) -> dict:
-    """Parameters and FLOPs of a model config (a meta-device build: no memory)."""
+    """Parameters and FLOPs of a model config (a meta-device build: no memory; each shape built once per process,
+    since a plan's search over the presets builds every one of them)."""
+    key = (repr(model_cfg), seq_len)  # (ModelConfig is a plain dataclass: its repr names every field)
+    if key not in _NUMBERS:
+        _NUMBERS[key] = _build_numbers(model_cfg, seq_len)
+    return dict(_NUMBERS[key])
+
+
+_NUMBERS: dict[tuple[str, int], dict] = {}
+
+
+def _build_numbers(model_cfg, seq_len: int) -> dict:
     import torch
 
     from lmtrain.nn.model import Decoder, flops_per_token, matmul_params, num_params
