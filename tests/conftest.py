@@ -70,6 +70,22 @@ def pytest_report_header(config) -> str:
     return _TEST_DEPS_SAID
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """How many processes run the tests (pytest-xdist; pyproject's ``-n auto``): one per core, at most 4 (a test
+    starts up to 4 ranks of its own) and one per 6 GB of memory; one where a GPU is visible, as the GPU tests share
+    the cards. Most of a test's time is processes importing PyTorch and Lightning, one core each: on 2 cores two
+    workers took the suite from 24 min 30 s to 15 min 29 s (docs/BENCHMARKS.md). ``-n 0`` runs it in this process,
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` sets the number."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    import torch
+
+    if torch.cuda.is_available():
+        return 0
+    memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    return max(1, min(os.cpu_count() or 1, 4, int(memory_gb // 6)))
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """A test skipped for want of a GPU carries the ``gpu`` mark, so that ``python -m pytest -m gpu`` on a GPU
     machine runs every one of them: one left unmarked stops the collection, named."""

@@ -7,6 +7,7 @@ import csv
 import mmap
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -448,10 +449,27 @@ def _free_gb(path: Path) -> float:
     return shutil.disk_usage(path).free / 1e9
 
 
+@pytest.fixture
+def quiet_disk(tmp_path):
+    """A folder on a filesystem only this test writes to, so that its free space moves with this test's files alone:
+    the tests run beside others (pytest-xdist), which write checkpoints to ``tmp_path``'s disk. /dev/shm (a tmpfs in
+    memory) where it is one with 1 GB free, else ``tmp_path`` when no other test runs beside this one."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 1e9:
+        folder = Path(tempfile.mkdtemp(prefix="lmtrain-disk-", dir=shm))
+        yield folder
+        shutil.rmtree(folder, ignore_errors=True)
+    elif int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        pytest.skip("no /dev/shm with 1 GB free, and other tests write to this disk meanwhile: run it with -n 0")
+    else:
+        yield tmp_path
+
+
 @pytest.mark.slow
-def test_disk_guard_prunes_then_stops_cleanly_when_the_disk_fills(tmp_path, dataset_dir):
+def test_disk_guard_prunes_then_stops_cleanly_when_the_disk_fills(quiet_disk, dataset_dir):
     """The margin is set so that the real free space allows only about two more checkpoints of the mini model
     (51 MB each): the guard first prunes old ones, and once the permanent ones fill the room it alerts and stops."""
+    tmp_path = quiet_disk
     common = [
         f"data.path={dataset_dir}",
         "data.prepare=null",

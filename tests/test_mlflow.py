@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from lmtrain.training.run import train
+
+pytestmark = pytest.mark.xdist_group("mlflow")  # in one process: the module starts one server for all of them
 
 
 def _free_port() -> int:
@@ -30,7 +33,9 @@ def mlflow_server(tmp_path_factory):
         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts"),
     ]  # fmt: skip
     log = open(root / "server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # no job runner: the tracking tests start no jobs, and its queue would be left in /dev/shm after the server stops
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 90
     while True:
