@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 
 from lmtrain.formats import checkpoint as ck
 from lmtrain.formats import corrections
+from lmtrain.formats.trained import sharded_tensors
 from lmtrain.training.config import ConfigError, validate_config
 from tests.conftest import TINY, make_cfg, run_train_cli
 from tests.plugins import damage_in_place
@@ -31,11 +31,14 @@ BASE = [a for a in TINY if not a.startswith(("trainer.devices", "data.batch_size
 def one_process_losses(tmp_path_factory, dataset_dir) -> dict[int, float]:
     """Per-step losses of one process at global batch 8 (what the two-node launches must reproduce), trained once,
     in this process: the launches are what those tests are about."""
-    from pathlib import Path
+    return _one_process(tmp_path_factory.mktemp("one"), dataset_dir)
 
+
+def _one_process(folder: Path, dataset_dir, *extra: str) -> dict[int, float]:
+    """Per-step losses of BASE plus ``extra`` trained in this process at global batch 8."""
     from lmtrain.training.run import train
 
-    cfg = make_cfg([*BASE, "trainer.devices=1", "data.batch_size=8"], tmp_path_factory.mktemp("one"), dataset_dir)
+    cfg = make_cfg([*BASE, "trainer.devices=1", "data.batch_size=8", *extra], folder, dataset_dir)
     train(cfg)
     return {s: float(v) for s, v in _losses(Path(cfg.run_dir)).items()}
 
@@ -227,20 +230,6 @@ def test_the_fused_float8_mlp_trains_sharded_with_op_level_checkpointing(tmp_pat
     assert sorted(fused) == list(range(8)) and fused == pytest.approx(one_process_losses, rel=1e-2) and fused != one_process_losses
 
 
-def _dcp_tensors(path) -> dict[str, torch.Tensor]:
-    """Every tensor of a distributed checkpoint (model, optimizer state), whole, read in this process."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(path))
-    entries = reader.read_metadata().state_dict_metadata
-    state = {k: torch.empty(e.size, dtype=e.properties.dtype) for k, e in entries.items() if isinstance(e, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # one process on purpose: DCP's "assuming the intent is to load in a single process"
-        warnings.filterwarnings("ignore", message=".*load in a single process.*")
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    return state
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, TWO_GPUS])])
@@ -272,18 +261,14 @@ def test_an_fp8_sharded_run_resumes_exactly_and_its_checkpoint_reads_anywhere(tm
     cut, want = _losses(runs / "cut"), {s: v for s, v in ref_losses.items() if s >= 3}
     if device == "cpu":
         assert cut == want
-        from lmtrain.training.run import train
-
-        one = make_cfg([*BASE, "model=tiny-llama", "trainer.devices=1", "data.batch_size=8"], tmp_path / "one", dataset_dir)
-        train(one)
-        reference = {s: float(v) for s, v in _losses(Path(one.run_dir)).items()}
+        reference = _one_process(tmp_path / "one", dataset_dir, "model=tiny-llama")
         got = {s: float(v) for s, v in ref_losses.items()}
         assert got == pytest.approx(reference, rel=1e-2) and got != reference
     else:
         assert sorted(cut) == sorted(want) and cut[3] == want[3], (cut, want)
         assert {s: float(v) for s, v in cut.items()} == pytest.approx({s: float(v) for s, v in want.items()}, rel=1e-4)
     # step 6 of the same run, written from the host copy in the background (ref) and in the step (cut)
-    background, in_step = (_dcp_tensors(runs / n / "checkpoints" / "step-0000006") for n in ("ref", "cut"))
+    background, in_step = (sharded_tensors(runs / n / "checkpoints" / "step-0000006") for n in ("ref", "cut"))
     assert sorted(background) == sorted(in_step) and any(".mlp." in k for k in background), sorted(background)[:8]
     if device == "cpu":
         for k in background:

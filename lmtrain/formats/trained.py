@@ -53,23 +53,26 @@ def load_model_state(ckpt: ck.Checkpoint) -> dict[str, torch.Tensor]:
 
 def _sharded_model_tensors(path: Path) -> dict[str, torch.Tensor]:
     """``state_dict.model.*`` of a distributed checkpoint, whole tensors on the CPU, without a process group."""
+    return {k.removeprefix("state_dict."): v for k, v in sharded_tensors(path, "state_dict.model.").items()}
+
+
+def sharded_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of a distributed checkpoint whose names start with ``prefix`` (every one by default: the model's
+    and the optimizer's), each whole on the CPU under its name in the checkpoint, read in this one process."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = dcp.FileSystemReader(str(path))
     entries = reader.read_metadata().state_dict_metadata
-    prefix = "state_dict.model."
     state = {
-        "state_dict": {
-            name.removeprefix("state_dict."): torch.empty(entry.size, dtype=entry.properties.dtype)
-            for name, entry in entries.items()
-            if name.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
-        }
+        name: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for name, entry in entries.items()
+        if name.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
     }
     with warnings.catch_warnings():  # one process on purpose: DCP's "assuming the intent is to load in a single process"
         warnings.filterwarnings("ignore", message=".*load in a single process.*")
         dcp.load(state, storage_reader=reader, no_dist=True)  # the keys asked for, each assembled from its shards
-    return state["state_dict"]
+    return state
 
 
 def load_run(run_dir: Path, checkpoint: str | None = None, device: str = "cpu"):
