@@ -76,8 +76,11 @@ def pytest_xdist_auto_num_workers(config) -> int:
     the cards. Most of a test's time is processes importing PyTorch and Lightning, one core each: on 2 cores two
     workers took the suite from 24 min 30 s to 15 min 29 s (docs/BENCHMARKS.md). ``-n 0`` runs it in this process,
     ``PYTEST_XDIST_AUTO_NUM_WORKERS`` sets the number."""
-    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
-        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    asked = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "")
+    if asked:
+        if not asked.isdigit():
+            raise pytest.UsageError(f"PYTEST_XDIST_AUTO_NUM_WORKERS={asked!r}: give a whole number of test processes (0: none)")
+        return int(asked)
     import torch
 
     if torch.cuda.is_available():

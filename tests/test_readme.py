@@ -223,3 +223,17 @@ def test_every_shipped_config_option_composes_and_validates(readme_world, tmp_pa
             except InputError as exc:
                 failed.append(f"{' '.join(overrides)}: {exc}")
     assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("asked, ok", [("1", True), ("two", False)])
+def test_the_number_of_test_processes_from_the_environment(asked, ok, tmp_path):
+    """``PYTEST_XDIST_AUTO_NUM_WORKERS`` sets how many processes run the tests (tests/conftest.py); a value that is
+    not a whole number is one line naming it, before any test runs."""
+    env = {**os.environ, "PYTEST_XDIST_AUTO_NUM_WORKERS": asked}
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "tests/test_layers.py"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if ok:
+        assert res.returncode == 0 and "created: 1/1 worker" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
+    else:
+        assert res.returncode == 4 and "PYTEST_XDIST_AUTO_NUM_WORKERS='two': give a whole number" in res.stderr, res.stderr[-2000:]
+        assert "Traceback" not in res.stderr
