@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,19 @@ TINY = [
     "callbacks=none",
     "logger=none",
 ]
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the OS picks it), for a server or rendezvous a test starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The environment of a test's torchrun: its agent's log folders (torchelastic_*, which it never deletes) under
+    the test's tmp_path rather than /tmp."""
+    return {**os.environ, "TMPDIR": str(tmp_path), **extra}
 
 
 def run_train_cli(

@@ -48,21 +48,20 @@ def test_closing_frees_every_gloo_group_before_the_interpreter_exits(tmp_path):
     """The cause of a rare 'terminate called without an active exception' after a successful 2-rank run: gloo
     groups outliving destroy_process_group (held by FSDP state cycles and by DeviceMeshes that DTensor's caches keep)
     were torn down during the interpreter's finalization. train.py's _close_process_group leaves no gloo thread."""
-    import os
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.conftest import ROOT, free_port, torchrun_env
 
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc_per_node=2",
-        "--master_port=29531",
+        f"--master_port={free_port()}",
         str(ROOT / "tests" / "close_groups_probe.py"),
     ]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=torchrun_env(tmp_path, OMP_NUM_THREADS="1"))
     assert res.returncode == 0, res.stderr[-3000:]
     for rank in (0, 1):
         line = (tmp_path / f"rank{rank}.txt").read_text()

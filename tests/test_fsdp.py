@@ -284,20 +284,16 @@ def test_an_fp8_sharded_run_resumes_exactly_and_its_checkpoint_reads_anywhere(tm
 def test_two_torchrun_nodes_rendezvous_and_train_hsdp(tmp_path, dataset_dir, one_process_losses):
     """A real multi-node launch on one machine: two torchrun agents (nodes) meet through c10d rendezvous, as on two
     hosts, and train `hsdp` (replicate across the nodes); the loss matches one process with the same global batch."""
-    import os
-    import socket
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.conftest import ROOT, free_port, torchrun_env
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     args = BASE + [f"paths.runs={tmp_path / 'runs'}", "run_name=twonode", f"data.path={dataset_dir}", "data.prepare=null",
                    "strategy=hsdp", "trainer.devices=1", "trainer.num_nodes=2", "strategy.shard_size=1", "data.batch_size=4",
                    "callbacks.checkpoint.async_save=false"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LMTRAIN_RUN_ID": ""}
+    env = torchrun_env(tmp_path, PYTHONPATH=str(ROOT), LMTRAIN_RUN_ID="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonode", str(ROOT / "train.py"), *args]  # fmt: skip
     nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,21 +12,16 @@ from pathlib import Path
 import pytest
 
 from lmtrain.training.run import train
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.xdist_group("mlflow")  # in one process: the module starts one server for all of them
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """A real `mlflow server` on 127.0.0.1 with a SQLite store, stopped after the module."""
     root = tmp_path_factory.mktemp("mlflow")
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts"),
@@ -58,7 +52,7 @@ def mlflow_server(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_metrics_params_and_config_reach_the_server(mlflow_server, tiny_cfg):
+def test_metrics_params_and_config_reach_the_server(mlflow_server, tiny_cfg, tmp_path):
     from mlflow.tracking import MlflowClient
 
     cfg = tiny_cfg("logger=mlflow", f"logger.mlflow.tracking_uri={mlflow_server}", "logger.mlflow.experiment_name=it", "run_name=roundtrip",
@@ -78,15 +72,15 @@ def test_metrics_params_and_config_reach_the_server(mlflow_server, tiny_cfg):
     assert run.data.params["optimizer/lr"] == str(cfg.optimizer.lr)
     artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
     assert "config.yaml" in artifacts
-    assert Path(client.download_artifacts(run.info.run_id, "config.yaml")).read_text().count("d_model: 64") == 1
+    assert Path(client.download_artifacts(run.info.run_id, "config.yaml", tmp_path)).read_text().count("d_model: 64") == 1
     # the logbook is mirrored as the run goes: its last entry (the checkpoint saved at the end) is in the artifact
     assert "logbook.jsonl" in artifacts
-    mirrored = Path(client.download_artifacts(run.info.run_id, "logbook.jsonl")).read_text().splitlines()
+    mirrored = Path(client.download_artifacts(run.info.run_id, "logbook.jsonl", tmp_path)).read_text().splitlines()
     assert mirrored == (Path(cfg.run_dir) / "logbook.jsonl").read_text().splitlines() and '"kind": "end"' in mirrored[-1]
     # the end-of-training plots and the validation-time samples are artifacts of the run
     assert sorted(a.path for a in client.list_artifacts(run.info.run_id, "plots")) == ["plots/loss.png", "plots/lr.png"]
     assert [a.path for a in client.list_artifacts(run.info.run_id, "samples")] == ["samples/step-0000002.txt", "samples/step-0000004.txt"]
-    assert "--- prompt: 'def main('" in Path(client.download_artifacts(run.info.run_id, "samples/step-0000004.txt")).read_text()
+    assert "--- prompt: 'def main('" in Path(client.download_artifacts(run.info.run_id, "samples/step-0000004.txt", tmp_path)).read_text()
     # on demand, from the MLflow run (this run has no CSV log)
     rep = subprocess.run(
         [sys.executable, "-m", "lmtrain.report", cfg.run_dir, "--tracking-uri", mlflow_server], capture_output=True, text=True
