@@ -33,7 +33,8 @@ optimizer state, activations, logits; gradients only when ``trainer.accumulate_g
 and at the end of the backward pass (weights, gradients, optimizer state; under fsdp/hsdp one block's unsharded
 gradients in bf16 and fp32 for the reduce-scatter; the DDP buckets in both). Under fsdp/hsdp the forward peak also
 holds two blocks' gathered bf16 parameters, or all of them, 2 B/param, with ``strategy.reshard_after_forward=false``
-(measured +2.2 GiB at 1.3B on 2 GPUs). Measured against both in
+(measured +2.2 GiB at 1.3B on 2 GPUs); with ``module.fp8=tensorwise`` the blocks' linear weights are gathered in float8,
+1 B/param (lmtrain.training.fp8.float8_config). Measured against both in
 docs/BENCHMARKS.md. A 10% margin is kept free.
 
 Checkpoints: fp32 weights and AdamW's two moments, 12 B/param on disk per save (llama-7b: 80.86 GB counted, 80.864 GB
@@ -86,6 +87,8 @@ def _build_numbers(model_cfg, seq_len: int) -> dict:
         "params": total,
         "non_embedding_params": total - embedding,
         "matmul_params": matmul_params(model),
+        # the weights FSDP gathers in float8 with module.fp8=tensorwise (every linear layer inside the blocks)
+        "block_linear_params": sum(m.weight.numel() for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)),
         "flops_per_token": flops_per_token(model, seq_len),
     }
 
@@ -117,6 +120,7 @@ def memory(
     fp8: bool = False,
     fp8_head: bool = False,
     reshard: bool = True,
+    float8_gathered: int = 0,
 ) -> dict:
     """Bytes per GPU (see the module docstring): each term, and ``total``, the larger of the two peaks."""
     shard = {"ddp": 1, "fsdp": world, "hsdp": min(node, world)}[strategy]
@@ -141,9 +145,11 @@ def memory(
         else 6 * min(loss_chunk, batch * seq) * V + 4 * (batch * seq + V) * cfg.emb_dim,
     }
     always = out["weights"] + out["optimizer"]
-    if strategy != "ddp":  # bf16 parameters gathered for compute: one block and the prefetched next one, or, with
-        # strategy.reshard_after_forward=false, all of them from the forward pass to the backward (+2.2 GiB at 1.3B)
-        out["gathered"] = 2 * 2 * (params / max(L, 1)) if reshard else 2 * params
+    if strategy != "ddp":  # parameters gathered for compute: one block and the prefetched next one, or, with
+        # strategy.reshard_after_forward=false, all of them from the forward pass to the backward (+2.2 GiB at 1.3B);
+        # bf16, but the ``float8_gathered`` parameters (the blocks' linear weights under float8 all-gather) in float8
+        every = 2 * params - float8_gathered
+        out["gathered"] = 2 * every / max(L, 1) if reshard else every
         always += out["gathered"]
     elif world > 1:  # DDP's gradient buckets: a second fp32 copy of the gradients (gradient_as_bucket_view off)
         out["buckets"] = 4 * params
@@ -202,6 +208,8 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
     accum = gbs // (batch * gpus) if gbs else int(cfg.trainer.accumulate_grad_batches)
     mem_bytes = float(cluster["memory_gb"]) * GB
     nums = model_numbers(mcfg, seq)
+    # fsdp/hsdp gather the float8 blocks' weights in float8 with tensorwise scaling only (lmtrain.training.fp8.float8_config)
+    float8_gathered = nums["block_linear_params"] if fp8 and module_cfg.get("fp8") == "tensorwise" else 0
     out: dict = {"model": mcfg.name, **nums, "fp16_weights_gb": 2 * nums["params"] / GB, "seq_len": seq, "micro_batch": batch}
     out["accumulate_grad_batches"] = accum
     out["loss_chunk_counted"] = not chunk_uncounted
@@ -224,7 +232,9 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
         s: {
             ac: {
                 k: v / GB
-                for k, v in memory(mcfg, nums["params"], seq, batch, s, gpus, node, ac, chunk, accum, fp8, fp8_head, reshard).items()
+                for k, v in memory(
+                    mcfg, nums["params"], seq, batch, s, gpus, node, ac, chunk, accum, fp8, fp8_head, reshard, float8_gathered
+                ).items()
             }
             for ac in AC
         }

@@ -286,3 +286,28 @@ def test_the_output_head_in_fp8_counts_the_float8_copy_of_the_logits_gradient(ca
     assert mem["all"]["logits"] * 1e9 == mem["head"]["logits"] * 1e9 == 8 * 32 * 1024 * 50304
     assert mem["all"]["activations"] == mem["blocks"]["activations"] < mem["head"]["activations"]
     assert [p["fp8_layers"] for p in plans.values()] == ["blocks", "all", "head"]
+
+
+def test_fsdp_gathers_the_blocks_weights_in_float8_with_tensorwise_scaling(capsys):
+    """Under fsdp/hsdp with module.fp8=tensorwise the blocks' linear weights are all-gathered in float8 (one byte
+    each; lmtrain.training.fp8.float8_config): the gathered parameters count 1 B for them and 2 B for the rest.
+    Rowwise scaling, the head alone in float8, and ddp (nothing gathered) keep the bf16 count."""
+    args = ["model=opt-1.3b", "data.batch_size=8", "cluster.gpus=2", "strategy=fsdp", "strategy.reshard_after_forward=false"]
+    plans = {
+        name: _plan(capsys, *args, *extra)
+        for name, extra in {
+            "bf16": [],
+            "tensorwise": ["module.fp8=tensorwise"],
+            "rowwise": ["module.fp8=rowwise"],
+            "head": ["module.fp8=tensorwise", "module.fp8_layers=head"],
+        }.items()
+    }
+    nums = plans["bf16"]
+    assert 0.9 * nums["params"] < nums["block_linear_params"] < nums["params"]  # all but embeddings, norms and biases
+    gathered = {k: p["memory_gb_per_gpu"]["fsdp"]["none"]["gathered"] * 1e9 for k, p in plans.items()}
+    assert gathered["bf16"] == gathered["rowwise"] == gathered["head"] == 2 * nums["params"]
+    assert gathered["tensorwise"] == 2 * nums["params"] - nums["block_linear_params"]
+    assert "gathered" not in plans["tensorwise"]["memory_gb_per_gpu"]["ddp"]["none"]
+    # resharded after the forward pass: two blocks' worth, in the same proportion
+    one = _plan(capsys, *args[:-1], "module.fp8=tensorwise")["memory_gb_per_gpu"]["hsdp"]["none"]["gathered"] * 1e9
+    assert one == pytest.approx(2 * (2 * nums["params"] - nums["block_linear_params"]) / 24)
