@@ -33,6 +33,7 @@
 #   RAW=... bash bench/fast_paths_gpu.sh fusedmlpcap                       # the same under an 80 GB H100's memory (CAP_GIB=79.1): raw at batch 32
 #   LOSS_GPU=1 bash bench/fast_paths_gpu.sh losshead                       # opt-1.3b, 1,000 steps in bf16 and in fp8 with fast accumulation and the head in fp8, both on GPU $LOSS_GPU
 #   bash bench/fast_paths_gpu.sh lossfresh                                 # 2 GPUs: the same 1,000 steps on a corpus read once (stdlib + transformers sources): bf16 and fp8 fast on GPU 0, fp8 fast with the head in fp8 on GPU 1
+#   bash bench/fast_paths_gpu.sh gather8                                   # one GPU: opt-1.3b under fsdp on one rank, bf16 and fp8 tensorwise, with and without resharding after the forward pass: what keeping the gathered weights costs in each (the planner counts the blocks' linear weights at 1 B in float8)
 #   RAW=... bash bench/fast_paths_gpu.sh targets1                          # one GPU, issue 19's single-GPU targets in one call (about 7 min): raw 124m; opt-125m in bf16 with the baseline's tanh GELU and with exact GELU, and the head alone in float8, chunked (batch 64, tanh GELU); raw 1.3b at 32 and opt-1.3b with every fast setting at 48
 #   bash bench/fast_paths_gpu.sh targets2                                  # 2 GPUs, its 2-GPU targets in one call (about 8 min): llama-7b in bf16 and in fp8 with the fused MLP (op checkpointing, batch 2); opt-1.3b with every fast setting under fsdp (batch 48, gathered parameters kept) vs one GPU
 #   bash bench/fast_paths_gpu.sh lossfused                                 # 2-3 GPUs: the same corpus read once: bf16 on GPU 0; fp8 fast with the chunked float8 head, with torchao's MLP layers and with module.fp8_fused_mlp, on GPU 1 (or 1 and 2)
@@ -168,6 +169,12 @@ fsdpchunk)  # 2 GPUs: opt-1.3b fp8 fast with the chunked float8 head under fsdp 
   CUDA_VISIBLE_DEVICES=0 TMO=200 bench fp8chunk-1gpu-b32 --steps 24 --warmup 8 $F data.batch_size=32
   LMTRAIN_RUN_ID=fc48 TMO=230 bench fp8chunk-fsdp2-b48-nr --dir /tmp/fc48 --steps 16 --warmup 6 $F data.batch_size=48 $FS strategy.reshard_after_forward=false --launcher
   CUDA_VISIBLE_DEVICES=0 TMO=200 bench fp8chunk-1gpu-b48 --steps 16 --warmup 6 $F data.batch_size=48
+  ;;
+gather8)  # one GPU: the peak with every gathered parameter kept (strategy.reshard_after_forward=false) minus the peak without, in bf16 and in fp8 tensorwise (float8 all-gather)
+  G="--no-raw --steps 10 --warmup 4 $M13 data.seq_len=1024 data.batch_size=16 strategy=fsdp strategy.compile=true trainer.devices=1"
+  for fp8 in null tensorwise; do
+    for nr in true false; do TMO=150 bench "gather-fp8$fp8-reshard$nr" $G module.fp8=$fp8 strategy.reshard_after_forward=$nr; done
+  done
   ;;
 targets1)  # one GPU: issue 19's single-GPU targets, each beside its raw baseline (opt-125m >= 45% MFU; opt-1.3b in FP8 >= 1.2x raw)
   TMO=100 raw raw-124m-b64 124m --compile --batch 64 --steps 40
