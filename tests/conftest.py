@@ -15,6 +15,23 @@ from omegaconf import DictConfig, open_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+def _share_the_cores() -> None:
+    """In a pytest-xdist worker, PyTorch's threads, and those of the processes its tests start, are the worker's
+    share of the cores (``OMP_NUM_THREADS``; a value already set is kept). Each worker's PyTorch otherwise took every
+    core, several workers' threads contended for them: on 2 cores with 2 workers, four test files took 208 and 216 s
+    (347 and 369 s of CPU) with a thread per core per process, 193 and 173 s (287 and 262 s of CPU) with one per worker
+    (docs/BENCHMARKS.md). Lightning gives each rank of a multi-process run its share the same way."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1 and not os.environ.get("OMP_NUM_THREADS"):
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        if "torch" in sys.modules:  # read by PyTorch when it starts: set it here too if it has
+            sys.modules["torch"].set_num_threads(threads)
+
+
+_share_the_cores()
 # tests/requirements.txt, installed by _test_deps() beside the environment that runs the tests (the virtual
 # environment's folder, else the user's cache), outside the checkout
 _CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lmtrain"

@@ -237,3 +237,21 @@ def test_the_number_of_test_processes_from_the_environment(asked, ok, tmp_path):
     else:
         assert res.returncode == 4 and "PYTEST_XDIST_AUTO_NUM_WORKERS='two': give a whole number" in res.stderr, res.stderr[-2000:]
         assert "Traceback" not in res.stderr
+
+
+def test_each_test_process_runs_pytorch_on_its_share_of_the_cores():
+    """Under two test processes each one's PyTorch, and what its tests start, gets half the cores (tests/conftest.py,
+    ``OMP_NUM_THREADS``): this test runs itself in a 2-worker pytest started without the variable, where it checks it."""
+    share = max(1, (os.cpu_count() or 1) // 2)
+    if os.environ.get("LMTRAIN_SHARE_PROBE"):  # in a worker of the run started below
+        assert (os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()) == (str(share), share)
+        return
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "OMP_NUM_THREADS"))}
+    env.update(PYTEST_XDIST_AUTO_NUM_WORKERS="2", LMTRAIN_SHARE_PROBE="1")
+    me = f"tests/test_readme.py::{test_each_test_process_runs_pytorch_on_its_share_of_the_cores.__name__}"
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", me], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0 and "created: 2/2 workers" in res.stdout and "1 passed" in res.stdout, (
+        res.stdout[-3000:] + res.stderr[-2000:]
+    )
