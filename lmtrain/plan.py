@@ -34,7 +34,7 @@ and at the end of the backward pass (weights, gradients, optimizer state; under 
 gradients in bf16 and fp32 for the reduce-scatter; the DDP buckets in both). Under fsdp/hsdp the forward peak also
 holds two blocks' gathered bf16 parameters, or all of them, 2 B/param, with ``strategy.reshard_after_forward=false``
 (measured +2.2 GiB at 1.3B on 2 GPUs); with ``module.fp8=tensorwise`` the blocks' linear weights are gathered in float8,
-1 B/param (lmtrain.training.fp8.float8_config). Measured against both in
+1 B/param (lmtrain.training.fp8.gathers_in_float8). Measured against both in
 docs/BENCHMARKS.md. A 10% margin is kept free.
 
 Checkpoints: fp32 weights and AdamW's two moments, 12 B/param on disk per save (llama-7b: 80.86 GB counted, 80.864 GB
@@ -183,6 +183,7 @@ def fewest_gpus(cfg, params: int, seq: int, batch: int, node: int, mem_bytes: fl
 
 def plan(cfg, cluster: dict, budget: dict) -> dict:
     from lmtrain.nn.model import ModelConfig
+    from lmtrain.training.fp8 import gathers_in_float8
 
     fields = {k: v for k, v in cfg.model.items() if not str(k).startswith("_")}
     mcfg = ModelConfig(**fields)
@@ -208,8 +209,8 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
     accum = gbs // (batch * gpus) if gbs else int(cfg.trainer.accumulate_grad_batches)
     mem_bytes = float(cluster["memory_gb"]) * GB
     nums = model_numbers(mcfg, seq)
-    # fsdp/hsdp gather the float8 blocks' weights in float8 with tensorwise scaling only (lmtrain.training.fp8.float8_config)
-    float8_gathered = nums["block_linear_params"] if fp8 and module_cfg.get("fp8") == "tensorwise" else 0
+    # the blocks' weights fsdp/hsdp gather in float8 (counted only where parameters are gathered: not under ddp)
+    float8_gathered = nums["block_linear_params"] if fp8 and gathers_in_float8(module_cfg.get("fp8"), sharded=True) else 0
     out: dict = {"model": mcfg.name, **nums, "fp16_weights_gb": 2 * nums["params"] / GB, "seq_len": seq, "micro_batch": batch}
     out["accumulate_grad_batches"] = accum
     out["loss_chunk_counted"] = not chunk_uncounted

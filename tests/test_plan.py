@@ -301,7 +301,7 @@ def test_the_output_head_in_fp8_counts_the_float8_copy_of_the_logits_gradient(ca
 
 def test_fsdp_gathers_the_blocks_weights_in_float8_with_tensorwise_scaling(capsys):
     """Under fsdp/hsdp with module.fp8=tensorwise the blocks' linear weights are all-gathered in float8 (one byte
-    each; lmtrain.training.fp8.float8_config): the gathered parameters count 1 B for them and 2 B for the rest.
+    each; lmtrain.training.fp8.gathers_in_float8): the gathered parameters count 1 B for them and 2 B for the rest.
     Rowwise scaling, the head alone in float8, and ddp (nothing gathered) keep the bf16 count."""
     args = ["model=opt-1.3b", "data.batch_size=8", "cluster.gpus=2", "strategy=fsdp", "strategy.reshard_after_forward=false"]
     plans = {

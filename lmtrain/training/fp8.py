@@ -171,6 +171,13 @@ def device_problem(recipe: str | None, device: torch.device) -> str | None:
     return None
 
 
+def gathers_in_float8(recipe: str | None, *, sharded: bool) -> bool:
+    """Whether FSDP2 all-gathers the blocks' weights already cast to float8 (half of bf16's bytes; scales computed
+    once per step): tensorwise scaling under fsdp/hsdp. On the CPU too, where gloo gathers the bytes as NCCL does: the
+    tests run this path there. lmtrain.plan counts those weights at one byte gathered."""
+    return recipe == "tensorwise" and sharded
+
+
 def float8_config(recipe: str, *, sharded: bool, device: torch.device, fast_accum: bool = False):
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.config import Float8GemmConfig
@@ -181,9 +188,7 @@ def float8_config(recipe: str, *, sharded: bool, device: torch.device, fast_accu
         # periodic promotion to fp32; this makes all three fast (module.fp8_fast_accum)
         fast = Float8GemmConfig(use_fast_accum=True)
         config = dataclasses.replace(config, gemm_config_output=fast, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
-    if recipe == "tensorwise" and sharded:
-        # FSDP2 all-gathers the weights already cast to float8 (half of bf16's bytes); scales computed once per step.
-        # On the CPU too, where gloo gathers the bytes as NCCL does: the tests run this path there.
+    if gathers_in_float8(recipe, sharded=sharded):
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     return config
 
