@@ -282,8 +282,14 @@ class Checkpointer(Checkpoint, CheckpointStore):
             self._group = torch.distributed.new_group(backend="gloo")  # collective: every rank builds it, here
         if trainer.is_global_zero:
             self.root.mkdir(parents=True, exist_ok=True)
-            for d in ck.remove_partials(self.root):
+            removed = ck.remove_partials(self.root)
+            for d in removed:
                 ck.warn(f"removed {d.name}, left by a save that did not finish")
+            if removed:
+                from lmtrain.formats.logbook import append
+
+                names = ", ".join(d.name for d in removed)
+                append(self.root.parent, "partial_removed", f"removed {names}, left by a save that did not finish")
         self._t_start = time.time()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -303,11 +309,24 @@ class Checkpointer(Checkpoint, CheckpointStore):
         periodic = self.every_n_steps and step % self.every_n_steps == 0
         last = self.save_on_train_end and (trainer.should_stop or (trainer.max_steps > 0 and step >= trainer.max_steps))
         if periodic or last:
-            flush = getattr(pl_module, "flush_step_stats", None)
-            if flush is not None:  # judge this step's statistics before its state is kept (and marked healthy)
-                flush()
-            if not self.suppress_final_save:
-                self.save(trainer)
+            self._judge_and_save(trainer)
+
+    def _judge_and_save(self, trainer) -> None:
+        flush = getattr(trainer.lightning_module, "flush_step_stats", None)
+        if flush is not None:  # judge this step's statistics before its state is kept (and marked healthy)
+            flush()
+        if not self.suppress_final_save:
+            self.save(trainer)
+
+    def save_now(self, trainer) -> Path | None:
+        """Save the current step now, unless it is saved already or the state is not to be kept (a diverged one), and
+        wait for the write: the complete checkpoint of this step, or None (the save failed or was skipped)."""
+        step = trainer.global_step
+        if step > 0 and step != self.last_saved_step:
+            self._judge_and_save(trainer)
+        self.wait(raise_errors=False)
+        final = self.root / ck.step_name(step)
+        return final if step == self.last_saved_step and ck.verify(final)[0] is not None else None
 
     def on_train_end(self, trainer, pl_module) -> None:
         if (

@@ -329,8 +329,8 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
         # decided the rollback are reduced over the run), and the next attempt does not check it again
         def contents(c: ck.Checkpoint) -> str | None:
             if ck.checked_by_each_process(c, trainer.world_size):
-                return ck.verify_contents(c.path, c.meta)
-            return spread_contents(trainer, c)
+                return ck.damage(c)
+            return spread_contents(trainer, c) or ck.unreadable(c)
 
         target = ck.newest_intact(healthy, contents=contents, skipping="rollback: passing over damaged checkpoint")
         if target is None:

@@ -10,6 +10,7 @@ followed (OPT's "empirical LR schedule"); the ``report`` callback plots it, corr
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import lightning as L
@@ -25,21 +26,33 @@ class LRControl(L.Callback):
     """Args:
     run_dir: the run directory (corrections file, operator requests under ``RUN_DIR/control/``).
     scale: a learning-rate factor given at (re)start; recorded when it differs from the one in force.
-    poll_every: look for operator requests every this many optimizer steps.
+    poll_every: look for operator requests every this many optimizer steps (and at each attempt's first step).
+    factor_bounds: ``[low, high]``: the factor on the scheduled learning rate that a request may bring about (all
+        corrections in force together); a request outside is rejected.
     """
 
-    def __init__(self, run_dir: str, scale: float | None = None, poll_every: int = 10) -> None:
-        if scale is not None and not scale > 0:
+    def __init__(self, run_dir: str, scale: float | None = None, poll_every: int = 10, factor_bounds=(1e-4, 10.0)) -> None:
+        try:
+            low, high = factor_bounds
+        except (TypeError, ValueError):
+            low = high = None
+        if scale is not None and not (_number(scale) and scale > 0):
             raise InputError(f"callbacks.lr_control.scale={scale}: must be a positive factor")
-        if poll_every < 1:
+        if not (isinstance(poll_every, int) and poll_every >= 1):
             raise InputError(f"callbacks.lr_control.poll_every={poll_every}: must be >= 1")
+        if not (_number(low) and _number(high) and 0 < low <= 1 <= high):
+            raise InputError(f"callbacks.lr_control.factor_bounds={factor_bounds}: must be [low, high] with 0 < low <= 1 <= high")
         self.run_dir, self.scale, self.poll_every = Path(run_dir), scale, poll_every
+        self.bounds = (float(low), float(high))
         self.entries: list[dict] = []
         self._last_polled = -1
 
     def on_train_start(self, trainer, pl_module) -> None:
         # rank zero's reading, so that every rank applies the same corrections even while the file is being written
         self.entries = trainer.strategy.broadcast(corrections.load(self.run_dir) if trainer.is_global_zero else None, src=0)
+        if bad := corrections.problems(self.entries):
+            raise InputError(f"{self.run_dir / corrections.FILE}: {bad}; fix or remove that line (lmtrain's own record of the corrections)")
+        self._last_polled = -1  # an attempt's first step looks for requests given while the run was stopped
         self._log_schedule_changes(trainer)
         if self.scale is not None and corrections.config_scale(self.entries) != self.scale:
             entry = {"from_step": trainer.global_step, "scale": self.scale, "reason": "config"}
@@ -67,9 +80,9 @@ class LRControl(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step
-        if step != self._last_polled and step % self.poll_every == 0:
+        if step != self._last_polled and (step % self.poll_every == 0 or self._last_polled < 0):
             self._last_polled = step
-            self._poll(trainer, pl_module)
+            self._poll(trainer)
         mult = corrections.multiplier(self.entries, step)
         for cfg in trainer.lr_scheduler_configs or []:
             base = cfg.scheduler.get_last_lr()
@@ -81,28 +94,105 @@ class LRControl(L.Callback):
                     group.setdefault("lmtrain_base_lr", group["lr"])
                     group["lr"] = group["lmtrain_base_lr"] * mult
 
-    def _poll(self, trainer, pl_module) -> None:
-        """Rank zero reads pending operator requests; every rank applies them from this same step."""
-        requests = []
-        if trainer.is_global_zero:
-            folder = self.run_dir / REQUESTS
-            for f in sorted(folder.glob("lr-*.json")) if folder.is_dir() else []:
-                try:
-                    requests.append(json.loads(f.read_text()))
-                except (OSError, json.JSONDecodeError) as exc:
-                    log.info(f"ignoring unreadable control request {f}: {exc}")
-                done = folder / "applied"
-                done.mkdir(exist_ok=True)
-                f.rename(done / f.name)
-        requests = trainer.strategy.broadcast(requests, src=0)
+    def _scheduled_lr(self, trainer) -> float:
+        """This step's learning rate before any correction (the first parameter group's)."""
+        for cfg in trainer.lr_scheduler_configs or []:
+            return float(cfg.scheduler.get_last_lr()[0])
+        group = trainer.optimizers[0].param_groups[0]
+        return float(group.get("lmtrain_base_lr", group["lr"]))
+
+    def _poll(self, trainer) -> None:
+        """Rank zero reads and checks the pending requests; every rank applies the accepted ones from this same step."""
         step = trainer.global_step
-        for req in requests:
-            current = trainer.optimizers[0].param_groups[0]["lr"]
-            scale = float(req["scale"]) if req.get("scale") is not None else float(req["value"]) / current
-            entry = {"from_step": step, "scale": scale, "reason": "operator", "request": req}
+        accepted = self._read_requests(step, self._scheduled_lr(trainer)) if trainer.is_global_zero else None
+        accepted = trainer.strategy.broadcast(accepted, src=0)
+        for entry, what in accepted:
             self.entries.append(entry)
             if trainer.is_global_zero:
                 corrections.add(self.run_dir, entry)
-                what = f"x{req['scale']}" if req.get("scale") is not None else f"set to {req['value']:g} (x{scale:.4g})"
-                logbook.append(self.run_dir, "lr_correction", f"operator: learning rate {what} from step {step}", step=step)
-                log.info(f"learning rate {what} from step {step} (operator request)")
+                logbook.append(self.run_dir, "lr_correction", f"operator: {what} from step {step}", step=step)
+                log.info(f"{what} from step {step} (operator request)")
+
+    def _read_requests(self, step: int, scheduled: float) -> list[tuple[dict, str]]:
+        """Each request file under ``control/`` judged (any bytes, any content): the accepted ones as (correction,
+        words), moved to ``control/applied/``; a rejected one moved to ``control/rejected/`` with its reason in the
+        logbook. Nothing here stops training."""
+        folder = self.run_dir / REQUESTS
+        out: list[tuple[dict, str]] = []
+        for f in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            try:
+                entry, what = self._judge(f, step, scheduled)
+            except _Rejected as exc:
+                self._move(f, "rejected")
+                message = f"operator request {f.name} rejected: {exc}"
+                log.warning(message)
+                logbook.append(self.run_dir, "control_rejected", message, step=step, file=f.name)
+                continue
+            self._move(f, "applied")
+            self.entries.append(entry)  # the next request of this poll is judged with this one in force
+            out.append((entry, what))
+        for entry, _ in out:
+            self.entries.remove(entry)  # applied (and recorded) by _poll on every rank
+        return out
+
+    @staticmethod
+    def _move(f: Path, where: str) -> None:
+        try:
+            (f.parent / where).mkdir(exist_ok=True)
+            f.rename(f.parent / where / f.name)
+        except OSError as exc:  # a full disk's rename: the file would be judged again; say so once
+            log.warning(f"could not move control request {f} to {where}/: {exc}")
+
+    def _judge(self, f: Path, step: int, scheduled: float) -> tuple[dict, str]:
+        try:
+            req = json.loads(f.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError:
+            raise _Rejected("not UTF-8 text") from None
+        except (OSError, json.JSONDecodeError) as exc:
+            raise _Rejected(f"not a JSON object ({type(exc).__name__}: {exc})") from None
+        if not isinstance(req, dict):
+            raise _Rejected(f"not a JSON object but {type(req).__name__}")
+        if req.get("revoke") is not None:
+            return self._revoke(req, step)
+        given = [k for k in ("scale", "value") if req.get(k) is not None]
+        if len(given) != 1:
+            raise _Rejected("it must give exactly one of 'scale' and 'value' (python -m lmtrain.control RUN lr --scale F | --value LR)")
+        number = req[given[0]]
+        if not _number(number) or not math.isfinite(number) or not number > 0:
+            raise _Rejected(f"{given[0]}={number!r} is not a finite positive number")
+        if given[0] == "value" and not scheduled > 0:
+            raise _Rejected(
+                f"the schedule's learning rate at step {step} is {scheduled:g}: a value cannot be a factor of it (give a scale)"
+            )
+        in_force = corrections.multiplier(self.entries, step)
+        total = in_force * number if given[0] == "scale" else number / scheduled
+        low, high = self.bounds
+        if not low <= total <= high:
+            raise _Rejected(
+                f"{given[0]}={number:g} would make the learning rate x{total:.4g} of the schedule ({scheduled * total:.4g} at step "
+                f"{step}), outside callbacks.lr_control.factor_bounds=[{low:g}, {high:g}]"
+            )
+        scale = total / in_force
+        what = f"learning rate x{number:g}" if given[0] == "scale" else f"learning rate set to {number:g} (x{scale:.4g})"
+        return {"from_step": step, "scale": scale, "reason": "operator", "request": req}, what
+
+    def _revoke(self, req: dict, step: int) -> tuple[dict, str]:
+        target, entries = req["revoke"], self.entries
+        if not isinstance(target, int) or isinstance(target, bool) or not 0 <= target < len(entries):
+            raise _Rejected(
+                f"revoke={target!r} is not the number of a correction (0..{len(entries) - 1}: python -m lmtrain.control RUN status)"
+            )
+        if target in corrections.revoked(entries):
+            raise _Rejected(f"correction {target} ({corrections.describe(entries[target])}) is revoked already")
+        if entries[target].get("reason") == "revoke":
+            raise _Rejected(f"correction {target} is itself a revocation")
+        entry = {"from_step": step, "scale": 1.0, "reason": "revoke", "revokes": [target], "request": req}
+        return entry, f"revoked correction {target} ({corrections.describe(entries[target])})"
+
+
+class _Rejected(Exception):
+    """A control request that is not applied, with the reason."""
+
+
+def _number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)

@@ -2,18 +2,23 @@
 
     python -m lmtrain.control RUN_DIR lr --scale 0.5      # multiply the learning rate by 0.5 from the next step boundary
     python -m lmtrain.control RUN_DIR lr --value 1e-4     # set it to 1e-4 (the schedule goes on, scaled)
-    python -m lmtrain.control RUN_DIR status              # corrections in force and the newest checkpoint
+    python -m lmtrain.control RUN_DIR revoke 2            # take correction 2 back (its number in `status`)
+    python -m lmtrain.control RUN_DIR status              # corrections in force and revoked, the newest checkpoint
 
 A request is a file under ``RUN_DIR/control/``; the run's LRControl callback picks it up within
-``callbacks.lr_control.poll_every`` steps, applies it on every rank from the same step, records it in
-``RUN_DIR/lr_corrections.jsonl`` and the logbook, and moves the request to ``control/applied/``. It stays in
-force across resumes. Given while the run is stopped, it is applied at the restart's first step boundary.
+``callbacks.lr_control.poll_every`` steps, checks it (a finite positive number, and a learning rate within
+``callbacks.lr_control.factor_bounds`` of the schedule), applies it on every rank from the same step, records it in
+``RUN_DIR/lr_corrections.jsonl`` and the logbook, and moves the request to ``control/applied/``; a request it cannot
+apply, whatever wrote it, goes to ``control/rejected/`` with the reason in the logbook, and training goes on. A
+correction stays in force across resumes until revoked. Given while the run is stopped, a request is applied at the
+restart's first step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -34,7 +39,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.control")
     group.add_argument("--scale", type=float, help="multiply the learning rate by this factor")
     group.add_argument("--value", type=float, help="set the learning rate to this value")
     lr.add_argument("--note", default="", help="why (recorded in the logbook)")
-    sub.add_parser("status", help="corrections in force and the newest checkpoint")
+    revoke = sub.add_parser("revoke", help="take a correction back")
+    revoke.add_argument("id", type=int, help="the correction's number, as `status` shows it")
+    sub.add_parser("status", help="corrections in force and revoked, and the newest checkpoint")
     args = p.parse_args(argv)
     run_dir = Path(args.run_dir)
     try:
@@ -43,27 +50,54 @@ def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.control")
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.command == "status":
+        _status(run_dir)
+        return 0
+    if args.command == "revoke":
         entries = corrections.load(run_dir)
-        for e in entries:
-            print(f"from step {e['from_step']:>8}: x{e['scale']:.4g}  ({e['reason']}, {e['time']})")
-        latest = ck.newest(run_dir / "checkpoints", quiet=True)
-        print(f"newest complete checkpoint: {latest.path.name if latest else 'none'}")
-        pending = sorted((run_dir / "control").glob("lr-*.json")) if (run_dir / "control").is_dir() else []
-        print(f"pending requests: {len(pending)}")
+        if not 0 <= args.id < len(entries) or entries[args.id].get("reason") == "revoke":
+            print(f"error: {args.id} is not the number of a correction of {run_dir} (see: {prog} {run_dir} status)", file=sys.stderr)
+            return 2
+        _request(run_dir, "revoke", {"revoke": args.id, "time": time.time()}, f"revoke correction {args.id}")
         return 0
     value = args.scale if args.scale is not None else args.value
-    if not value > 0:
-        print(f"error: the learning rate {'factor' if args.scale is not None else 'value'} must be positive, got {value}", file=sys.stderr)
+    if not (math.isfinite(value) and value > 0):
+        kind = "factor" if args.scale is not None else "value"
+        print(f"error: the learning rate {kind} must be a finite positive number, got {value}", file=sys.stderr)
         return 2
+    request = {"scale": args.scale, "value": args.value, "note": args.note, "time": time.time()}
+    _request(run_dir, "lr", request, f"learning rate {'x' + str(args.scale) if args.scale is not None else '= ' + str(args.value)}")
+    return 0
+
+
+def _request(run_dir: Path, kind: str, request: dict, what: str) -> None:
     folder = run_dir / "control"
     folder.mkdir(exist_ok=True)
-    request = {"scale": args.scale, "value": args.value, "note": args.note, "time": time.time()}
-    tmp = folder / f".lr-{time.time_ns()}.tmp"
+    tmp = folder / f".{kind}-{time.time_ns()}.tmp"
     tmp.write_text(json.dumps(request))
-    final = folder / f"lr-{time.time_ns()}.json"
+    final = folder / f"{kind}-{time.time_ns()}.json"
     os.replace(tmp, final)  # the run never sees a half-written request
-    print(f"requested: learning rate {'x' + str(args.scale) if args.scale is not None else '= ' + str(args.value)} ({final})")
-    return 0
+    print(f"requested: {what} ({final})")
+
+
+def _status(run_dir: Path) -> None:
+    """Every correction with its number, in force or revoked (and by what), the newest checkpoint, the requests."""
+    entries = corrections.load(run_dir)
+    by = {int(j): i for i, e in enumerate(entries) for j in e.get("revokes", ())}
+    for i, e in enumerate(entries):
+        if e.get("reason") == "revoke":
+            state = f"revokes {', '.join(map(str, e.get('revokes', ())))}"
+        elif i in by:
+            state = f"REVOKED by {by[i]} ({entries[by[i]].get('reason')})"
+        else:
+            state = "in force"
+        print(f"{i:>3}  from step {e['from_step']:>8}: x{float(e['scale']):.4g}  {e['reason']}, {e.get('time', '?')}: {state}")
+    print(f"learning-rate factor in force now: x{corrections.multiplier(entries, 2**62):.4g} of the schedule")
+    latest = ck.newest(run_dir / "checkpoints", quiet=True)
+    print(f"newest complete checkpoint: {latest.path.name if latest else 'none'}")
+    folder = run_dir / "control"
+    for name in ("pending", "rejected"):
+        where = folder if name == "pending" else folder / "rejected"
+        print(f"{name} requests: {len(list(where.glob('*.json'))) if where.is_dir() else 0}")
 
 
 if __name__ == "__main__":

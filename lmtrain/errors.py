@@ -14,4 +14,15 @@ class RunStopped(Exception):
         self.reason = reason
 
 
+class Preempted(Exception):
+    """Training was ended by a signal (SIGTERM, SIGUSR1, Ctrl-C) after saving a checkpoint where it could
+    (lmtrain.callbacks.preemption): the run did not finish, and continues when run again. Entry points exit with
+    :data:`PREEMPTED_EXIT`."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 STOPPED_EXIT = 3  # a run stopped by a guard; 2 is an input error, 1 a crash
+PREEMPTED_EXIT = 4  # a run ended by a signal (preemption), its checkpoint saved: run it again to continue

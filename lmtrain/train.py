@@ -17,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from lmtrain import config_dir
-from lmtrain.errors import STOPPED_EXIT, InputError, RunStopped
+from lmtrain.errors import PREEMPTED_EXIT, STOPPED_EXIT, InputError, Preempted, RunStopped
 from lmtrain.training.config import explain_hydra_error  # (importing lmtrain.training.config registers the run-name resolver)
 
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # lightning 2.6.6 on torch 2.13, harmless
@@ -48,6 +48,9 @@ def main(cfg: DictConfig) -> float | None:
     except RunStopped as exc:  # every rank took the same decision: leave together, not finished
         print(f"stopped: {exc.reason}", file=sys.stderr)
         sys.exit(STOPPED_EXIT)
+    except Preempted as exc:  # a signal, agreed by every rank at one step: saved, not finished
+        print(f"preempted: {exc.reason}", file=sys.stderr)
+        sys.exit(PREEMPTED_EXIT)
     except BaseException:
         if _other_ranks():
             _leave_at_once(1, with_traceback=True)

@@ -156,12 +156,19 @@ def torchrun_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return {**os.environ, "TMPDIR": str(tmp_path), **extra}
 
 
+def user_env() -> dict[str, str]:
+    """This process's environment as a user's shell has it: without the rendezvous variables that Lightning leaves set
+    in a process that ran a multi-rank fit in-process (MASTER_ADDR, MASTER_PORT, with its store possibly still listening
+    there), which a launched run would otherwise inherit and collide on (EADDRINUSE)."""
+    return {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")}
+
+
 def run_train_cli(
     args: list[str], cwd: Path, extra_path: list[Path] = (), timeout: int = 300, preexec_fn=None
 ) -> subprocess.CompletedProcess:
     """`python train.py ARGS` in a fresh process, as a user runs it (a fresh run name per call); ``preexec_fn`` runs in
     the child before it starts (a resource limit: a disk that fills up)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [*extra_path, ROOT])), "LMTRAIN_RUN_ID": ""}
+    env = {**user_env(), "PYTHONPATH": os.pathsep.join(map(str, [*extra_path, ROOT])), "LMTRAIN_RUN_ID": ""}
     cmd = [sys.executable, str(ROOT / "train.py"), *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn)
 

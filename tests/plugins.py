@@ -296,3 +296,16 @@ class BagOfWords(torch.nn.Module):
 
     def forward(self, idx):
         return self.out(self.emb(idx))
+
+
+class StallPreemptionSave(L.Callback):
+    """Sleep a minute while a preemption's checkpoint is collected (Lightning's ``on_save_checkpoint``, once a signal
+    was received): a second Ctrl-C then always arrives while the first one's save is still in progress."""
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        import time
+
+        from lmtrain.training.contracts import Preempts
+
+        if any(getattr(c, "requested", None) for c in trainer.callbacks if isinstance(c, Preempts)):
+            time.sleep(60)

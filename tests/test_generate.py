@@ -38,8 +38,8 @@ def test_generate_from_the_newest_checkpoint(tmp_path, dataset_dir, capsys):
 def test_a_checkpoint_whose_contents_are_damaged_is_one_error_naming_it(tmp_path, dataset_dir, capsys):
     """Sizes intact, contents not (a sharded checkpoint's metadata zeroed in place). The CRC-32 recorded at save
     catches it: picked as the newest, it is skipped with a warning naming the file (no other checkpoint: exit 2);
-    named with --checkpoint, it is refused. In a checkpoint from before the CRCs (none in meta.json), generate says
-    which checkpoint does not read. Never a traceback, and the file is left as it was. The sharded run trains in its
+    named with --checkpoint, it is refused. In a checkpoint from before the CRCs (none in meta.json), its metadata's
+    pickle, read when the checkpoint is chosen, names it. Never a traceback, and the file is left as it was. The sharded run trains in its
     own process: in this one, Lightning would leave MASTER_PORT set and its gloo store listening on it."""
     import json
 
@@ -62,9 +62,11 @@ def test_a_checkpoint_whose_contents_are_damaged_is_one_error_naming_it(tmp_path
     code, err = main([str(run), "--prompt", "x", "--checkpoint", ckpt.name]), capsys.readouterr().err
     assert code == 2 and "Traceback" not in err and f"error: checkpoint {ckpt} is not usable: .metadata has CRC-32 " in err, err
     meta = json.loads((ckpt / "meta.json").read_text())
-    del meta["crc32"]  # as saved before the CRCs
+    del meta["crc32"], meta["meta_crc32"]  # as saved before the CRCs
     (ckpt / "meta.json").write_text(json.dumps(meta))
     code, err = main([str(run), "--prompt", "x"]), capsys.readouterr().err
     assert code == 2 and "Traceback" not in err, err
-    assert f"error: checkpoint {ckpt} does not read (damaged?): UnpicklingError" in err
+    # its metadata's pickle is read (safely) when the checkpoint is chosen: the damage is named there
+    assert f"skipping damaged checkpoint {ckpt}: .metadata does not read (UnpicklingError" in err, err
+    assert "has no complete checkpoint" in err
     assert metadata.read_bytes() == bytes(damaged)

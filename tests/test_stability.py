@@ -202,7 +202,7 @@ def test_operator_command_line(tmp_path, capsys):
     (req,) = list((run / "control").glob("lr-*.json"))
     assert json.loads(req.read_text())["value"] == 1e-4
     capsys.readouterr()
-    assert main([str(run), "lr", "--scale", "-1"]) == 2 and "must be positive" in capsys.readouterr().err
+    assert main([str(run), "lr", "--scale", "-1"]) == 2 and "must be a finite positive number" in capsys.readouterr().err
 
 
 def test_detector_state_survives_a_resume(tmp_path, dataset_dir):
@@ -278,7 +278,8 @@ def test_an_operators_absurd_learning_rate_is_rolled_back_and_revoked(tmp_path, 
     of step 8, which predates the correction, revokes it (the replay passes step 9 without it) and ends healthy."""
     run = tmp_path / "run"
     cfg = make_cfg(
-        TINY + STABLE + ["trainer.precision=bf16-mixed", "+callbacks.op._target_=tests.plugins.OperatorAt", f"+callbacks.op.run_dir={run}",
+        TINY + STABLE + ["trainer.precision=bf16-mixed", "callbacks.lr_control.factor_bounds=[1e-4,1e5]",  # absurd, not rejected
+                         "+callbacks.op._target_=tests.plugins.OperatorAt", f"+callbacks.op.run_dir={run}",
                          "+callbacks.op.step=9", "+callbacks.op.value=5.0", "+callbacks.rec._target_=tests.plugins.RecordLR",
                          f"+callbacks.rec.path={tmp_path / 'lr'}"],
         tmp_path, dataset_dir,

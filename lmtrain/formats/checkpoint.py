@@ -122,6 +122,37 @@ def verify_contents(directory: Path, meta: dict) -> str | None:
     return None
 
 
+def unreadable(c: Checkpoint) -> str | None:
+    """None when the checkpoint's pickled parts read with the safe loaders of :mod:`lmtrain.formats.untrusted`
+    (cheap: the tensors' bytes are mapped, not read), else why not: a refused pickle, or bytes that do not read
+    (a checkpoint without CRC-32s damaged in place)."""
+    from lmtrain.formats import untrusted
+
+    sharded = c.meta.get("format") == "sharded"
+    name = ".metadata" if sharded else c.load_path.name
+    try:
+        if sharded:
+            untrusted.dcp_metadata(c.path / ".metadata")
+            name = "meta.pt"
+            if (c.path / name).exists():
+                untrusted.torch_load(c.path / name, map_location="cpu")
+        else:
+            untrusted.torch_load(c.load_path, map_location="cpu", mmap=True)
+    except untrusted.RefusedFile as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - whatever the loader raises on bytes it cannot read
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        return f"{name} does not read ({type(exc).__name__}: {first})"
+    return None
+
+
+def damage(c: Checkpoint, crc: bool = True) -> str | None:
+    """What makes ``c`` unusable: a file whose CRC-32 differs from the one recorded (``crc``: checked here; a sharded
+    checkpoint resumed by several processes is checked spread over them, lmtrain.training.intact), or a pickle that
+    does not read safely (:func:`unreadable`, always here); None when it is usable."""
+    return (verify_contents(c.path, c.meta) if crc else None) or unreadable(c)
+
+
 def fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -150,8 +181,10 @@ def verify(directory: Path) -> tuple[dict | None, str | None]:
     try:
         meta = json.loads(meta_path.read_text())
         files, step = meta["files"], int(meta["step"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, UnicodeDecodeError, AttributeError) as exc:
         return None, f"{META} does not parse ({type(exc).__name__}: {exc})"
+    if "meta_crc32" in meta and meta["meta_crc32"] != _meta_crc32(meta):
+        return None, f"{META} is damaged: its own CRC-32 differs from the one recorded in it (edited or bit rot)"
     m = NAME_RE.match(directory.name)
     if m and int(m.group(1)) != step:
         return None, f"{META} says step {step}, the directory name says {int(m.group(1))}"
@@ -201,7 +234,7 @@ def newest_intact(
     candidates: list[Checkpoint],
     move_aside: bool = False,
     skipping: str = "skipping damaged checkpoint",
-    contents=lambda c: verify_contents(c.path, c.meta),
+    contents=damage,
 ) -> Checkpoint | None:
     """The newest of ``candidates`` (oldest first, as :func:`scan` gives them) whose contents match their recorded
     CRC-32s: a damaged one is passed over with a warning (``skipping`` and its path) naming the file and, with
@@ -220,12 +253,12 @@ def newest_intact(
 
 def verified(directory: Path, check=lambda c: True) -> tuple[Checkpoint | None, str | None]:
     """(the checkpoint, None) for a complete directory (:func:`verify`) whose contents match their CRC-32s (unless
-    ``check(c)`` is False: checked later), else (None, why not)."""
+    ``check(c)`` is False: checked later) and whose pickles read safely, else (None, why not)."""
     meta, why = verify(directory)
     if meta is None:
         return None, why
     c = Checkpoint(int(meta["step"]), directory, meta)
-    if check(c) and (why := verify_contents(directory, meta)) is not None:
+    if (why := damage(c, crc=check(c))) is not None:
         return None, why
     return c, None
 
@@ -243,6 +276,13 @@ def read_latest(root: Path) -> str | None:
         return None
 
 
+def _meta_crc32(meta: dict) -> str:
+    """The CRC-32 of ``meta.json``'s own fields (``meta_crc32`` left out), canonical JSON: a field damaged or edited
+    after the save (a model config that still parses) is caught like a damaged file."""
+    body = json.dumps({k: v for k, v in meta.items() if k != "meta_crc32"}, sort_keys=True, default=str)
+    return f"{zlib.crc32(body.encode()):08x}"
+
+
 def commit(partial: Path, final: Path, meta: dict, checksums: bool = True, known_crc32: dict | None = None) -> None:
     """Write ``meta.json`` last into the partial directory (with each file's CRC-32 unless ``checksums=False``: those
     in ``known_crc32``, computed by the processes of a sharded save (:func:`crc_reader`), and the rest here), then
@@ -252,6 +292,7 @@ def commit(partial: Path, final: Path, meta: dict, checksums: bool = True, known
     if checksums:
         known = known_crc32 or {}
         meta["crc32"] = {rel: known.get(rel) or file_crc32(partial / rel) for rel in sorted(files)}
+    meta["meta_crc32"] = _meta_crc32(meta)
     write_json_atomic(partial / META, meta)
     fsync_dir(partial)
     if final.exists():  # a stale copy of the same step (an earlier attempt): replace it
@@ -271,6 +312,21 @@ def quarantine(directory: Path) -> Path:
     else:
         (directory.parent / LATEST).unlink(missing_ok=True)
     return target
+
+
+def inventory(root: Path) -> list[tuple[str, str]]:
+    """Every checkpoint folder under ``root``, complete or not, with why it is not usable (for a message naming them):
+    an incomplete one's reason (:func:`verify`), one moved aside as damaged, a partial save."""
+    out = []
+    for d in sorted(root.iterdir()) if root.is_dir() else ():
+        if NAME_RE.match(d.name) and d.is_dir():
+            meta, why = verify(d)
+            out.append((d.name, why or "complete, but not usable (named above)"))
+        elif d.name.startswith(".step-") and ".corrupt-" in d.name:
+            out.append((d.name, "moved aside as damaged"))
+        elif d.name.startswith(".step-") and d.name.endswith(".partial"):
+            out.append((d.name, "a save that did not finish"))
+    return out
 
 
 def retention_victims(steps: list[int], keep_last: int, keep_every: int | None) -> list[int]:

@@ -58,7 +58,25 @@ def abandoned(entries: list[dict], from_step: int) -> list[int]:
 
 def describe(entry: dict) -> str:
     """One correction in words, for the logbook."""
+    if entry.get("reason") == "revoke":
+        return f"revocation of {', '.join(map(str, entry.get('revokes', ())))} from step {entry['from_step']}"
     return f"{entry.get('reason')} x{float(entry['scale']):.4g} from step {entry['from_step']}"
+
+
+def problems(entries: list[dict]) -> str | None:
+    """The first entry that cannot be applied (a hand-edited or damaged line), in words naming its line; None when all
+    can: a step >= 0, a finite positive factor, revocations of earlier lines."""
+    import math
+
+    for i, e in enumerate(entries):
+        step, scale = e.get("from_step"), e.get("scale")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            return f"line {i + 1}: from_step={step!r} is not a step"
+        if not isinstance(scale, int | float) or isinstance(scale, bool) or not math.isfinite(scale) or not scale > 0:
+            return f"line {i + 1}: scale={scale!r} is not a finite positive factor"
+        if any(not isinstance(j, int) or not 0 <= j < len(entries) for j in e.get("revokes", ())):
+            return f"line {i + 1}: revokes={e.get('revokes')!r} names no correction of the file"
+    return None
 
 
 def multiplier(entries: list[dict], step: int) -> float:
@@ -67,6 +85,8 @@ def multiplier(entries: list[dict], step: int) -> float:
     for e in sorted(in_force(entries), key=lambda e: e["from_step"]):
         if e["from_step"] > step:
             break
+        if e.get("reason") == "revoke":
+            continue
         if e.get("reason") == "config":
             config = float(e["scale"])
         else:

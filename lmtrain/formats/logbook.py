@@ -53,7 +53,7 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     out = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
@@ -63,3 +63,15 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def read(run_dir: str | Path) -> list[dict]:
     return read_jsonl(Path(run_dir) / FILE)
+
+
+def saved_steps(run_dir: str | Path) -> list[int]:
+    """The steps the logbook records checkpoints of (``checkpoint`` entries) since the run last started from scratch
+    (``start``): what a restart should find in the checkpoint directory."""
+    steps: list[int] = []
+    for entry in read_jsonl(Path(run_dir) / FILE):
+        if entry.get("kind") == "start":
+            steps = []
+        elif entry.get("kind") == "checkpoint" and isinstance(entry.get("step"), int):
+            steps.append(entry["step"])
+    return steps

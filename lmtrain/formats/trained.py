@@ -11,6 +11,7 @@ import yaml
 
 from lmtrain.errors import InputError
 from lmtrain.formats import checkpoint as ck
+from lmtrain.formats import untrusted
 from lmtrain.formats.manifest import read_manifest
 from lmtrain.formats.rundir import config_path
 from lmtrain.formats.tokenizer import eos_id, load_tokenizer
@@ -44,7 +45,9 @@ def load_model_state(ckpt: ck.Checkpoint) -> dict[str, torch.Tensor]:
         if ckpt.meta.get("format") == "sharded":
             sd = _sharded_model_tensors(ckpt.path)
         else:
-            sd = torch.load(ckpt.load_path, map_location="cpu", mmap=True, weights_only=False)["state_dict"]
+            sd = untrusted.torch_load(ckpt.load_path, map_location="cpu", mmap=True)["state_dict"]
+    except untrusted.RefusedFile:
+        raise
     except (Exception, CheckpointException) as exc:
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         raise InputError(f"checkpoint {ckpt.path} does not read (damaged?): {type(exc).__name__}: {first}") from exc
@@ -62,7 +65,7 @@ def sharded_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(path))
+    reader = untrusted.safe_reader(path)
     entries = reader.read_metadata().state_dict_metadata
     state = {
         name: torch.empty(entry.size, dtype=entry.properties.dtype)

@@ -13,6 +13,8 @@ import logging
 
 import torch
 
+from lmtrain.formats import untrusted
+
 # Private members of Lightning classes that lmtrain's subclasses use (class -> members), checked by tests/test_compat.py.
 SUBCLASS_PRIVATES = {
     "lightning.pytorch.strategies.ModelParallelStrategy": ("_setup_distributed", "_device_mesh"),  # lmtrain.training.strategies
@@ -177,12 +179,11 @@ def read_distributed_checkpoint(path) -> dict:
     state rebuilt from the checkpoint's own metadata (``_EmptyStateDictLoadPlanner`` and ``_load_state_dict`` of
     ``torch.distributed.checkpoint``, what torch's public ``dcp_to_torch_save`` does before writing a file; the public
     ``load`` fills a copy of the dict it is given, so an empty dict stays empty)."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    _load_state_dict(state, storage_reader=untrusted.safe_reader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return state
 
 

@@ -23,7 +23,7 @@ from lmtrain.training import compat
 
 # The root config's keys (conf/train.yaml and its groups); anything else at the top is a typo (`+run_nam=x`).
 TOP_LEVEL = {
-    "run_name", "run_dir", "seed", "ckpt_path", "resume", "overwrite", "global_batch_size", "grad_scaler", "paths", "module",
+    "run_name", "run_dir", "seed", "ckpt_path", "resume", "overwrite", "global_batch_size", "preemption", "grad_scaler", "paths", "module",
     "model", "optimizer", "scheduler", "data", "strategy", "trainer", "callbacks", "logger", "experiment", "debug", "fault", "hydra",
 }  # fmt: skip
 PRECISIONS = ("32-true", "32", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "transformer-engine")
@@ -61,6 +61,18 @@ if not OmegaConf.has_resolver("lmtrain_run_id"):
 # where the embedded corpus is prepared once, whichever directory the run starts from
 if not OmegaConf.has_resolver("lmtrain_data_cache"):
     OmegaConf.register_new_resolver("lmtrain_data_cache", lambda: str(data_cache_dir()))
+
+
+def run_name_problem(name: Any) -> str | None:
+    """Why ``run_name`` cannot name a run's folder under ``paths.runs``, or None: it must be one plain path component
+    (``..`` or ``a/../b`` would put the run outside the runs directory, or make the runs directory's parent a run)."""
+    text = str(name)
+    if text in ("", ".", "..") or "/" in text or os.sep in text or "\0" in text or text != text.strip():
+        return (
+            f"run_name={text!r} is not a plain name: it must be one path component (no '/', not '.' or '..', no leading or "
+            "trailing space), the run's folder under paths.runs; to put a run somewhere else, set run_dir=PATH"
+        )
+    return None
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -188,6 +200,8 @@ def validate_config(cfg: DictConfig) -> None:
     for key in sorted(OmegaConf.missing_keys(cfg)):
         hint = " (a dataset made by python -m lmtrain.data.prepare)" if key == "data.path" else ""
         problems.append(f"{key} is required and has no default: give {key}=...{hint}")
+    if (bad := run_name_problem(cfg.get("run_name"))) is not None:
+        problems.append(bad)
     for key in cfg.keys():
         if key not in TOP_LEVEL:
             problems.append(f"unknown top-level key '{key}'{_suggest(str(key), TOP_LEVEL)}; allowed: {sorted(TOP_LEVEL - {'hydra'})}")

@@ -16,6 +16,14 @@ class StopsTraining:
     stop_reason: str | None = None
 
 
+class Preempts:
+    """The callback that ends training on a signal after saving the step (lmtrain.callbacks.preemption): its
+    ``preempted`` (``signal``, ``step``, ``checkpoint``: the saved one or None) is set when it did; the run then did
+    not finish, and the entry point exits with status 4 (lmtrain.errors.Preempted)."""
+
+    preempted: dict | None = None
+
+
 class RequestsRollback:
     """A callback that may end the attempt asking for a rollback (the divergence detector). ``rollback_request``:
     ``checkpoint`` (the directory to return to), ``from_step``, ``scale`` (the learning-rate factor from there),
@@ -69,6 +77,9 @@ class CheckpointStore:
 
     def wait(self) -> None:
         """Return once no save is in flight."""
+
+    def save_now(self, trainer) -> Path | None:
+        """Save the current step (a preemption), wait for it; the complete checkpoint, or None."""
 
 
 class ReportsThroughput:

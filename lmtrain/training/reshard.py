@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from lmtrain.formats import untrusted
 from lmtrain.training import compat
 
 METADATA_FILE = "meta.pt"  # what Lightning's ModelParallelStrategy writes beside the shards (all but model and optimizer)
@@ -50,7 +51,7 @@ def load_full_into_sharded(path: Path, module: torch.nn.Module, optimizers: list
     rest of the checkpoint (loops, callbacks, schedulers...) for Lightning to restore."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
+    checkpoint = untrusted.torch_load(path, mmap=True, map_location="cpu")
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(module, checkpoint.pop("state_dict"), options=options)
     names = {p: n for n, p in module.named_parameters()}
@@ -74,7 +75,7 @@ def sharded_layout(checkpoint: dict) -> tuple[dict, dict]:
 def read_sharded(path: Path) -> dict:
     """A sharded checkpoint directory as the dict a single-file Lightning checkpoint holds (in this process's memory)."""
     state = compat.read_distributed_checkpoint(path)
-    checkpoint = torch.load(path / METADATA_FILE, map_location="cpu", weights_only=False)
+    checkpoint = untrusted.torch_load(path / METADATA_FILE, map_location="cpu")
     checkpoint["state_dict"] = state.pop("state_dict")
     keys = sorted((k for k in state if k.startswith("optimizer_")), key=lambda k: int(k.removeprefix("optimizer_")))
     checkpoint["optimizer_states"] = [by_position(state[k]) for k in keys]

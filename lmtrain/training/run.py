@@ -19,14 +19,14 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lmtrain import console
 from lmtrain.console import log
-from lmtrain.errors import InputError, RunStopped
+from lmtrain.errors import InputError, Preempted, RunStopped
 from lmtrain.formats import checkpoint as ck
-from lmtrain.formats import corrections, logbook
+from lmtrain.formats import corrections, logbook, runlock, untrusted
 from lmtrain.formats.checkpoint import CheckpointError, check_compatible, config_hash
 from lmtrain.formats.rundir import CONFIG
 from lmtrain.training import compat
 from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data, world_size
-from lmtrain.training.contracts import CheckpointStore, RequestsRollback, StopsTraining
+from lmtrain.training.contracts import CheckpointStore, Preempts, RequestsRollback, StopsTraining
 from lmtrain.training.goodput import Goodput
 from lmtrain.training.precision import build as build_precision
 
@@ -124,10 +124,13 @@ def train(cfg: DictConfig) -> dict[str, float]:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     console.begin_run()
     clock = Goodput(time.monotonic())  # the run's start, and where its time goes across attempts (lmtrain.training.goodput)
-    rollback = None
+    rollback = lock = None
+    accepted: list = []  # the trainer of the attempt once it is accepted (_accept): its end goes in the logbook
     try:
+        lock = _take_run(cfg)
         while True:
-            metrics, detector, stopped = _attempt(cfg, rollback, clock)
+            accepted.clear()
+            metrics, detector, stopped = _attempt(cfg, rollback, clock, accepted)
             if stopped:
                 raise RunStopped(stopped)
             rollback = detector.rollback_request if detector is not None else None
@@ -142,14 +145,61 @@ def train(cfg: DictConfig) -> dict[str, float]:
     except RunStopped as exc:
         console.file_only(f"stopped: {exc.reason} (exit status 3)")
         raise
+    except Preempted as exc:
+        console.file_only(f"preempted: {exc.reason} (exit status 4)")
+        raise
     except InputError as exc:
         console.file_only(f"error: {exc} (exit status 2)")
+        _record_failure(cfg, accepted, "error", exc)
         raise
     except BaseException as exc:
         console.file_only(f"failed: {type(exc).__name__}", exc_info=True)
+        _record_failure(cfg, accepted, "failed", exc)
         raise
     finally:
+        if lock is not None:
+            lock.release()
         console.end_file()
+
+
+def _record_failure(cfg: DictConfig, accepted: list, kind: str, exc: BaseException) -> None:
+    """An accepted attempt that ended in an error or a crash, in the logbook (rank zero), with the step it reached; a
+    refused attempt writes nothing."""
+    if not accepted or not accepted[0].is_global_zero:
+        return
+    step = accepted[0].global_step
+    first = (str(exc).strip().splitlines() or [""])[0][:500]
+    what = "an error" if kind == "error" else "a crash"
+    logbook.append(cfg.run_dir, kind, f"the attempt ended in {what} at step {step}: {type(exc).__name__}: {first}", step=step)
+
+
+def _take_run(cfg: DictConfig) -> runlock.RunLock | None:
+    """The config checked, the run directory made and (global rank zero) its lock taken: once a run, before anything
+    of it is read or changed (lmtrain.formats.runlock); a dead attempt's lock taken over is said in one line."""
+    validate_config(cfg)
+    check_machine(cfg)
+    apply_global_batch_size(cfg)
+    run_dir = Path(cfg.run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"cannot create the run directory {run_dir} (run_dir / paths.runs): {exc.strerror or exc}") from exc
+    if _global_rank() != 0:
+        return None
+    try:
+        lock = runlock.acquire(run_dir)
+    except OSError as exc:
+        raise InputError(f"cannot take the lock of {run_dir} ({runlock.FILE}): {exc.strerror or exc} (disk full? read-only?)") from exc
+    if lock.took_over is not None:
+        holder, why = lock.took_over
+        log.warning(f"took over the lock of run directory {run_dir} from a dead attempt ({runlock.describe(holder)}): {why}")
+        saved = logbook.saved_steps(run_dir)
+        newest = f"; the newest checkpoint it recorded is step {max(saved)}" if saved else ""
+        logbook.append(
+            run_dir, "died", f"the attempt of {runlock.describe(holder)} ended without a word (killed, or its machine lost): {why}{newest}",
+            step=max(saved) if saved else None, holder=holder,
+        )  # fmt: skip
+    return lock
 
 
 def _record_rollback(run_dir: Path, rollback: dict) -> None:
@@ -193,7 +243,7 @@ class _Attempt:
     mlflow: list = field(default_factory=list)  # where each MLflow run is (rank zero): said at the start and the end
 
 
-def _attempt(cfg: DictConfig, rollback: dict | None, clock: Goodput):
+def _attempt(cfg: DictConfig, rollback: dict | None, clock: Goodput, accepted: list):
     """One ``trainer.fit``; returns (final metrics, the divergence detector or None, why a guard stopped it or None).
     In order: what is decided from the config alone (nothing written but the run directory), what is built and checked
     (data prepared, model identity and data stream against the checkpoint), the acceptance (only now is anything of the
@@ -203,6 +253,7 @@ def _attempt(cfg: DictConfig, rollback: dict | None, clock: Goodput):
     att.callbacks.insert(0, clock)  # first: its start hooks run before the other callbacks'
     _build(att)
     _accept(att)
+    accepted.append(att.trainer)
     return _fit(att, clock)
 
 
@@ -210,14 +261,7 @@ def _decide(cfg: DictConfig, rollback: dict | None) -> _Attempt:
     """The config checked, the callbacks built (cheap; their constructors check their options), the resume point."""
     import lightning as L
 
-    validate_config(cfg)
-    check_machine(cfg)
-    apply_global_batch_size(cfg)
     run_dir = Path(cfg.run_dir)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InputError(f"cannot create the run directory {run_dir} (run_dir / paths.runs): {exc.strerror or exc}") from exc
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     callbacks = instantiate_group(cfg.get("callbacks"))
     from lightning.pytorch.profilers import Profiler
@@ -226,6 +270,8 @@ def _decide(cfg: DictConfig, rollback: dict | None) -> _Attempt:
     if len(profilers) > 1 or (profilers and cfg.trainer.get("profiler")):
         raise ConfigError("more than one profiler: keep one of trainer.profiler and the callbacks group's profiler")
     callbacks = [c for c in callbacks if not isinstance(c, Profiler)]
+    if cfg.get("preemption") and not any(isinstance(c, Preempts) for c in callbacks):  # every run, whatever its callbacks
+        callbacks.append(instantiate(cfg.preemption))
     checkpointer = next((c for c in callbacks if isinstance(c, CheckpointStore)), None)  # lmtrain.callbacks.checkpoint.Checkpointer
     # a rollback's checkpoint was checked by the processes that chose it (lmtrain.callbacks.divergence): not read again
     check = checked_here(cfg) if rollback is None else (lambda c: False)
@@ -366,14 +412,23 @@ def _accept(att: _Attempt) -> None:
 def _fit(att: _Attempt, clock: Goodput):
     """``trainer.fit``, then how it ended: a guard's stop, a rollback request, or the end (logbook entry, summary)."""
     cfg, run_dir, trainer, module, resume = att.cfg, att.run_dir, att.trainer, att.module, att.resume
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
     try:
-        trainer.fit(module, datamodule=att.datamodule, ckpt_path=str(resume.load_path) if resume is not None else None)
+        trainer.fit(module, datamodule=att.datamodule, ckpt_path=str(resume.load_path) if resume is not None else None, weights_only=True)
+    except SIGTERMException:  # Lightning's own SIGTERM handling, before ours took over (the start): not finished
+        for lg in trainer.loggers:
+            _safe_finalize(lg, "killed")
+        _preempted(att, {"signal": "SIGTERM", "step": trainer.global_step, "checkpoint": None})
     except BaseException:
         # Lightning marks loggers failed for exceptions inside fit; make sure of it for the rest too
         for lg in trainer.loggers:
             _safe_finalize(lg, "failed")
         raise
     else:
+        preempted = next((c.preempted for c in trainer.callbacks if isinstance(c, Preempts) and c.preempted), None)
+        if preempted is not None:
+            _preempted(att, preempted)
         detector = next((c for c in att.callbacks if isinstance(c, RequestsRollback)), None)
         stopped = next((c.stop_reason for c in trainer.callbacks if isinstance(c, StopsTraining) and c.stop_reason), None)
         if trainer.is_global_zero and stopped:
@@ -390,6 +445,17 @@ def _fit(att: _Attempt, clock: Goodput):
     if getattr(module, "last_train_loss", None) is not None:
         metrics["train/loss"] = module.last_train_loss  # read from the step statistics, not self.log (lmtrain.training.module)
     return metrics, detector, stopped
+
+
+def _preempted(att: _Attempt, what: dict) -> None:
+    """The run was ended by a signal at ``what['step']``: the logbook says so (rank zero) and every rank raises
+    :class:`Preempted` (exit status 4)."""
+    saved = what["checkpoint"]
+    kept = f"saved {Path(saved).name}" if saved else "no checkpoint of this step (the run resumes from the newest complete one)"
+    reason = f"{what['signal']} at step {what['step']}: {kept}; run again to continue"
+    if att.trainer.is_global_zero:
+        logbook.append(att.run_dir, "preempted", reason, step=what["step"], signal=what["signal"], checkpoint=saved and str(saved))
+    raise Preempted(reason)
 
 
 def _layout_change(resume: ck.Checkpoint, trainer, cfg: DictConfig) -> str:
@@ -498,9 +564,10 @@ def resume_point(cfg: DictConfig, root: Path | None, check=lambda c: True) -> ck
     if root is None:
         return None
     if cfg.get("resume", True):
-        return ck.newest_intact(
-            ck.scan(root), move_aside=_global_rank() == 0, contents=lambda c: ck.verify_contents(c.path, c.meta) if check(c) else None
-        )
+        found = ck.newest_intact(ck.scan(root), move_aside=_global_rank() == 0, contents=lambda c: ck.damage(c, crc=check(c)))
+        if found is None:
+            _refuse_fresh_start(cfg, root)
+        return found
     existing = [d for d in root.iterdir() if ck.NAME_RE.match(d.name)] if root.is_dir() else []
     if existing and not cfg.get("overwrite", False):
         raise ConfigError(
@@ -516,6 +583,25 @@ def resume_point(cfg: DictConfig, root: Path | None, check=lambda c: True) -> ck
             shutil.rmtree(d, ignore_errors=True)
         (root / ck.LATEST).unlink(missing_ok=True)
     return None
+
+
+def _refuse_fresh_start(cfg: DictConfig, root: Path) -> None:
+    """A run that saved steps before but has no usable checkpoint now is refused, naming each checkpoint and why it is
+    not usable (or the logbook's saves, where the checkpoint directory is gone): training it from step 0 would discard
+    its progress and, through the loggers, its metrics. A fresh start is asked for with ``resume=false overwrite=true``."""
+    found = ck.inventory(root)
+    saved = logbook.saved_steps(Path(cfg.run_dir))
+    if not found and not saved:
+        return
+    lines = [f"{name}: {why}" for name, why in found]
+    if saved and not any(ck.NAME_RE.match(name) for name, _ in found):
+        where = "holds none" if root.is_dir() else "does not exist (moved or deleted?)"
+        lines.append(f"the logbook records checkpoints saved up to step {max(saved)}, but {root} {where}")
+    raise CheckpointError(
+        f"run '{cfg.run_name}' saved steps before but has no usable checkpoint, so it was not started (nothing was changed "
+        f"but damaged checkpoints moved aside):\n  - " + "\n  - ".join(lines) + f"\nrestore a checkpoint into {root} (or "
+        "resume from one elsewhere with ckpt_path=...), or start the run again from step 0: resume=false overwrite=true"
+    )
 
 
 def val_check_batches(trainer_cfg: DictConfig) -> dict:
@@ -555,8 +641,9 @@ def resume_identity(resume: ck.Checkpoint) -> dict:
     if resume.meta.get("format") != "lightning-file":
         return resume.meta
     try:
-        state = torch.load(resume.path, map_location="cpu", mmap=True, weights_only=False)
-        sd = state["state_dict"]
+        sd = untrusted.torch_load(resume.path, map_location="cpu", mmap=True)["state_dict"]
+    except untrusted.RefusedFile:
+        raise
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
         raise CheckpointError(f"ckpt_path={resume.path} is not a readable Lightning checkpoint ({type(exc).__name__}: {exc})") from None
     return {"params": {k.removeprefix("model."): list(v.shape) for k, v in sd.items() if hasattr(v, "shape")}}
