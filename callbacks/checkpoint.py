@@ -425,7 +425,7 @@ class Checkpointer(Checkpoint, CheckpointStore):
         t0 = time.perf_counter()
         if trainer.is_global_zero:
             for lg in trainer.loggers:  # rows up to this step are on disk whenever this checkpoint is
-                lg.save()
+                getattr(lg, "flush", lg.save)()  # the metrics record's lines are written whatever its interval
         partial, final = self.root / ck.partial_name(step), self.root / ck.step_name(step)
         t_collect = time.perf_counter()
         checkpoint = compat.dump_checkpoint(trainer)  # collective: every rank

@@ -78,6 +78,8 @@ class DiskGuard(L.Callback, StopsTraining, SaveGuard):
         """Called by the checkpointer on every rank before a save; False means: do not save, stop training."""
         from lmtrain.callbacks.checkpoint import alert
 
+        if self.stop_reason is not None:  # stopping already (the end-of-training save comes here again): said once
+            return False
         ok = True
         if trainer.is_global_zero:
             need = estimate + self.margin

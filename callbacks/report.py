@@ -35,9 +35,8 @@ class Report(L.Callback):
             metrics = None
             mlflow = [lg for lg in trainer.loggers if type(lg).__name__ == "MLFlowLogger"]
             for lg in trainer.loggers:
-                if type(lg).__name__ == "CSVLogger":
-                    lg.save()  # rows still buffered in memory
-                    metrics = report.from_csv(self.run_dir)
+                getattr(lg, "flush", lg.save)()  # rows still in memory (the metrics record's, the CSV view's)
+            metrics = report.from_record(self.run_dir)
             if metrics is None and mlflow:
                 metrics = report.from_mlflow(self.run_dir, client=mlflow[0].experiment, run_id=mlflow[0].run_id)
             if not metrics or not any(metrics.values()):

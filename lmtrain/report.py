@@ -2,10 +2,11 @@
 
     python -m lmtrain.report RUN_DIR [--tracking-uri URI]
 
-Writes ``RUN_DIR/plots/loss.png`` and ``RUN_DIR/plots/lr.png``. The values come from the run's own log: its CSV
-log (``logger=csv``) or its MLflow run (``logger=mlflow``: the tracking URI in ``RUN_DIR/config.yaml`` unless
-``--tracking-uri``, the run found by its ``run_dir`` tag). Where a rollback rewound steps, the last value logged for a
-step is the one plotted (the timeline the run kept). Rollbacks, learning-rate corrections (operator, config) and
+Writes ``RUN_DIR/plots/loss.png`` and ``RUN_DIR/plots/lr.png``. The values come from the run's metrics record
+(``RUN_DIR/metrics.jsonl``: its current timeline), or, for a run without one, its CSV log or its MLflow run (the
+tracking URI in ``RUN_DIR/config.yaml`` unless ``--tracking-uri``, the run found by its ``run_dir`` tag; given
+``--tracking-uri``, MLflow is read). Where a rollback rewound steps, the last value logged for a step is the one
+plotted (the timeline the run kept). Rollbacks, learning-rate corrections (operator, config) and
 divergence signals from ``lr_corrections.jsonl`` and ``logbook.jsonl`` are marked on both plots. Each PNG carries
 its plotted point counts as PNG text (key ``lmtrain``, JSON). At the end of training the ``report`` callback
 (``callbacks/report.py``) writes the same files and logs them to MLflow as artifacts.

@@ -309,3 +309,59 @@ class StallPreemptionSave(L.Callback):
 
         if any(getattr(c, "requested", None) for c in trainer.callbacks if isinstance(c, Preempts)):
             time.sleep(60)
+
+
+class FillDisk(L.Callback):
+    """At the start of optimizer step ``step`` (rank zero, once per ``path``), write zeros to ``path`` until the
+    filesystem is full (ENOSPC): a real full disk from that moment on, until the test removes the file."""
+
+    def __init__(self, path: str, step: int) -> None:
+        self.path, self.step = path, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import errno
+        import os
+
+        if trainer.global_step != self.step or not trainer.is_global_zero or os.path.exists(self.path):
+            return
+        block = bytes(1 << 16)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            while True:
+                try:
+                    os.write(fd, block)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    if len(block) == 1:
+                        break
+                    block = bytes(len(block) // 2)
+        finally:
+            os.close(fd)
+
+
+class SlowSaveStart(L.Callback, SaveGuard):
+    """Each save waits ``seconds`` once its partial folder exists, before writing: a window in which the chaos soak
+    (tests/soak.py) fills the disk during a save."""
+
+    def __init__(self, seconds: float = 0.3) -> None:
+        self.seconds = seconds
+
+    def at_save_stage(self, stage: str, step: int, path) -> None:
+        import time
+
+        if stage == "save_start":
+            time.sleep(self.seconds)
+
+
+class SlowSteps(L.Callback):
+    """Sleep ``seconds`` at the start of every optimizer step: a pace at which the chaos soak's events fall inside
+    training (the numbers are those of a run without it)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import time
+
+        time.sleep(self.seconds)

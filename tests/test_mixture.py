@@ -142,7 +142,7 @@ def test_train_on_a_mixture_from_the_command_line_config(two_sources, tmp_path):
     the combined val/loss is the sources' token-weighted mean (the held-out set outside it); identical across runs.
     An extra set prepared with another tokenizer is refused before training."""
     from lmtrain.formats.metrics import by_step
-    from lmtrain.training.plots import from_csv, write_plots
+    from lmtrain.training.plots import from_record, write_plots
 
     srcs = f"[{{path: {two_sources / 'A'}, weight: 2, name: web}}, {{path: {two_sources / 'B'}, weight: 1}}]"
     extra = f"[{{name: held, path: {two_sources / 'A'}}}]"
@@ -164,7 +164,7 @@ def test_train_on_a_mixture_from_the_command_line_config(two_sources, tmp_path):
     assert float(last["val/loss/held"]) == pytest.approx(float(last["val/loss/web"]), rel=1e-6)  # the same blocks as source A
     from PIL import Image
 
-    counts = json.loads(Image.open(write_plots(tmp_path / "one", from_csv(tmp_path / "one"))[0]).text["lmtrain"])
+    counts = json.loads(Image.open(write_plots(tmp_path / "one", from_record(tmp_path / "one"))[0]).text["lmtrain"])
     assert counts["val/loss/web"] == counts["val/loss/B"] == counts["val/loss/held"] == 2
 
     bad = f"[{{name: other, path: {two_sources / 'C'}}}]"

@@ -119,6 +119,9 @@ def readme_world(tmp_path_factory, corpus_jsonl, dataset_dir):
         dataset_dir,  # the tiny model's 1024-token dataset (the README corpus's tokenizer is larger)
     )
     train(cfg)
+    from lmtrain.formats import corrections
+
+    corrections.add(root / "runs" / "my-run", {"from_step": 2, "scale": 0.5, "reason": "operator"})  # for `control ... revoke 0`
     return root, corpus
 
 

@@ -192,3 +192,164 @@ def test_an_attempt_that_fails_is_in_the_logbook_a_refused_one_writes_nothing(tm
                         "+callbacks.crash.step=6"], tmp_path, dataset_dir))  # fmt: skip
     failed = [e for e in logbook.read(run) if e["kind"] == "failed"]
     assert len(failed) == 1 and failed[0]["step"] == 6 and "RuntimeError: injected failure at step 6" in failed[0]["message"], failed
+
+
+def _current_losses(run: Path) -> dict[int, str]:
+    from lmtrain.formats.metrics import current_rows
+
+    out: dict[int, str] = {}
+    for row in current_rows(run):
+        if "train/loss" in row:
+            assert int(row["step"]) not in out, f"step {row['step']} twice in the current timeline"
+            out[int(row["step"])] = row["train/loss"]
+    return out
+
+
+def test_the_metrics_record_keeps_every_row_and_marks_an_abandoned_timeline(tmp_path, dataset_dir):
+    """Trained to step 8; its newest checkpoint lost; run again to step 10: it resumes from step 4. The record keeps the
+    first attempt's steps 4-7 (marked abandoned, the same values: the continuation is exact), the current timeline
+    and the CSV view hold each step once, and both agree with an uninterrupted run."""
+    import csv
+
+    from lmtrain.formats.metrics import RECORD, record_rows
+
+    ref_cfg = make_cfg([*TINY, *SAVES, "trainer.max_steps=10", "callbacks.checkpoint.every_n_steps=4"], tmp_path / "ref", dataset_dir)
+    train(ref_cfg)
+    ref = _current_losses(Path(ref_cfg.run_dir))
+    cfg = make_cfg([*TINY, *SAVES, "trainer.max_steps=8", "scheduler.total_steps=10", "callbacks.checkpoint.every_n_steps=4"],
+                   tmp_path, dataset_dir)  # fmt: skip
+    train(cfg)
+    run = Path(cfg.run_dir)
+    shutil.rmtree(run / "checkpoints" / ck.step_name(8))
+    train(make_cfg([*TINY, *SAVES, "trainer.max_steps=10", "callbacks.checkpoint.every_n_steps=4"], tmp_path, dataset_dir))
+    rows = [r for r in record_rows(run) if "train/loss" in r["values"]]
+    gone = sorted(r["step"] for r in rows if r["abandoned"])
+    assert gone == [4, 5, 6, 7], gone
+    first = {r["step"]: r["values"]["train/loss"] for r in rows if r["attempt"] == 1}
+    second = {r["step"]: r["values"]["train/loss"] for r in rows if r["attempt"] == 2}
+    assert sorted(second) == [4, 5, 6, 7, 8, 9] and all(first[s] == second[s] for s in (4, 5, 6, 7))
+    assert _current_losses(run) == ref
+    with open(run / "csv" / "metrics.csv", newline="") as fh:
+        view = {int(r["step"]): r["train/loss"] for r in csv.DictReader(fh) if r.get("train/loss")}
+    assert view == ref
+    assert (run / RECORD).read_bytes().count(b'"attempt"') == 2
+
+
+@pytest.mark.slow
+def test_a_real_full_disk_loses_no_metrics_and_stops_cleanly(tmp_path, dataset_dir):
+    """The run directory on a 40 MB tmpfs of its own (a mount namespace: `unshare -rm`), filled up at step 5 by a file
+    written until ENOSPC. Every checkpoint is permanent, so the disk guard cannot prune: the save at step 6 is refused
+    and the run stops with exit status 3 and one line, never a traceback; metrics.csv is still whole. Space freed, the
+    run resumes to its end: every step's metrics there exactly once, equal to an uninterrupted run's."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux's unshare (a private tmpfs for the full disk)")
+    ref_cfg = make_cfg([*TINY, *SAVES, "trainer.max_steps=10", "trainer.log_every_n_steps=1"], tmp_path / "ref", dataset_dir)
+    train(ref_cfg)
+    ref = _current_losses(Path(ref_cfg.run_dir))
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir()
+    out.mkdir()
+    args = _args(disk / "run", dataset_dir, "trainer.max_steps=10", "trainer.log_every_n_steps=1", "callbacks.checkpoint.keep_every=2")
+    fill = ["+callbacks.fill._target_=tests.plugins.FillDisk", f"+callbacks.fill.path={disk / 'filler'}", "+callbacks.fill.step=5"]
+    train_py = " ".join([sys.executable, str(ROOT / "train.py"), *(f"'{a}'" for a in [*args, *fill])])
+    again_py = " ".join([sys.executable, str(ROOT / "train.py"), *(f"'{a}'" for a in args)])
+    script = f"""
+set -u
+mount -t tmpfs -o size=40m tmpfs {disk}
+cd {tmp_path}
+{train_py} > {out}/first.out 2> {out}/first.err; echo $? > {out}/first.rc
+cp -r {disk}/run {out}/full
+rm -f {disk}/filler
+{again_py} > {out}/second.out 2> {out}/second.err; echo $? > {out}/second.rc
+cp -r {disk}/run {out}/after
+"""
+    env = {**user_env(), "PYTHONPATH": str(ROOT), "LMTRAIN_RUN_ID": ""}
+    res = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    first_err = (out / "first.err").read_text()
+    assert (out / "first.rc").read_text().strip() == "3", first_err[-3000:]
+    assert "Traceback" not in first_err and "not enough disk space" in first_err.strip().splitlines()[-1], first_err[-2000:]
+    assert first_err.count("ALERT: not enough disk space") == 1, first_err[-2000:]
+    full = out / "full"
+    assert (full / "csv" / "metrics.csv").stat().st_size > 0
+    steps_then = sorted(_current_losses(full))
+    assert steps_then == list(range(len(steps_then))) and len(steps_then) >= 5, steps_then  # none lost, none twice
+    second_err = (out / "second.err").read_text()
+    assert (out / "second.rc").read_text().strip() == "0", second_err[-3000:]
+    after = out / "after"
+    assert _current_losses(after) == ref
+    with open(after / "csv" / "metrics.csv", newline="") as fh:
+        import csv
+
+        view = {int(r["step"]): r["train/loss"] for r in csv.DictReader(fh) if r.get("train/loss")}
+    assert view == ref
+    assert not [p for p in (after / "checkpoints").iterdir() if p.name.startswith(".step-")]
+
+
+SOAK_EVENTS = 20
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_chaos_soak_a_two_rank_run_survives_kills_sigterms_second_launches_and_a_full_disk(tmp_path, dataset_dir):
+    """A 2-rank ddp run on a 64 MB tmpfs of its own (``unshare -rm``), launched again and again by tests/soak.py, each
+    launch hit at a random moment (seeded) by a kill -9 of the whole launch, a SIGTERM, a second launch or a disk filled
+    during a save, SOAK_EVENTS events in all, until a last launch runs to the end. Then: every step's metrics are in
+    the record's current timeline exactly once and equal to an uninterrupted run's, the abandoned timelines are kept
+    and marked, no partial folder is left, no lock, and the logbook tells each event."""
+    import json as _json
+
+    from lmtrain.formats.metrics import record_rows
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux's unshare (a private tmpfs for the full disk)")
+    ddp = ["trainer.devices=2", "strategy=ddp", "trainer.max_steps=1000", "scheduler.total_steps=1000", "trainer.log_every_n_steps=1",
+           "callbacks.checkpoint.every_n_steps=4", "trainer.val_check_interval=100"]  # fmt: skip
+    ref = tmp_path / "ref"
+    res = run_train_cli(_args(ref, dataset_dir, *ddp), tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    want = _current_losses(ref)
+    assert sorted(want) == list(range(1000))
+
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir()
+    out.mkdir()
+    run = disk / "run"
+    slow = [
+        "+callbacks.slow._target_=tests.plugins.SlowSaveStart",
+        "+callbacks.pace._target_=tests.plugins.SlowSteps",
+        "+callbacks.pace.seconds=0.1",
+    ]  # a save window to fill the disk in, and 10 steps/s: the events fall in training
+    soak = [sys.executable, "-m", "tests.soak", str(run), str(out / "events.json"), str(SOAK_EVENTS), "41", "--",
+            *_args(run, dataset_dir, *ddp, *slow)]  # fmt: skip
+    script = (
+        f"mount -t tmpfs -o size=64m tmpfs {disk} && cd {ROOT} && {' '.join(repr(w) for w in soak)}; rc=$?; cp -r {run} {out}/run; exit $rc"
+    )
+    env = {**user_env(), "PYTHONPATH": str(ROOT), "LMTRAIN_RUN_ID": ""}
+    res = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=1500)
+    assert res.returncode == 0, res.stderr[-3000:]
+    events = _json.loads((out / "events.json").read_text())
+    run = out / "run"
+    launches = "\n".join(p.read_text()[-1500:] for p in sorted(out.glob("launch-*.err")))
+    assert len([e for e in events if e["event"] != "end"]) == SOAK_EVENTS and events[-1]["event"] == "end" and events[-1]["rc"] == 0, (
+        events,
+        launches[-4000:],
+    )
+    by = {k: [e for e in events if e["event"] == k] for k in ("kill", "sigterm", "second", "disk")}
+    assert all(e["rc"] == -9 for e in by["kill"]), by["kill"]  # each launch was hit before it could finish
+    assert all(e["rc"] == PREEMPTED_EXIT for e in by["sigterm"]), by["sigterm"]
+    assert all(e["rc"] == 2 and "is in use by another attempt" in e["line"] and e["first_still_running"] for e in by["second"]), by[
+        "second"
+    ]
+    assert all(e["rc"] in (3, PREEMPTED_EXIT) for e in by["disk"]), by["disk"]
+
+    assert _current_losses(run) == want  # every step once, the uninterrupted run's values, to the last digit
+    rows = record_rows(run)
+    assert any(r["abandoned"] for r in rows)  # the kills' lost steps, logged again, kept and marked
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".step-") and p.name.endswith(".partial")]
+    assert runlock.read(run) is None
+    kinds = [e["kind"] for e in logbook.read(run)]
+    preempted = len(by["sigterm"]) + sum(e["rc"] == PREEMPTED_EXIT for e in by["disk"])  # a disk event ends with a SIGTERM
+    assert kinds.count("died") == len(by["kill"]) and kinds.count("preempted") == preempted, kinds
+    assert kinds.count("checkpoint_failed") + kinds.count("disk_full") + kinds.count("disk_pruned") >= len(by["disk"]), kinds
+    assert kinds[-1] == "end"

@@ -1,56 +1,171 @@
-"""Lightning's CSV and MLflow loggers, made to continue a resumed run without duplicated steps.
+"""The run's metrics record, its CSV view, and Lightning's MLflow logger made to continue a resumed run.
 
-``lmtrain.training.run`` calls ``resume_at(step)`` before training when it resumes from a checkpoint of optimizer step
-``step``. Steps logged after that checkpoint by the interrupted process are logged again by the resumed one
-(identically: the continuation is exact), so:
-
-* :class:`CSVLogger` keeps the rows of ``metrics.csv`` below ``step`` and appends after them (Lightning's own
-  would delete the file);
+* :class:`RecordLogger`, in every run (lmtrain.training.run adds it): the append-only record ``RUN_DIR/metrics.jsonl``
+  (lmtrain.formats.metrics), the source of truth that ``lmtrain report`` and the tools read.
+* :class:`CSVLogger` (``logger=csv``): ``RUN_DIR/csv/metrics.csv``, a view of the record's current timeline. It is
+  rewritten only by writing a new file beside it and renaming it over the old one (a kill or a full disk leaves the
+  old file whole; Lightning's CSV logger deleted it on resume and rewrote it in place when a column was added).
 * :class:`MLFlowLogger` continues the same MLflow run (``run_id`` from the checkpoint), marks it running again,
   and drops values for steps the run already has (MLflow cannot delete logged values). Params already logged
   keep their values; ones that changed since are recorded as a ``config_changed_at_step_N`` tag.
+
+``lmtrain.training.run`` calls ``resume_at(step)`` before training when it resumes from a checkpoint of optimizer step
+``step``: steps logged after that checkpoint by the interrupted process are logged again by the resumed one.
 """
 
 from __future__ import annotations
 
 import csv
-import warnings
+import os
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.loggers import CSVLogger as _CSVLogger
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.loggers import MLFlowLogger as _MLFlowLogger
+from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 
+from lmtrain.formats import metrics as record
 
-class CSVLogger(_CSVLogger):
-    _keep_rows: list[dict] | None = None
 
-    def resume_at(self, step: int, relog: bool = False) -> None:
-        path = Path(self.log_dir) / "metrics.csv"
-        rows: list[dict] = []
-        if path.is_file():
-            with open(path, newline="") as fh:
-                for row in csv.DictReader(fh):
-                    try:
-                        if int(float(row.get("step") or "nan")) < step:
-                            rows.append({k: v for k, v in row.items() if v not in ("", None)})
-                    except ValueError:
-                        continue
-        self._keep_rows = rows
+class RecordLogger(Logger):
+    """Every logged value into the run's record (rank zero), flushed at least every ``FLUSH_S`` seconds, before every
+    checkpoint (:meth:`flush`, called by the checkpointer) and at the end. Its first line is written at the first
+    value: a refused attempt writes nothing."""
+
+    def __init__(self, run_dir: str | Path, from_step: int = 0) -> None:
+        super().__init__()
+        self.run_dir, self.from_step = Path(run_dir), from_step
+        self._record: record.Record | None = None
+
+    @property
+    def name(self) -> str:
+        return "record"
+
+    @property
+    def version(self) -> str:
+        return ""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> record.Record:
+        if self._record is None:  # rank zero only: the other ranks get Lightning's dummy (they log nothing)
+            self._record = record.Record(self.run_dir, self.from_step)
+        return self._record
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.experiment.add(step if step is not None else 0, metrics)
+
+    @rank_zero_only
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass  # the config is RUN_DIR/config.yaml
+
+    @rank_zero_only
+    def save(self) -> None:  # Lightning calls it after every log_metrics: writes only when FLUSH_S has passed
+        if self._record is not None and record.time.monotonic() - self._record._last_flush >= record.FLUSH_S:
+            self._record.flush()
+
+    @rank_zero_only
+    def flush(self) -> None:
+        if self._record is not None:
+            self._record.flush()
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self.flush()
+
+
+class CSVLogger(Logger):
+    """``save_dir/name/metrics.csv``: one row per logged line of the current timeline (the rows of earlier attempts
+    up to the resumed step, from the record, then this attempt's), one header. Rows are appended; a new column, or the
+    first write of an attempt, writes the whole file anew beside it and renames it over the old one."""
+
+    def __init__(self, save_dir: str, name: str = "csv", version: str = "", flush_logs_every_n_steps: int = 100) -> None:
+        super().__init__()
+        self._save_dir, self._name, self._version = str(save_dir), name, str(version)
+        self.flush_every = max(1, int(flush_logs_every_n_steps))
+        self._rows: list[dict] = []  # every row of the view (kept for a rewrite)
+        self._written = 0  # rows of _rows already in the file
+        self._header: list[str] | None = None  # the file's header, None before this attempt's first write
+        self._keep: list[dict] = []  # earlier attempts' rows, from the record (resume_at)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def version(self) -> str:
+        return self._version
+
+    @property
+    def log_dir(self) -> str:
+        return os.path.join(self._save_dir, self._name, self._version) if self._version else os.path.join(self._save_dir, self._name)
+
+    @property
+    def path(self) -> Path:
+        return Path(self.log_dir) / "metrics.csv"
 
     @property
     def experiment(self):
-        with warnings.catch_warnings():
-            if self._keep_rows is not None:  # its "previous log files will be deleted" is not true here
-                warnings.filterwarnings("ignore", message="Experiment logs directory")
-            exp = super().experiment  # Lightning's writer removes an existing metrics.csv here
-        if self._keep_rows is not None and rank_zero_only.rank == 0:
-            rows, self._keep_rows = self._keep_rows, None
-            if rows:
-                exp.metrics = rows
-                exp.save()
-        return exp
+        return self
+
+    def resume_at(self, step: int, relog: bool = False) -> None:
+        """This attempt continues from ``step``: the view keeps the record's current rows below it."""
+        run_dir = Path(self._save_dir)
+        self._keep = [r for r in record.rows(run_dir) if int(r["step"]) < step] if (run_dir / record.RECORD).is_file() else []
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if self._header is None and not self._rows:
+            self._rows = list(self._keep)
+        row = {k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
+        row["step"] = step if step is not None else len(self._rows)
+        self._rows.append(row)
+        if step is not None and (step + 1) % self.flush_every == 0:
+            self.save()
+
+    @rank_zero_only
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    @rank_zero_only
+    def save(self) -> None:
+        new = self._rows[self._written :]
+        if not new:
+            return
+        keys = sorted({k for r in self._rows for k in r} - {"step"}) + ["step"]
+        try:
+            if self._header is None or set(keys) != set(self._header):
+                self._rewrite(keys)
+            else:
+                with open(self.path, "a", newline="") as fh:
+                    csv.DictWriter(fh, fieldnames=self._header).writerows(new)
+        except OSError as exc:  # a full disk: the view catches up at the next save; the record is what counts
+            rank_zero_only(print)(
+                f"[lmtrain] could not write {self.path} ({exc.strerror or exc}); the record metrics.jsonl keeps the values"
+            )
+            return
+        self._written = len(self._rows)
+
+    def _rewrite(self, keys: list[str]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".metrics.csv.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "w", newline="") as fh:
+                writer = csv.DictWriter(fh, fieldnames=keys)
+                writer.writeheader()
+                writer.writerows(self._rows)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._header = keys
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self.save()
 
 
 class MLFlowLogger(_MLFlowLogger):

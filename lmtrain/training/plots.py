@@ -1,5 +1,5 @@
 """A run's plots: training and validation loss, the learning rate actually applied and the fp16 loss scale, as PNG
-files under ``RUN_DIR/plots``, from the run's CSV log or its MLflow run, with the logbook's events marked. Drawn by
+files under ``RUN_DIR/plots``, from the run's metrics record or its MLflow run, with the logbook's events marked. Drawn by
 ``lmtrain report`` and, at the end of training, by the ``report`` callback."""
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ SERIES = ("train/loss", "val/loss", "train/lr", "train/loss_scale", "train/skipp
 PER_SET = "val/loss/"  # and each validation set's own loss (a mixture's sources, extra held-out sets): val/loss/<name>
 
 
-def from_csv(run_dir: Path) -> dict[str, dict[int, float]] | None:
-    """{metric: {step: value}} from ``RUN_DIR/csv/metrics.csv``, or None where the run has no CSV log."""
-    from lmtrain.formats.metrics import by_step
+def from_record(run_dir: Path) -> dict[str, dict[int, float]] | None:
+    """{metric: {step: value}} from the run's metrics record (its current timeline), or from ``RUN_DIR/csv/metrics.csv``
+    for a run from before the record; None where it has neither."""
+    from lmtrain.formats.metrics import RECORD, by_step
 
-    if not (run_dir / "csv" / "metrics.csv").is_file():
+    if not (run_dir / RECORD).is_file() and not (run_dir / "csv" / "metrics.csv").is_file():
         return None
     rows = by_step(run_dir)  # a later row for the same step wins
     keys = [*SERIES, *sorted({k for row in rows.values() for k in row if k.startswith(PER_SET)})]
@@ -153,11 +154,11 @@ def write_plots(run_dir: Path, metrics: dict[str, dict[int, float]]) -> list[Pat
 def report(run_dir: Path, tracking_uri: str | None = None) -> tuple[list[Path], dict[str, dict[int, float]]]:
     run_dir = Path(run_dir)
     config_path(run_dir)
-    csv_log = run_dir / "csv" / "metrics.csv"
+    log_file = run_dir / "metrics.jsonl" if (run_dir / "metrics.jsonl").is_file() else run_dir / "csv" / "metrics.csv"
     try:
-        metrics = from_csv(run_dir) if tracking_uri is None else None
+        metrics = from_record(run_dir) if tracking_uri is None else None
     except (ValueError, KeyError, csv.Error) as exc:
-        raise InputError(f"{csv_log} is not a readable metrics log ({exc}); nothing was plotted") from exc
+        raise InputError(f"{log_file} is not a readable metrics log ({exc}); nothing was plotted") from exc
     if metrics is None:
         try:
             metrics = from_mlflow(run_dir, tracking_uri)
@@ -166,7 +167,7 @@ def report(run_dir: Path, tracking_uri: str | None = None) -> tuple[list[Path], 
             raise InputError(f"cannot read the run's metrics from MLflow at {where}: {str(exc).splitlines()[0][:300]}") from exc
     if metrics is None or not any(metrics.values()):
         raise InputError(
-            f"{run_dir} has no logged metrics: neither {run_dir / 'csv' / 'metrics.csv'} nor an MLflow run tagged with it "
+            f"{run_dir} has no logged metrics: neither {run_dir / 'metrics.jsonl'} nor an MLflow run tagged with it "
             "(pass --tracking-uri where the MLflow store is elsewhere)"
         )
     try:

@@ -340,7 +340,10 @@ def _build(att: _Attempt) -> None:
         from lightning.pytorch.callbacks import ProgressBar
 
         callbacks = att.callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
-    loggers = instantiate_group(cfg.get("logger"))
+    from lmtrain.training.loggers import RecordLogger
+
+    # the run's own record of every logged value, whatever the loggers (lmtrain.formats.metrics)
+    loggers = [RecordLogger(att.run_dir, max(resume.step, 0) if resume is not None else 0), *instantiate_group(cfg.get("logger"))]
     if resume is not None:
         for lg in loggers:
             if hasattr(lg, "resume_at"):
@@ -356,7 +359,7 @@ def _build(att: _Attempt) -> None:
     if plugins:  # ours (fp16) beside the user's own trainer.plugins
         extra.update(precision=precision, plugins=[*(instantiate(p) for p in cfg.trainer.get("plugins") or []), *plugins])
     extra.update(val_check_batches(cfg.trainer))
-    att.trainer = trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy, **extra)
+    att.trainer = trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers, strategy=strategy, **extra)
     if resume is not None and "data_stream" in resume.meta and hasattr(datamodule, "check_stream"):
         datamodule.check_stream(resume.meta["data_stream"])  # refused before anything is written
     if resume is not None and resume.meta.get("format") == "sharded" and not compat.saves_sharded(trainer.strategy):
