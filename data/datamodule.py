@@ -29,6 +29,9 @@ from lmtrain.nn.model import document_ids
 VERIFY_ON_OPEN_BYTES = 1 << 30  # a split this small has its shard checksums checked when opened; larger: --verify
 
 
+_ADDED_STREAM_KEYS = ("format",)  # parts of the stream identity that older checkpoints did not record
+
+
 class PackedBlocks(Dataset):
     """Blocks of ``seq_len + 1`` tokens over one split's shards, read through ``numpy.memmap``."""
 
@@ -377,17 +380,22 @@ class TokenDataModule(L.LightningDataModule):
         """What a saved data position means something for: the dataset(s), seq_len, seed and mixture weights (not the
         number of ranks: the position is global, see BlockSampler). Saved in the checkpoint (the loader state, and
         meta.json through lmtrain.training.run) and compared on resume."""
-        fps = [read_manifest(p).get("fingerprint") for p in self.paths]
+        manifests = [read_manifest(p) for p in self.paths]
+        fps = [m.get("fingerprint") for m in manifests]
         ident = {"dataset": fps[0] if len(fps) == 1 else fps, "data.seq_len": self.seq_len, "data.seed": self.seed}
         if len(fps) > 1:
             ident["weights"] = self.weights
+        # what the tokens mean, as the manifests say now (the fingerprint is of the inputs: an edited manifest keeps it)
+        formats = [{k: m[k] for k in ("dtype", "eos_id", "vocab_size")} for m in manifests]
+        ident["format"] = formats[0] if len(formats) == 1 else formats
         return ident
 
     def check_stream(self, saved: dict) -> None:
         """Refuse a checkpoint whose saved data position belongs to another stream, naming what changed (a
         ``world_size`` that older checkpoints recorded here is no longer part of it)."""
         mine = self.stream_identity()
-        changed = [f"{k}: {saved.get(k)!r} -> {mine[k]!r}" for k in mine if saved.get(k) != mine[k]]
+        recorded = [k for k in mine if k in saved or k not in _ADDED_STREAM_KEYS]  # checkpoints from before a key was added lack it
+        changed = [f"{k}: {saved.get(k)!r} -> {mine[k]!r}" for k in recorded if saved.get(k) != mine[k]]
         if changed:
             raise InputError(
                 "the checkpoint's data position belongs to another data stream (" + "; ".join(changed) + "): "

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+DISK_KINDS = ("checkpoint_failed", "disk_full", "disk_pruned")  # the logbook's word that the disk is full
 
 
 def _logbook(run: Path) -> list[dict]:
@@ -127,8 +128,7 @@ def main(argv: list[str]) -> int:
                 _fill(filler)
                 # the save in flight fails, or the next one finds the disk full (the guard prunes or stops the run); then
                 # the scheduler ends the job (its preemption save may fail too)
-                kinds = ("checkpoint_failed", "disk_full", "disk_pruned")
-                _until(lambda n=before: any(e["kind"] in kinds for e in _logbook(run)[n:]), proc, 120)
+                _until(lambda n=before: any(e["kind"] in DISK_KINDS for e in _logbook(run)[n:]), proc, 120)
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=300)

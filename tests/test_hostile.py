@@ -136,6 +136,13 @@ def test_a_checkpoint_file_without_crcs_whose_pickle_is_damaged_is_passed_over(t
     assert ck.unreadable(ck.Checkpoint(4, newest, {"format": "single"})) is not None
     resumed = ck.newest_intact(ck.scan(newest.parent))
     assert resumed is not None and resumed.step == 2
+    # bytes of a model weight turned into NaNs in place (0xFF...): the pickle reads, the weights do not pass
+    older = newest.parent / ck.step_name(2) / ck.SINGLE_FILE
+    with open(older, "r+b") as fh:
+        fh.seek(older.stat().st_size // 10)
+        fh.write(b"\xff" * 4096)
+    why = ck.unreadable(ck.Checkpoint(2, older.parent, {"format": "single"}))
+    assert why is not None and "holds non-finite model weights" in why, why
 
 
 @pytest.mark.parametrize("name", ["../x", "..", "a/b", "."])
@@ -234,3 +241,22 @@ def test_every_control_request_is_checked_where_it_is_applied(tmp_path, dataset_
     assert "  0  from step        0: x0.5  operator" in out and ": in force" in out.splitlines()[0]
     assert "REVOKED by 2 (revoke)" in out.splitlines()[1] and "rejected requests: 11" in out
     assert main([str(run), "lr", "--value", "inf"]) == 2 and "finite positive" in capsys.readouterr().err
+
+
+def test_a_manifest_edited_under_a_run_is_refused_at_the_resume(tmp_path, dataset_dir):
+    """The separator id edited in the dataset's manifest after the run saved (the fingerprint, of the inputs, unchanged):
+    the resume is refused naming it, before anything of the run is written."""
+    from lmtrain.errors import InputError
+
+    ds = tmp_path / "ds"
+    shutil.copytree(dataset_dir, ds)
+    args = [*TINY, "callbacks=checkpoint", "callbacks.checkpoint.every_n_steps=2", "callbacks.disk_guard.margin_gb=0"]
+    train(make_cfg(args, tmp_path, ds))
+    manifest = json.loads((ds / "manifest.json").read_text())
+    manifest["eos_id"] = manifest["eos_id"] - 1
+    (ds / "manifest.json").write_text(json.dumps(manifest))
+    run = tmp_path / "run"
+    before = (run / "config.yaml").read_bytes()
+    with pytest.raises(InputError, match=r"belongs to another data stream \(format: .*'eos_id'"):
+        train(make_cfg([*args, "trainer.max_steps=6"], tmp_path, ds))
+    assert (run / "config.yaml").read_bytes() == before

@@ -55,7 +55,14 @@ def test_plots_at_the_end_of_training_and_on_demand(tmp_path, dataset_dir):
     bad = _report(tmp_path)
     assert bad.returncode == 2 and "is not a run directory" in bad.stderr and "Traceback" not in bad.stderr
 
-    # a damaged log and an MLflow store that cannot be read: one message each, the plots already there kept
+    # the record's line cut by a kill is skipped: the same points
+    record = Path(cfg.run_dir) / "metrics.jsonl"
+    record.write_bytes(record.read_bytes() + b'{"a": 1, "step": 5, "m": {"train/lo')
+    res = _report(cfg.run_dir)
+    assert res.returncode == 0 and "points: train/loss 6, val/loss 2, train/lr 6" in res.stdout, res.stderr[-2000:]
+    # a run from before the record, its CSV log damaged, and an MLflow store that cannot be read: one message each,
+    # the plots already there kept
+    record.rename(record.with_name("moved.jsonl"))
     before = (plots / "loss.png").read_bytes()
     log = Path(cfg.run_dir) / "csv" / "metrics.csv"
     log.write_text(log.read_text() + "\n" + "garbage," * 3 + "\n")

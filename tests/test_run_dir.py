@@ -353,3 +353,29 @@ def test_chaos_soak_a_two_rank_run_survives_kills_sigterms_second_launches_and_a
     assert kinds.count("died") == len(by["kill"]) and kinds.count("preempted") == preempted, kinds
     assert kinds.count("checkpoint_failed") + kinds.count("disk_full") + kinds.count("disk_pruned") >= len(by["disk"]), kinds
     assert kinds[-1] == "end"
+
+
+def test_a_lock_of_another_host_is_held_while_renewed_and_taken_over_when_its_lease_ran_out(tmp_path):
+    """A lock whose holder is on another node cannot be judged by its pid: it is held while its file is renewed, and
+    taken over once it was not for the lease (120 s), with the holder named."""
+    import os
+
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = {"host": "node-that-is-not-this-one", "pid": 12345, "started": time.time() - 3600, "proc_start": "1"}
+    (run / runlock.FILE).write_text(json.dumps(holder))
+    with pytest.raises(runlock.RunLocked, match="in use by another attempt \\(pid 12345 on node-that-is-not-this-one"):
+        runlock.acquire(run)
+    old = time.time() - runlock.LEASE_S - 5
+    os.utime(run / runlock.FILE, (old, old))
+    lock = runlock.acquire(run)
+    try:
+        assert lock.took_over is not None and lock.took_over[0] == holder and "not renewed for" in lock.took_over[1]
+        assert runlock.read(run)["pid"] == os.getpid()
+    finally:
+        lock.release()
+    assert runlock.read(run) is None
+    (run / runlock.FILE).write_text("{not json")  # a writer that died while creating it
+    lock = runlock.acquire(run)
+    assert "does not parse" in lock.took_over[1]
+    lock.release()

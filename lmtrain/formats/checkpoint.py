@@ -125,7 +125,8 @@ def verify_contents(directory: Path, meta: dict) -> str | None:
 def unreadable(c: Checkpoint) -> str | None:
     """None when the checkpoint's pickled parts read with the safe loaders of :mod:`lmtrain.formats.untrusted`
     (cheap: the tensors' bytes are mapped, not read), else why not: a refused pickle, or bytes that do not read
-    (a checkpoint without CRC-32s damaged in place)."""
+    (a checkpoint without CRC-32s damaged in place). A single file without CRC-32s also has its model weights read:
+    a NaN or an infinity there is damage (a healthy run's weights are finite)."""
     from lmtrain.formats import untrusted
 
     sharded = c.meta.get("format") == "sharded"
@@ -137,12 +138,26 @@ def unreadable(c: Checkpoint) -> str | None:
             if (c.path / name).exists():
                 untrusted.torch_load(c.path / name, map_location="cpu")
         else:
-            untrusted.torch_load(c.load_path, map_location="cpu", mmap=True)
+            state = untrusted.torch_load(c.load_path, map_location="cpu", mmap=True)
+            if not c.meta.get("crc32"):  # nothing tells damaged bytes in the tensors: weights that are not finite do
+                bad = _non_finite(state.get("state_dict", {}) if isinstance(state, dict) else {})
+                if bad:
+                    return f"{name} holds non-finite model weights ({bad}): damaged (it records no CRC-32s to tell)"
     except untrusted.RefusedFile as exc:
         return str(exc)
     except Exception as exc:  # noqa: BLE001 - whatever the loader raises on bytes it cannot read
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         return f"{name} does not read ({type(exc).__name__}: {first})"
+    return None
+
+
+def _non_finite(state_dict: dict) -> str | None:
+    """The first floating-point tensor of ``state_dict`` with a NaN or an infinity, named, or None."""
+    import torch
+
+    for key, t in state_dict.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return key
     return None
 
 

@@ -374,9 +374,9 @@ def _accept(att: _Attempt) -> None:
     cfg, run_dir, trainer, resume, rollback = att.cfg, att.run_dir, att.trainer, att.resume, att.rollback
     changes = _config_changes(run_dir, cfg) if trainer.is_global_zero and resume is not None and rollback is None else {}
     if trainer.is_global_zero:
-        try:
-            (run_dir / CONFIG).write_text(OmegaConf.to_yaml(cfg, resolve=True))
-            (run_dir / "overrides.yaml").write_text(OmegaConf.to_yaml(_overrides()))
+        try:  # each replaced whole (a kill or a full disk leaves the previous one)
+            _write_atomic(run_dir / CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
+            _write_atomic(run_dir / "overrides.yaml", OmegaConf.to_yaml(_overrides()))
         except OSError as exc:
             raise InputError(f"cannot write {run_dir / CONFIG}: {exc.strerror or exc} (disk full?)") from exc
     console.start_file(run_dir, f"run {cfg.run_name}: {' '.join(_overrides()) or '(no overrides)'}", trainer.is_global_zero)
@@ -410,6 +410,15 @@ def _accept(att: _Attempt) -> None:
             logbook.append(run_dir, "config_change", f"config: {shown} at step {resume.step}", step=resume.step, changes=changes)
     else:
         logbook.append(run_dir, "start", f"training from scratch, run {cfg.run_name}")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _fit(att: _Attempt, clock: Goodput):
@@ -485,9 +494,16 @@ _ATTEMPT_KEYS = ("ckpt_path", "resume", "overwrite", "logger/mlflow/run_id")
 def _config_changes(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
     """What the resumed config changes against the previous attempt's ``config.yaml`` (flat keys -> [old, new]).
     Everything here was accepted: what a resume cannot take (another model, another data stream) was refused."""
+    import yaml
+
     try:
         old = flat_params(OmegaConf.load(run_dir / CONFIG))
-    except (OSError, ValueError):  # no previous config (a checkpoint given by path), or an unreadable one
+    except FileNotFoundError:  # no previous config (a checkpoint given by path)
+        return {}
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # damaged: the resume goes on, without the list of changes
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        log.warning(f"{run_dir / CONFIG} of the previous attempt does not read ({type(exc).__name__}: {first}): the config changes "
+                    "since then are not listed; this attempt writes it anew")  # fmt: skip
         return {}
     new = flat_params(cfg)
     keys = [k for k in sorted(old.keys() | new.keys()) if k not in _ATTEMPT_KEYS and old.get(k, "(unset)") != new.get(k, "(unset)")]
