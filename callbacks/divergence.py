@@ -39,10 +39,9 @@ import lightning as L
 
 from lmtrain.console import log
 from lmtrain.errors import InputError
-from lmtrain.formats import checkpoint as ck
 from lmtrain.formats import corrections, logbook
+from lmtrain.training.checkpoint.resume import rollback_target
 from lmtrain.training.contracts import CheckpointStore, RequestsRollback, StepChecker, StopsTraining
-from lmtrain.training.intact import spread_contents
 from lmtrain.training.logs import log_direct
 
 ACTIONS = ("warn", "skip", "stop", "rollback")
@@ -317,24 +316,9 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
             )
             return True
         before = self.trouble_start if self.trouble_start is not None else step
-        healthy = [
-            c for c in ck.scan(self.checkpointer.root, quiet=True) if c.step < before and c.meta.get("health", {}).get("healthy", True)
-        ]
-        if not healthy:
-            self._stop(trainer, f"step {step}: no healthy checkpoint before step {before} to roll back to; stopping ({why})", step)
-            return True
-
-        # the newest healthy one whose contents are those saved (a damaged one passed over, naming it); a sharded one of
-        # several processes is checked spread over them (every process is here, at the same step: the statistics that
-        # decided the rollback are reduced over the run), and the next attempt does not check it again
-        def contents(c: ck.Checkpoint) -> str | None:
-            if ck.checked_by_each_process(c, trainer.world_size):
-                return ck.damage(c)
-            return spread_contents(trainer, c) or ck.unreadable(c)
-
-        target = ck.newest_intact(healthy, contents=contents, skipping="rollback: passing over damaged checkpoint")
+        target, problem = rollback_target(trainer, self.checkpointer.root, before)
         if target is None:
-            self._stop(trainer, f"step {step}: every healthy checkpoint before step {before} is damaged; stopping ({why})", step)
+            self._stop(trainer, f"step {step}: {problem}; stopping ({why})", step)
             return True
         batches = (step - target.step) * trainer.accumulate_grad_batches if self.skip_data else 0
         self.stopping = True

@@ -120,7 +120,8 @@ def test_a_checkpoint_keeps_this_gpus_rng_state_and_restores_an_older_list_of_ev
     device's state is restored and the rest ignored."""
     import torch
 
-    from lmtrain.callbacks.checkpoint import _rng_state, _set_rng_state
+    from lmtrain.training.checkpoint.rng import rng_state as _rng_state
+    from lmtrain.training.checkpoint.rng import set_rng_state as _set_rng_state
 
     torch.cuda.init()
     saved = _rng_state()
@@ -168,7 +169,7 @@ def test_the_host_copy_of_a_sharded_state_stays_in_host_memory_and_is_reused(tmp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from lmtrain.callbacks.checkpoint import HostCopy
+    from lmtrain.training.checkpoint.host import HostCopy
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("pinned host copies of GPU shards: run on a GPU (docs/BENCHMARKS.md)")
@@ -210,7 +211,7 @@ def test_the_host_copy_keeps_float8_gathered_weights_of_one_shape_apart():
     from torchao.float8.float8_training_tensor import LinearMMConfig
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    from lmtrain.callbacks.checkpoint import HostCopy
+    from lmtrain.training.checkpoint.host import HostCopy
 
     first, second = (WeightWithDynamicFloat8CastTensor(torch.randn(8, 4), LinearMMConfig(), torch.float8_e4m3fn) for _ in range(2))
     assert first.data_ptr() == second.data_ptr() == 0  # what the copy cannot tell them apart by
@@ -236,7 +237,7 @@ def test_a_process_forked_after_a_save_does_not_inherit_the_host_copy():
     not in the child."""
     import torch
 
-    from lmtrain.callbacks.checkpoint import HostCopy
+    from lmtrain.training.checkpoint.host import HostCopy
 
     copy = HostCopy()
     address = copy({"w": torch.randn(512, 512)})["w"].data_ptr()

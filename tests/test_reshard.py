@@ -233,9 +233,9 @@ def test_one_run_through_six_layouts_matches_an_uninterrupted_run(tmp_path, shor
 
 
 def test_optimizer_state_is_rekeyed_by_the_optimizers_own_order():
-    """lmtrain.training.reshard: positions are places in the optimizer's groups (here not the model's parameter order:
+    """lmtrain.training.checkpoint.reshard: positions are places in the optimizer's groups (here not the model's parameter order:
     the decay group first), and names -> positions -> names is the identity."""
-    from lmtrain.training.reshard import by_name, by_position
+    from lmtrain.training.checkpoint.reshard import by_name, by_position
 
     state = {"state": {0: {"m": 1}, 1: {"m": 2}, 2: {"m": 3}}, "param_groups": [{"lr": 1, "params": [0, 1]}, {"lr": 2, "params": [2]}]}
     named = by_name(state, ["w1", "w2", "bias"])

@@ -163,7 +163,7 @@ def _non_finite(state_dict: dict) -> str | None:
 
 def damage(c: Checkpoint, crc: bool = True) -> str | None:
     """What makes ``c`` unusable: a file whose CRC-32 differs from the one recorded (``crc``: checked here; a sharded
-    checkpoint resumed by several processes is checked spread over them, lmtrain.training.intact), or a pickle that
+    checkpoint resumed by several processes is checked spread over them, lmtrain.training.checkpoint.intact), or a pickle that
     does not read safely (:func:`unreadable`, always here); None when it is usable."""
     return (verify_contents(c.path, c.meta) if crc else None) or unreadable(c)
 
@@ -241,7 +241,7 @@ def newest(root: Path, quiet: bool = False) -> Checkpoint | None:
 def checked_by_each_process(c: Checkpoint, world_size: int) -> bool:
     """Whether each process of a run checks ``c``'s contents itself before loading it: any checkpoint of a one-process
     run, and every single file (each process reads it whole anyway). A sharded checkpoint that several processes load is
-    checked spread over them instead, each reading every N-th file (lmtrain.training.intact)."""
+    checked spread over them instead, each reading every N-th file (lmtrain.training.checkpoint.intact)."""
     return world_size == 1 or c.meta.get("format") != "sharded"
 
 
@@ -255,8 +255,8 @@ def newest_intact(
     CRC-32s: a damaged one is passed over with a warning (``skipping`` and its path) naming the file and, with
     ``move_aside`` (one process of a run), moved aside (:func:`quarantine`). Every process reads the same bytes, so all
     of a run's processes settle on the same checkpoint. ``contents(c)``: None when intact (or left to a later check,
-    lmtrain.training.intact), else what is damaged; a check spread over a run's processes is
-    lmtrain.training.intact.spread_contents."""
+    lmtrain.training.checkpoint.intact), else what is damaged; a check spread over a run's processes is
+    lmtrain.training.checkpoint.intact.spread_contents."""
     for c in reversed(candidates):
         why = contents(c)
         if why is None:

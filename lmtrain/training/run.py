@@ -21,11 +21,12 @@ from lmtrain import console
 from lmtrain.console import log
 from lmtrain.errors import InputError, Preempted, RunStopped
 from lmtrain.formats import checkpoint as ck
-from lmtrain.formats import corrections, logbook, runlock, untrusted
+from lmtrain.formats import corrections, logbook, runlock
 from lmtrain.formats.checkpoint import CheckpointError, check_compatible, config_hash
 from lmtrain.formats.rundir import CONFIG
 from lmtrain.training import compat
-from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data, world_size
+from lmtrain.training.checkpoint.resume import checked_here, global_rank, resume_identity, resume_point
+from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data
 from lmtrain.training.contracts import CheckpointStore, Preempts, RequestsRollback, StopsTraining
 from lmtrain.training.goodput import Goodput
 from lmtrain.training.precision import build as build_precision
@@ -137,7 +138,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
             if rollback is None:
                 return metrics
             run_dir = Path(cfg.run_dir)
-            if _global_rank() == 0:
+            if global_rank() == 0:
                 _record_rollback(run_dir, rollback)
             log.info(f"rollback to {rollback['checkpoint']} (learning rate x{rollback['scale']})")
             with open_dict(cfg):
@@ -184,7 +185,7 @@ def _take_run(cfg: DictConfig) -> runlock.RunLock | None:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise InputError(f"cannot create the run directory {run_dir} (run_dir / paths.runs): {exc.strerror or exc}") from exc
-    if _global_rank() != 0:
+    if global_rank() != 0:
         return None
     try:
         lock = runlock.acquire(run_dir)
@@ -218,10 +219,6 @@ def _record_rollback(run_dir: Path, rollback: dict) -> None:
         step=rollback["signal_step"],
         revoked=[entries[i] for i in revokes],
     )
-
-
-def _global_rank() -> int:
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", "0"))))
 
 
 @dataclass
@@ -277,7 +274,7 @@ def _decide(cfg: DictConfig, rollback: dict | None) -> _Attempt:
     check = checked_here(cfg) if rollback is None else (lambda c: False)
     resume = resume_point(cfg, checkpointer.root if checkpointer is not None else None, check)
     if rollback is None and resume is not None and resume.meta.get("crc32") and not check(resume):
-        from lmtrain.training.intact import SpreadContentsCheck
+        from lmtrain.training.checkpoint.intact import SpreadContentsCheck
 
         callbacks.append(SpreadContentsCheck(resume, move_aside=not cfg.get("ckpt_path")))
     if rollback is None:
@@ -363,9 +360,9 @@ def _build(att: _Attempt) -> None:
     if resume is not None and "data_stream" in resume.meta and hasattr(datamodule, "check_stream"):
         datamodule.check_stream(resume.meta["data_stream"])  # refused before anything is written
     if resume is not None and resume.meta.get("format") == "sharded" and not compat.saves_sharded(trainer.strategy):
-        from lmtrain.training.reshard import ShardedCheckpointReader
+        from lmtrain.training.checkpoint.reshard import ShardedCheckpointReader
 
-        trainer.strategy.checkpoint_io = ShardedCheckpointReader()  # fsdp/hsdp -> single/ddp (lmtrain.training.reshard)
+        trainer.strategy.checkpoint_io = ShardedCheckpointReader()  # fsdp/hsdp -> single/ddp (lmtrain.training.checkpoint.reshard)
 
 
 def _accept(att: _Attempt) -> None:
@@ -570,59 +567,6 @@ def _overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
-def resume_point(cfg: DictConfig, root: Path | None, check=lambda c: True) -> ck.Checkpoint | None:
-    """Where training continues from: ``ckpt_path``, else (``resume=true``) the newest complete checkpoint under
-    ``root`` (the run's checkpoint directory; None: the run keeps no checkpoints) whose contents are those saved, read
-    here where ``check(c)`` (:func:`checked_here`), else left to a later check.
-
-    With ``resume=false`` a run whose checkpoint directory already holds checkpoints is refused unless
-    ``overwrite=true``, which deletes them. Decided before any expensive work.
-    """
-    if cfg.get("ckpt_path"):
-        return open_checkpoint(Path(cfg.ckpt_path), check=check)
-    if root is None:
-        return None
-    if cfg.get("resume", True):
-        found = ck.newest_intact(ck.scan(root), move_aside=_global_rank() == 0, contents=lambda c: ck.damage(c, crc=check(c)))
-        if found is None:
-            _refuse_fresh_start(cfg, root)
-        return found
-    existing = [d for d in root.iterdir() if ck.NAME_RE.match(d.name)] if root.is_dir() else []
-    if existing and not cfg.get("overwrite", False):
-        raise ConfigError(
-            f"resume=false but {root} already holds {len(existing)} checkpoint(s) of run '{cfg.run_name}' "
-            f"(newest {max(existing).name}): pass resume=true to continue it, overwrite=true to delete them and start "
-            "fresh, or choose another run_name"
-        )
-    if existing and _global_rank() == 0:
-        import shutil
-
-        log.info(f"overwrite=true: deleting {len(existing)} checkpoint(s) in {root}")
-        for d in existing:
-            shutil.rmtree(d, ignore_errors=True)
-        (root / ck.LATEST).unlink(missing_ok=True)
-    return None
-
-
-def _refuse_fresh_start(cfg: DictConfig, root: Path) -> None:
-    """A run that saved steps before but has no usable checkpoint now is refused, naming each checkpoint and why it is
-    not usable (or the logbook's saves, where the checkpoint directory is gone): training it from step 0 would discard
-    its progress and, through the loggers, its metrics. A fresh start is asked for with ``resume=false overwrite=true``."""
-    found = ck.inventory(root)
-    saved = logbook.saved_steps(Path(cfg.run_dir))
-    if not found and not saved:
-        return
-    lines = [f"{name}: {why}" for name, why in found]
-    if saved and not any(ck.NAME_RE.match(name) for name, _ in found):
-        where = "holds none" if root.is_dir() else "does not exist (moved or deleted?)"
-        lines.append(f"the logbook records checkpoints saved up to step {max(saved)}, but {root} {where}")
-    raise CheckpointError(
-        f"run '{cfg.run_name}' saved steps before but has no usable checkpoint, so it was not started (nothing was changed "
-        f"but damaged checkpoints moved aside):\n  - " + "\n  - ".join(lines) + f"\nrestore a checkpoint into {root} (or "
-        "resume from one elsewhere with ckpt_path=...), or start the run again from step 0: resume=false overwrite=true"
-    )
-
-
 def val_check_batches(trainer_cfg: DictConfig) -> dict:
     """``trainer.val_check_interval`` counts optimizer steps, as max_steps and the logs do (and as litgpt's and
     torchtitan's evaluation intervals); Lightning's counts micro-batches, so an integer interval is multiplied by
@@ -631,41 +575,6 @@ def val_check_batches(trainer_cfg: DictConfig) -> dict:
     if isinstance(interval, int) and not isinstance(interval, bool) and accum > 1:
         return {"val_check_interval": interval * accum}
     return {}
-
-
-def checked_here(cfg: DictConfig):
-    """Whether this process checks a checkpoint's contents before the launch (a predicate on the checkpoint): all of
-    them in a one-process run and every single file; a sharded one resumed by several processes is checked spread
-    over them once their process group is up (lmtrain.training.intact)."""
-    processes = world_size(cfg)
-    return lambda c: ck.checked_by_each_process(c, processes)
-
-
-def open_checkpoint(path: Path, check=lambda c: True) -> ck.Checkpoint:
-    """A user-named checkpoint: a ``step-N`` directory (or its ``checkpoint.pt``), or a plain Lightning ``.ckpt``."""
-    if path.is_file() and path.name == ck.SINGLE_FILE and (path.parent / ck.META).exists():
-        path = path.parent
-    if path.is_dir():
-        checkpoint, why = ck.verified(path, check)
-        if checkpoint is None:
-            raise CheckpointError(f"ckpt_path={path} is not a usable checkpoint: {why}")
-        return checkpoint
-    if not path.is_file():
-        raise CheckpointError(f"ckpt_path={path} does not exist")
-    return ck.Checkpoint(-1, path, {"format": "lightning-file"})
-
-
-def resume_identity(resume: ck.Checkpoint) -> dict:
-    """The saved model identity: from ``meta.json``, or read from a plain Lightning file's state dict."""
-    if resume.meta.get("format") != "lightning-file":
-        return resume.meta
-    try:
-        sd = untrusted.torch_load(resume.path, map_location="cpu", mmap=True)["state_dict"]
-    except untrusted.RefusedFile:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
-        raise CheckpointError(f"ckpt_path={resume.path} is not a readable Lightning checkpoint ({type(exc).__name__}: {exc})") from None
-    return {"params": {k.removeprefix("model."): list(v.shape) for k, v in sd.items() if hasattr(v, "shape")}}
 
 
 def _mlflow_locations(trainer) -> list[str]:

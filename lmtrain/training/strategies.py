@@ -176,10 +176,10 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
         """A sharded checkpoint on any number of ranks (distributed checkpoint reshards it), or a single-file one
-        (``single``/``ddp``) loaded into the shards (lmtrain.training.reshard)."""
+        (``single``/``ddp``) loaded into the shards (lmtrain.training.checkpoint.reshard)."""
         path = Path(self.broadcast(checkpoint_path))
         if path.is_file():
-            from lmtrain.training.reshard import load_full_into_sharded
+            from lmtrain.training.checkpoint.reshard import load_full_into_sharded
 
             return load_full_into_sharded(path, self.lightning_module, self.optimizers)
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
