@@ -119,9 +119,10 @@ class LRControl(L.Callback):
         logbook. Nothing here stops training."""
         folder = self.run_dir / REQUESTS
         out: list[tuple[dict, str]] = []
+        entries = list(self.entries)  # with each accepted request in force, to judge the next one of this look
         for f in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             try:
-                entry, what = self._judge(f, step, scheduled)
+                entry, what = self._judge(f, step, scheduled, entries)
             except _Rejected as exc:
                 self._move(f, "rejected")
                 message = f"operator request {f.name} rejected: {exc}"
@@ -129,11 +130,9 @@ class LRControl(L.Callback):
                 logbook.append(self.run_dir, "control_rejected", message, step=step, file=f.name)
                 continue
             self._move(f, "applied")
-            self.entries.append(entry)  # the next request of this poll is judged with this one in force
+            entries.append(entry)
             out.append((entry, what))
-        for entry, _ in out:
-            self.entries.remove(entry)  # applied (and recorded) by _poll on every rank
-        return out
+        return out  # applied (and recorded) by _poll on every rank
 
     @staticmethod
     def _move(f: Path, where: str) -> None:
@@ -143,7 +142,7 @@ class LRControl(L.Callback):
         except OSError as exc:  # a full disk's rename: the file would be judged again; say so once
             log.warning(f"could not move control request {f} to {where}/: {exc}")
 
-    def _judge(self, f: Path, step: int, scheduled: float) -> tuple[dict, str]:
+    def _judge(self, f: Path, step: int, scheduled: float, entries: list[dict]) -> tuple[dict, str]:
         try:
             req = json.loads(f.read_bytes().decode("utf-8"))
         except UnicodeDecodeError:
@@ -153,7 +152,7 @@ class LRControl(L.Callback):
         if not isinstance(req, dict):
             raise _Rejected(f"not a JSON object but {type(req).__name__}")
         if req.get("revoke") is not None:
-            return self._revoke(req, step)
+            return self._revoke(req, step, entries)
         given = [k for k in ("scale", "value") if req.get(k) is not None]
         if len(given) != 1:
             raise _Rejected("it must give exactly one of 'scale' and 'value' (python -m lmtrain.control RUN lr --scale F | --value LR)")
@@ -164,7 +163,7 @@ class LRControl(L.Callback):
             raise _Rejected(
                 f"the schedule's learning rate at step {step} is {scheduled:g}: a value cannot be a factor of it (give a scale)"
             )
-        in_force = corrections.multiplier(self.entries, step)
+        in_force = corrections.multiplier(entries, step)
         total = in_force * number if given[0] == "scale" else number / scheduled
         low, high = self.bounds
         if not low <= total <= high:
@@ -176,8 +175,9 @@ class LRControl(L.Callback):
         what = f"learning rate x{number:g}" if given[0] == "scale" else f"learning rate set to {number:g} (x{scale:.4g})"
         return {"from_step": step, "scale": scale, "reason": "operator", "request": req}, what
 
-    def _revoke(self, req: dict, step: int) -> tuple[dict, str]:
-        target, entries = req["revoke"], self.entries
+    @staticmethod
+    def _revoke(req: dict, step: int, entries: list[dict]) -> tuple[dict, str]:
+        target = req["revoke"]
         if not isinstance(target, int) or isinstance(target, bool) or not 0 <= target < len(entries):
             raise _Rejected(
                 f"revoke={target!r} is not the number of a correction (0..{len(entries) - 1}: python -m lmtrain.control RUN status)"

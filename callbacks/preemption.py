@@ -21,7 +21,6 @@ import os
 import signal
 import sys
 import threading
-import time
 
 import lightning as L
 
@@ -41,7 +40,7 @@ class Preemption(L.Callback, Preempts):
             )
         self.signals = [getattr(signal, s) for s in names]
         self.grace_s = float(grace_s)
-        self.requested: tuple[str, float] | None = None  # (signal name, when) on this rank
+        self.requested: str | None = None  # the signal this rank received
         self.preempted: dict | None = None  # signal, step, checkpoint (None: none saved): read by lmtrain.training.run
         self._previous: dict = {}
         self._interrupts = 0
@@ -70,7 +69,7 @@ class Preemption(L.Callback, Preempts):
                 print("\n[lmtrain] second interrupt: exiting at once, without a checkpoint (status 130)", file=sys.stderr, flush=True)
                 os._exit(130)
         if self.requested is None:
-            self.requested = (name, time.monotonic())
+            self.requested = name
             again = "; press Ctrl-C again to exit at once" if signum == signal.SIGINT else ""
             print(f"\n[lmtrain] {name}: finishing this step, then saving a checkpoint and exiting{again}", file=sys.stderr, flush=True)
             self._timer = threading.Timer(self.grace_s, self._late, args=(name,))
@@ -106,7 +105,7 @@ class Preemption(L.Callback, Preempts):
             asked = trainer.strategy.reduce_boolean_decision(asked, all=False)
         if not asked:
             return
-        name = self.requested[0] if self.requested is not None else "a signal to another rank"
+        name = self.requested or "a signal to another rank"
         store = next((c for c in trainer.callbacks if isinstance(c, CheckpointStore)), None)
         saved = store.save_now(trainer) if store is not None else None
         self.preempted = {"signal": name, "step": step, "checkpoint": saved}

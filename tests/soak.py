@@ -35,11 +35,19 @@ def _logbook(run: Path) -> list[dict]:
     return logbook.read(run)
 
 
+def _env() -> dict[str, str]:
+    """A user's shell: no rendezvous variables (tests.conftest.user_env, which this driver cannot import)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")}
+    return {**env, "PYTHONPATH": str(ROOT), "LMTRAIN_RUN_ID": ""}
+
+
 def _launch(args: list[str], log: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(ROOT), LMTRAIN_RUN_ID="")
     return subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *args], stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env, start_new_session=True
+        [sys.executable, str(ROOT / "train.py"), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=open(log, "w"),
+        env=_env(),
+        start_new_session=True,
     )
 
 
@@ -118,7 +126,7 @@ def main(argv: list[str]) -> int:
             _until(_accepted(run, before), proc)
             second = subprocess.run(
                 [sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, timeout=300,
-                env={**os.environ, "PYTHONPATH": str(ROOT), "LMTRAIN_RUN_ID": ""},
+                env=_env(),
             )  # fmt: skip
             record["rc"] = second.returncode
             record["line"] = (second.stderr.strip().splitlines() or [""])[-1]

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmtrain.errors import InputError
+from lmtrain.formats.rundir import write_text_atomic
 
 NAME_RE = re.compile(r"^step-(\d{7,})$")
 META = "meta.json"
@@ -180,12 +181,7 @@ def fsync_dir(directory: Path) -> None:
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as fh:
-        fh.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def verify(directory: Path) -> tuple[dict | None, str | None]:

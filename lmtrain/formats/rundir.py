@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from lmtrain.errors import InputError
@@ -16,3 +17,17 @@ def config_path(run_dir: str | Path) -> Path:
     if not path.is_file():
         raise InputError(f"{run_dir} is not a run directory (no {CONFIG})")
     return path
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """``path`` replaced whole by ``text``: written beside it, synced, renamed over it (a kill or a full disk leaves
+    the previous file as it was, and no temporary file behind)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

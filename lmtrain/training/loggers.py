@@ -62,9 +62,8 @@ class RecordLogger(Logger):
         pass  # the config is RUN_DIR/config.yaml
 
     @rank_zero_only
-    def save(self) -> None:  # Lightning calls it after every log_metrics: writes only when FLUSH_S has passed
-        if self._record is not None and record.time.monotonic() - self._record._last_flush >= record.FLUSH_S:
-            self._record.flush()
+    def save(self) -> None:
+        pass  # Lightning calls it after every log_metrics: the record writes on its own interval (Record.add)
 
     @rank_zero_only
     def flush(self) -> None:

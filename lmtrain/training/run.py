@@ -23,7 +23,7 @@ from lmtrain.errors import InputError, Preempted, RunStopped
 from lmtrain.formats import checkpoint as ck
 from lmtrain.formats import corrections, logbook, runlock
 from lmtrain.formats.checkpoint import CheckpointError, check_compatible, config_hash
-from lmtrain.formats.rundir import CONFIG
+from lmtrain.formats.rundir import CONFIG, write_text_atomic
 from lmtrain.training import compat
 from lmtrain.training.checkpoint.resume import checked_here, global_rank, resume_identity, resume_point
 from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data
@@ -372,8 +372,8 @@ def _accept(att: _Attempt) -> None:
     changes = _config_changes(run_dir, cfg) if trainer.is_global_zero and resume is not None and rollback is None else {}
     if trainer.is_global_zero:
         try:  # each replaced whole (a kill or a full disk leaves the previous one)
-            _write_atomic(run_dir / CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
-            _write_atomic(run_dir / "overrides.yaml", OmegaConf.to_yaml(_overrides()))
+            write_text_atomic(run_dir / CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
+            write_text_atomic(run_dir / "overrides.yaml", OmegaConf.to_yaml(_overrides()))
         except OSError as exc:
             raise InputError(f"cannot write {run_dir / CONFIG}: {exc.strerror or exc} (disk full?)") from exc
     console.start_file(run_dir, f"run {cfg.run_name}: {' '.join(_overrides()) or '(no overrides)'}", trainer.is_global_zero)
@@ -407,15 +407,6 @@ def _accept(att: _Attempt) -> None:
             logbook.append(run_dir, "config_change", f"config: {shown} at step {resume.step}", step=resume.step, changes=changes)
     else:
         logbook.append(run_dir, "start", f"training from scratch, run {cfg.run_name}")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _fit(att: _Attempt, clock: Goodput):
