@@ -35,7 +35,7 @@ class Preemption(L.Callback, Preempts):
         unknown = [s for s in names if s in ("SIGKILL", "SIGSTOP") or not isinstance(getattr(signal, s, None), signal.Signals)]
         if unknown or not isinstance(grace_s, int | float) or isinstance(grace_s, bool) or not grace_s > 0:
             raise InputError(
-                f"callbacks.preemption: signals={list(signals)} must name catchable signals (e.g. SIGTERM, SIGUSR1, SIGUSR2; "
+                f"preemption: signals={list(signals)} must name catchable signals (e.g. SIGTERM, SIGUSR1, SIGUSR2; "
                 f"not {', '.join(unknown) or '-'}) and grace_s={grace_s} must be a number of seconds > 0"
             )
         self.signals = [getattr(signal, s) for s in names]

@@ -166,6 +166,17 @@ def test_resuming_with_another_data_seed_is_refused(tiny_cfg, tmp_path, dataset_
             ["data=mixture", "data.sources=[{path: /x, weight: -1}]", "data.path=null"],
             r"data.sources\[0\].weight = -1: must be a positive number",
         ),
+        (["preemption.signals=[SIGTERM,SIGFOO]"], r"preemption: signals=\['SIGTERM', 'SIGFOO'\] must name catchable signals .*not SIGFOO"),
+        (["preemption.signals=[SIGKILL]"], r"preemption: signals=\['SIGKILL'\] must name catchable signals .*not SIGKILL"),
+        (["preemption.grace_s=0"], r"preemption: .*grace_s=0 must be a number of seconds > 0"),
+        (
+            ["callbacks=[none,stability]", "callbacks.lr_control.factor_bounds=[2,1]"],
+            r"callbacks.lr_control.factor_bounds=\[2, 1\]: must be \[low, high\] with 0 < low <= 1 <= high",
+        ),
+        (
+            ["callbacks=[none,stability]", "callbacks.lr_control.factor_bounds=0.5"],
+            r"callbacks.lr_control.factor_bounds=0.5: must be \[low, high\]",
+        ),
     ],
 )
 def test_bad_option_values_checked_by_constructors_are_one_message(overrides, message, dataset_dir, tmp_path, capsys):
