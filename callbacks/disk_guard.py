@@ -24,7 +24,8 @@ import lightning as L
 
 from lmtrain.errors import InputError
 from lmtrain.formats import checkpoint as ck
-from lmtrain.training.contracts import SaveGuard, StopsTraining
+from lmtrain.formats import logbook
+from lmtrain.training.contracts import CheckpointStore, SaveGuard, StopsTraining
 
 GB = 1e9
 
@@ -53,10 +54,8 @@ class DiskGuard(L.Callback, StopsTraining, SaveGuard):
         self.stop_reason: str | None = None  # set when it stopped training: the run did not finish (exit status 3)
 
     @staticmethod
-    def _checkpointer(trainer):
-        from lmtrain.callbacks.checkpoint import Checkpointer
-
-        return next((c for c in trainer.callbacks if isinstance(c, Checkpointer)), None)
+    def _checkpointer(trainer) -> CheckpointStore | None:
+        return next((c for c in trainer.callbacks if isinstance(c, CheckpointStore)), None)
 
     def on_train_start(self, trainer, pl_module) -> None:
         ckptr = self._checkpointer(trainer)
@@ -76,8 +75,6 @@ class DiskGuard(L.Callback, StopsTraining, SaveGuard):
 
     def before_save(self, trainer, ckptr, estimate: int) -> bool:
         """Called by the checkpointer on every rank before a save; False means: do not save, stop training."""
-        from lmtrain.callbacks.checkpoint import alert
-
         if self.stop_reason is not None:  # stopping already (the end-of-training save comes here again): said once
             return False
         ok = True
@@ -85,18 +82,18 @@ class DiskGuard(L.Callback, StopsTraining, SaveGuard):
             need = estimate + self.margin
             free = free_bytes(ckptr.root)
             if free < need:
-                deleted = ck.prune(ckptr.root, 1, ckptr.keep_every)
+                deleted = ckptr.prune(keep_last=1)
                 if deleted:
-                    alert(
-                        ckptr,
+                    logbook.alert(
+                        ckptr.root.parent,
                         "disk_pruned",
                         f"low disk space ({free / GB:.3f} GB free, {need / GB:.3f} GB needed): deleted {', '.join(p.name for p in deleted)}",
                     )
                 free = free_bytes(ckptr.root)
             if free < need:
                 latest = ck.newest(ckptr.root, quiet=True)
-                alert(
-                    ckptr,
+                logbook.alert(
+                    ckptr.root.parent,
                     "disk_full",
                     f"not enough disk space to save step {trainer.global_step} at {ckptr.root}: {free / GB:.3f} GB free, "
                     f"{need / GB:.3f} GB needed (checkpoint about {estimate / GB:.3f} GB + margin). Stopping training; "
@@ -113,9 +110,7 @@ class DiskGuard(L.Callback, StopsTraining, SaveGuard):
         figures = {
             "ckpt/size_gb": size / GB,
             "ckpt/free_gb": free_bytes(ckptr.root) / GB,
-            "ckpt/write_s": ckptr.last_write_s,
-            "ckpt/stall_s": ckptr.last_stall_s,
-            "ckpt/collect_s": ckptr.last_collect_s,
+            **{f"ckpt/{k}": v for k, v in ckptr.save_figures().items()},
         }
         self._pending.append((int(ck.NAME_RE.match(final.name).group(1)), figures))  # may run in the saving thread
 

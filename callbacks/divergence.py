@@ -202,7 +202,7 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
             metrics[f"stability/{name}"] = float(any(n == name for n, _ in fired))
         log_direct(trainer, metrics, step=stats.get("log_step"))
         if self.checkpointer is not None:
-            self.checkpointer.health = {
+            self.checkpointer.record_health({
                 "healthy": healthy,
                 "loss_ema": self.loss.mean,
                 "grad_norm_ema": self.grad.mean,
@@ -210,7 +210,7 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
                 "loss_scale": stats.get("loss_scale"),
                 "skipped_steps": self.skipped_total,
                 "trouble_start": self.trouble_start,
-            }
+            })  # fmt: skip
         return self._act(trainer, pl_module, step, fired) if fired else False
 
     def _signals(self, stats: dict, metrics: dict) -> list[tuple[str, str]]:
@@ -299,7 +299,7 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
         self.stopping = True
         trainer.should_stop = True
         if self.checkpointer is not None:
-            self.checkpointer.suppress_final_save = True  # never save the diverged state as the newest checkpoint
+            self.checkpointer.discard_current_state()  # never save the diverged state as the newest checkpoint
 
     def _rollback(self, trainer, step: int, why: str) -> bool:
         if self.checkpointer is None:
@@ -331,15 +331,10 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
             "why": why,
         }
         trainer.should_stop = True
-        self.checkpointer.suppress_final_save = True
+        self.checkpointer.discard_current_state()
         return True
 
     def _event(self, trainer, kind: str, message: str, **fields) -> None:
         log.info(f"{kind}: {message}")
         if trainer.is_global_zero and self.run_dir is not None:
-            logbook.append(self.run_dir, kind, message, **fields)
-            for hook in self.checkpointer.alert_hooks:
-                try:
-                    hook(kind, message)
-                except Exception as exc:  # noqa: BLE001
-                    log.info(f"could not send {kind} to {hook}: {exc}")
+            logbook.alert(self.run_dir, kind, message, said=True, **fields)

@@ -431,7 +431,9 @@ class TokenDataModule(L.LightningDataModule):
             return 1, 0
         return trainer.world_size, trainer.global_rank
 
-    def _train_sampler(self) -> BlockSampler:
+    def train_sampler(self) -> BlockSampler:
+        """The training stream's sampler for this rank (a resume moves its position to this layout:
+        lmtrain.training.checkpoint.position)."""
         world, rank = self._world()
         accumulate = int(getattr(self.trainer, "accumulate_grad_batches", 1) or 1) if self.trainer is not None else 1
         sampler = BlockSampler(
@@ -447,31 +449,7 @@ class TokenDataModule(L.LightningDataModule):
         return sampler
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, self._train_sampler(), self.batch_size, drop_last=True, stateful=True)
-
-    def adapt_checkpoint(self, checkpoint: dict, trainer) -> dict | None:
-        """Before Lightning restores its loops: when the checkpoint was saved with another number of ranks, micro-batch
-        size or accumulation, set the training loop's batch counters to what a run of this layout would have at the
-        saved global data position, so that accumulation boundaries, the epoch's end and validation fall where they
-        would in such a run. Returns the saved layout when it changed (None otherwise)."""
-        from lmtrain.training import compat
-
-        loaders = compat.loader_states(checkpoint)
-        saved = compat.sampler_state(loaders[0]) if loaders else None
-        if saved is None or self.train_set is None:
-            return None
-        sampler = self._train_sampler()
-        mine = {"num_replicas": sampler.num_replicas, "batch_size": sampler.batch_size, "accumulate": sampler.accumulate}
-        theirs = {k: saved.get(k, v) for k, v in mine.items()}  # older checkpoints: ranks only
-        if theirs == mine:
-            return None
-        epoch, sampler.start = sampler.resume_point(saved)
-        moved_on = epoch > int(saved["epoch"])  # this layout has no whole step left in the saved epoch: it ends there
-        in_epoch = len(sampler) if moved_on else sampler.done_in_epoch()
-        compat.set_epoch_progress(
-            checkpoint, in_epoch // self.batch_size, int(checkpoint.get("global_step", 0)) * sampler.accumulate, last=moved_on
-        )
-        return theirs
+        return self._loader(self.train_set, self.train_sampler(), self.batch_size, drop_last=True, stateful=True)
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
         """One loader over the validation blocks, or one per named set (each source of a mixture, each extra held-out

@@ -18,8 +18,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.logbook")
         print(f"error: {args.run_dir} has no logbook ({FILE}): not a run directory, or a run that never started", file=sys.stderr)
         return 2
     for e in read(args.run_dir):
-        extra = {k: v for k, v in e.items() if k not in ("time", "kind", "message")}
-        print(f"{e['time']}  {e['kind']:<20} {e['message']}" + (f"  {extra}" if extra else ""))
+        extra = {k: v for k, v in e.items() if k not in ("time", "kind", "message", "alert")}
+        kind = f"{e['kind']} !" if e.get("alert") else e["kind"]  # an alert (lmtrain.formats.logbook.alert)
+        print(f"{e['time']}  {kind:<20} {e['message']}" + (f"  {extra}" if extra else ""))
     return 0
 
 

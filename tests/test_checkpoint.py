@@ -92,13 +92,13 @@ def test_each_rank_reads_back_its_share_of_a_sharded_checkpoint(tmp_path):
     (of 2 nodes of 2 here, rank r + 2), the files no rank owns alone by rank 0; none reads the whole checkpoint."""
     from types import SimpleNamespace
 
-    from lmtrain.callbacks.checkpoint import Checkpointer
+    from lmtrain.training.checkpoint.writer import CheckpointWriter, SaveEvents
 
     files = [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "__3_1.distcp", "meta.pt"]
     for i, rel in enumerate(files):
         (tmp_path / rel).write_bytes(bytes([i]) * (100 + i))
-    saver = Checkpointer(dirpath=str(tmp_path / "ck"))
-    shares = [saver._read_back(SimpleNamespace(world_size=4, num_nodes=2, global_rank=r), tmp_path) for r in range(4)]
+    saver = CheckpointWriter(tmp_path / "ck", "auto", checksums=True, max_consecutive_failures=3, events=SaveEvents())
+    shares = [saver.read_back(SimpleNamespace(world_size=4, num_nodes=2, global_rank=r), tmp_path) for r in range(4)]
     assert [sorted(s) for s in shares] == [
         [".metadata", "__2_0.distcp", "meta.pt"],
         ["__3_0.distcp", "__3_1.distcp"],
@@ -106,7 +106,7 @@ def test_each_rank_reads_back_its_share_of_a_sharded_checkpoint(tmp_path):
         ["__1_0.distcp"],
     ]
     assert {k: v for s in shares for k, v in s.items()} == {rel: ck.file_crc32(tmp_path / rel) for rel in files}
-    one_node = [saver._read_back(SimpleNamespace(world_size=2, num_nodes=1, global_rank=r), tmp_path) for r in range(2)]
+    one_node = [saver.read_back(SimpleNamespace(world_size=2, num_nodes=1, global_rank=r), tmp_path) for r in range(2)]
     assert sorted(one_node[1]) == ["__1_0.distcp"]  # its own shard (there is no rank 2 or 3: their files are rank 0's)
     assert "__3_0.distcp" in one_node[0] and "__2_0.distcp" in one_node[0]
 
@@ -316,10 +316,10 @@ def test_async_save_auto_saves_synchronously_where_the_host_lacks_the_memory(tmp
     with 1 MB left) the saves are synchronous, said once, and complete; a value other than auto/true/false is refused."""
     import logging
 
-    from lmtrain.callbacks import checkpoint as ckpt_module
     from lmtrain.errors import InputError
+    from lmtrain.training.checkpoint import writer
 
-    monkeypatch.setattr(ckpt_module, "host_available_bytes", lambda: 10**6)
+    monkeypatch.setattr(writer, "host_available_bytes", lambda: 10**6)
     with caplog.at_level(logging.INFO, logger="lmtrain"):
         train(_with_run_dir(_cfg(tmp_path, dataset_dir, "trainer.max_steps=8"), tmp_path))
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoints:")]

@@ -128,3 +128,26 @@ def test_a_resumed_run_continues_the_same_mlflow_run_without_duplicated_steps(ml
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert sorted(steps) == list(range(14))  # 4 and 5 were logged before the kill and not again
     assert ck.newest(tmp_path / "runs" / "again" / "checkpoints").meta["mlflow_run_id"] == run.info.run_id
+
+
+@pytest.mark.slow
+def test_an_alert_is_a_tag_of_the_mlflow_run_and_marked_in_the_logbook(mlflow_server, tiny_cfg, tmp_path):
+    """A save failing on ENOSPC (the real errno, raised where the checkpoint is written) is an alert: on the console, in
+    the logbook with ``"alert": true``, and the MLflow run's tag ``alert.checkpoint_failed``; plain entries are not."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    cfg = tiny_cfg("logger=mlflow", f"logger.mlflow.tracking_uri={mlflow_server}", "logger.mlflow.experiment_name=it", "run_name=alerted",
+                   "trainer.max_steps=8", "callbacks=checkpoint", "callbacks.checkpoint.every_n_steps=4", "callbacks.disk_guard.margin_gb=0", "fault=enospc", "callbacks.fault.step=4")  # fmt: skip
+    train(cfg)
+    entries = [json.loads(line) for line in (Path(cfg.run_dir) / "logbook.jsonl").read_text().splitlines()]
+    alerts = [e for e in entries if e.get("alert")]
+    assert [e["kind"] for e in alerts] == ["checkpoint_failed"], entries
+    assert "checkpoint at step 4 FAILED (No space left on device (errno 28))" in alerts[0]["message"]
+    client = MlflowClient(tracking_uri=mlflow_server)
+    (run,) = client.search_runs([client.get_experiment_by_name("it").experiment_id], "attributes.run_name = 'alerted'")
+    tags = {k: v for k, v in run.data.tags.items() if k.startswith("alert.")}
+    assert tags == {"alert.checkpoint_failed": alerts[0]["message"]}
+    shown = subprocess.run([sys.executable, "-m", "lmtrain.logbook", cfg.run_dir], capture_output=True, text=True).stdout
+    assert [line.split()[1:3] for line in shown.splitlines() if "FAILED" in line] == [["checkpoint_failed", "!"]], shown

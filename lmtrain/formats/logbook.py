@@ -22,15 +22,26 @@ events.setLevel(logging.INFO)
 
 
 def append(run_dir: str | Path, kind: str, message: str, **fields) -> None:
-    """Append an event; never raises (a full disk must not turn an alert into a crash)."""
+    """Append an event; never raises (a full disk must not turn an alert into a crash). The mirrors hear of it even
+    when the file could not take it (the disk-full alert)."""
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "kind": kind, "message": message, **fields}
     try:
         with open(Path(run_dir) / FILE, "a") as fh:
             fh.write(json.dumps(entry, default=str) + "\n")
     except OSError as exc:
         print(f"[lmtrain] could not write the logbook in {run_dir}: {exc}", file=sys.stderr)
-        return
     events.info(message, extra={"run_dir": Path(run_dir), "entry": entry})
+
+
+def alert(run_dir: str | Path, kind: str, message: str, said: bool = False, **fields) -> None:
+    """An event someone must look at (a failed save, a full disk, a divergence): said on the console at once (unless
+    ``said``: the caller said it its own way) and appended with ``"alert": true``, which the run's MLflow mirror turns
+    into the tag ``alert.KIND`` (lmtrain.training.run)."""
+    if not said:
+        from lmtrain.console import log
+
+        log.info(f"ALERT: {message}")
+    append(run_dir, kind, message, alert=True, **fields)
 
 
 class Mirror(logging.Handler):

@@ -63,17 +63,34 @@ class SaveGuard:
 
 
 class CheckpointStore:
-    """What the run and the other callbacks may use of the run's checkpointer (lmtrain.callbacks.checkpoint.Checkpointer):
-    where the checkpoints are, what each records about the run (``run_info``, set by lmtrain.training.run), the health fields
-    saved with the next one, whether the final save is suppressed (a diverged state), the hooks that forward alerts
-    (MLflow tags), the time training waited on saves, and waiting for a save in flight."""
+    """What the run and the other callbacks may ask of the run's checkpointer (lmtrain.callbacks.checkpoint.Checkpointer):
+    where the checkpoints are, the time training waited on saves so far (``stall_seconds``: lmtrain.training.goodput),
+    and the methods below; its state is its own."""
 
     root: Path
-    run_info: dict
-    health: dict
-    suppress_final_save: bool = False
-    alert_hooks: list
-    stall_seconds: float = 0.0  # host time training waited on saves so far (lmtrain.training.goodput)
+    stall_seconds: float = 0.0
+
+    def describe_run(self, info: dict) -> None:
+        """What every checkpoint records about the run from now on (lmtrain.training.run: the model's identity, config
+        hash, data stream, MLflow run id)."""
+
+    def record_health(self, health: dict) -> None:
+        """The health fields saved with the next checkpoint (the divergence detector's judgement of the newest step)."""
+
+    def discard_current_state(self) -> None:
+        """The state training is in must never be saved (a diverged one): no final save of this attempt."""
+
+    def estimate_bytes(self, trainer) -> int:
+        """Bytes the next checkpoint will take."""
+        raise NotImplementedError
+
+    def prune(self, keep_last: int) -> list:
+        """Delete all but the newest ``keep_last`` complete checkpoints (and those retention keeps for good)."""
+        raise NotImplementedError
+
+    def save_figures(self) -> dict[str, float]:
+        """Seconds the newest save took (``write_s``, ``stall_s``, ``collect_s``)."""
+        return {}
 
     def wait(self) -> None:
         """Return once no save is in flight."""

@@ -16,6 +16,7 @@ from lmtrain.nn.loss import cross_entropy
 from lmtrain.nn.optim import build_optimizer
 from lmtrain.training import compat, precision
 from lmtrain.training import fp8 as fp8_module
+from lmtrain.training.checkpoint.position import adapt_to_layout
 from lmtrain.training.contracts import StepChecker
 from lmtrain.training.kernels import LOSS_KERNELS, loss_kernel
 from lmtrain.training.logs import log_direct
@@ -407,9 +408,8 @@ class LMModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         best = checkpoint.get("lmtrain_best_val")
         self.best_val = (float(best[0]), int(best[1])) if best else None
-        adapt = getattr(self.trainer.datamodule, "adapt_checkpoint", None)  # lmtrain.data.datamodule: a resume on other ranks
-        if adapt is not None:
-            adapt(checkpoint, self.trainer)
+        if hasattr(self.trainer.datamodule, "train_sampler"):  # lmtrain.data.datamodule: a resume on another layout
+            adapt_to_layout(checkpoint, self.trainer.datamodule)
 
     # -- optimisation -----------------------------------------------------------------------------
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:

@@ -383,17 +383,20 @@ def _accept(att: _Attempt) -> None:
             log.info(f"MLflow: {where}")
     _log_config(trainer, cfg, run_dir)
     if att.checkpointer is not None:
-        att.checkpointer.run_info = {
+        info = {
             **att.identity,
             "run_name": cfg.run_name,
             "config_hash": config_hash(OmegaConf.to_container(cfg, resolve=True)),
             "mlflow_run_id": _mlflow_run_id(trainer),
         }
         if hasattr(att.datamodule, "stream_identity"):
-            att.checkpointer.run_info["data_stream"] = att.datamodule.stream_identity()
-        att.checkpointer.alert_hooks = [_mlflow_tagger(lg) for lg in trainer.loggers if isinstance(lg, MLFlowLogger)]
+            info["data_stream"] = att.datamodule.stream_identity()
+        att.checkpointer.describe_run(info)
     att.mirrors = [
-        logbook.Mirror(_mlflow_logbook_mirror(lg)) for lg in trainer.loggers if isinstance(lg, MLFlowLogger) and trainer.is_global_zero
+        logbook.Mirror(send)
+        for lg in trainer.loggers
+        if isinstance(lg, MLFlowLogger) and trainer.is_global_zero
+        for send in (_mlflow_logbook_mirror(lg), _mlflow_tagger(lg))
     ]
     for mirror in att.mirrors:
         logbook.events.addHandler(mirror)  # removed when the attempt's fit ends (_fit)
@@ -616,8 +619,11 @@ def _mlflow_logbook_mirror(lg):
 
 
 def _mlflow_tagger(lg):
-    def tag(kind: str, message: str) -> None:
-        lg.experiment.set_tag(lg.run_id, f"alert.{kind}", message[:5000])
+    """Each alert of the logbook (lmtrain.formats.logbook.alert) as the run's tag ``alert.KIND``."""
+
+    def tag(run_dir: Path, entry: dict) -> None:
+        if entry.get("alert"):
+            lg.experiment.set_tag(lg.run_id, f"alert.{entry['kind']}", str(entry["message"])[:5000])
 
     return tag
 

@@ -23,6 +23,16 @@ def rng_state() -> dict:
     return state
 
 
+def every_rank_rng_state() -> list[dict]:
+    """Every rank's :func:`rng_state`, by rank (a collective where the run has several processes)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return [rng_state()]
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
 def set_rng_state(state: dict) -> None:
     def as_tensor(b: bytes) -> torch.Tensor:
         return torch.frombuffer(bytearray(b), dtype=torch.uint8)
