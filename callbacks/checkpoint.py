@@ -189,16 +189,15 @@ class Checkpointer(Checkpoint, CheckpointStore, SaveEvents):
 
     # -- saving ------------------------------------------------------------------------------
     def _meta(self, trainer, step: int) -> dict:
-        dm = trainer.datamodule
-        tokens = None
-        if dm is not None and hasattr(dm, "seq_len"):
-            tokens = step * dm.batch_size * dm.seq_len * trainer.world_size * trainer.accumulate_grad_batches
+        module, dm = trainer.lightning_module, trainer.datamodule
+        counted = hasattr(module, "tokens_trained") and dm is not None and hasattr(dm, "seq_len")
         return {
             "step": step,
             "epoch": trainer.current_epoch,
-            "tokens_seen": tokens,
+            "tokens_seen": module.tokens_trained if counted else None,  # summed as trained (lmtrain.training.module)
+            "samples_seen": module.samples_trained if counted else None,
             "world_size": trainer.world_size,
-            "global_batch": dm.batch_size * trainer.world_size * trainer.accumulate_grad_batches if tokens is not None else None,
+            "global_batch": module.samples_per_step() if counted else None,
             "format": "sharded" if self.writer.sharded else "single",
             "strategy": type(trainer.strategy).__name__,
             "wall_time": self._wall_before + time.time() - self._t_start,

@@ -4,7 +4,8 @@ The FSDP report's job trained for weeks while every checkpoint failed on a full 
 the next checkpoint's estimated size (parameters and optimizer state, or the last checkpoint's real size) plus
 a margin with the free space at the checkpoint root:
 
-* at the start of training: not enough -> refuse to start, saying how much is needed and free;
+* at the start (before the attempt writes anything, then again with the trainer's figures): not enough -> refuse
+  to start, saying how much is needed and free;
 * before every save: not enough -> delete older checkpoints (never the newest complete one, never the
   permanent ``keep_every`` ones) and check again; still not enough -> alert (stderr, run logbook, MLflow tag)
   and stop training cleanly: the newest complete checkpoint is the last good state;
@@ -61,17 +62,23 @@ class DiskGuard(L.Callback, StopsTraining, SaveGuard):
         ckptr = self._checkpointer(trainer)
         if ckptr is None:
             return
-        need = ckptr.estimate_bytes(trainer) + self.margin
+        estimate = ckptr.estimate_bytes(trainer)
         free = free_bytes(ckptr.root)
-        fits = trainer.strategy.broadcast(free >= need, src=0)
-        if not fits:
+        if not trainer.strategy.broadcast(free >= estimate + self.margin, src=0):
+            self.check_start(ckptr.root, estimate)  # raises, on every rank
+        self._pending.append((trainer.global_step, {"ckpt/free_gb": free / GB, "ckpt/estimate_gb": estimate / GB}))
+
+    def check_start(self, root: Path, estimate: int) -> None:
+        """Refuse to start (DiskSpaceError) where ``root``'s disk cannot take one checkpoint of ``estimate`` bytes and the
+        margin: called by lmtrain.training.run before the attempt writes anything, with an estimate from the model's
+        shape, and at the start of training with the trainer's."""
+        need, free = estimate + self.margin, free_bytes(root)
+        if free < need:
             raise DiskSpaceError(
-                f"not enough disk space for checkpoints at {ckptr.root}: one checkpoint needs about "
-                f"{(need - self.margin) / GB:.3f} GB plus the {self.margin / GB:.3f} GB margin "
-                f"(callbacks.disk_guard.margin_gb), {free / GB:.3f} GB is free. Free some space, point "
-                "callbacks.checkpoint.dirpath at a larger disk, or lower the margin."
+                f"not enough disk space for checkpoints at {root}: one checkpoint needs about {estimate / GB:.3f} GB plus "
+                f"the {self.margin / GB:.3f} GB margin (callbacks.disk_guard.margin_gb), {free / GB:.3f} GB is free. Free "
+                "some space, point callbacks.checkpoint.dirpath at a larger disk, or lower the margin."
             )
-        self._pending.append((trainer.global_step, {"ckpt/free_gb": free / GB, "ckpt/estimate_gb": (need - self.margin) / GB}))
 
     def before_save(self, trainer, ckptr, estimate: int) -> bool:
         """Called by the checkpointer on every rank before a save; False means: do not save, stop training."""

@@ -278,7 +278,9 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
     def _act(self, trainer, pl_module, step: int, fired: list[tuple[str, str]]) -> bool:
         action = max((self.signals[n]["action"] for n, _ in fired), key=SEVERITY.get)
         text = "; ".join(f"{n}: {why}" for n, why in fired)
-        tokens = step * pl_module.tokens_per_step() if hasattr(pl_module, "tokens_per_step") else None
+        tokens = None  # trained before the step judged (it may be judged a step late: lmtrain.training.module)
+        if hasattr(pl_module, "tokens_trained"):
+            tokens = pl_module.tokens_trained - (trainer.global_step - step) * pl_module.tokens_per_step()
         signals = [n for n, _ in fired]
         self._event(
             trainer, "divergence_signal", f"step {step}: {text} -> {action}", step=step, tokens=tokens, signals=signals, action=action
@@ -316,6 +318,10 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
             )
             return True
         before = self.trouble_start if self.trouble_start is not None else step
+        # a save still being written in the background may be the checkpoint to return to: wait for it, on every rank
+        # (here together: the statistics are reduced), and for rank zero's commit of it, then choose
+        self.checkpointer.wait(raise_errors=False)
+        trainer.strategy.barrier("lmtrain-rollback-choose")
         target, problem = rollback_target(trainer, self.checkpointer.root, before)
         if target is None:
             self._stop(trainer, f"step {step}: {problem}; stopping ({why})", step)

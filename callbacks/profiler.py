@@ -77,12 +77,13 @@ class StepProfiler(PyTorchProfiler):
     """
 
     def __init__(self, start_step: int = 20, steps: int = 5, row_limit: int = 30, all_ranks: bool = False, python: bool = False) -> None:
+        # no per-module ranges: forward hooks on every module would slow every step of the run, not only the window
+        # (built before the check below: Lightning's __del__ tears down whatever was constructed, even a refused one)
+        super().__init__(row_limit=row_limit, record_module_names=False, schedule=self._window, on_trace_ready=self._write)
         if start_step < 1 or steps < 1:  # the profiler starts with the first step: it can record from the second
             from lmtrain.errors import InputError
 
             raise InputError(f"callbacks.profiler: start_step={start_step} must be >= 1 and steps={steps} >= 1")
-        # no per-module ranges: forward hooks on every module would slow every step of the run, not only the window
-        super().__init__(row_limit=row_limit, record_module_names=False, schedule=self._window, on_trace_ready=self._write)
         self.start_step, self.steps, self.all_ranks, self.python, self.row_limit = start_step, steps, all_ranks, python, row_limit
         self._py = None
         self._done = False  # its last interval has begun

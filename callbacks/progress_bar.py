@@ -38,6 +38,7 @@ class ProgressBar(TQDMProgressBar):
             raise ConfigError(f"callbacks.progress_bar.mode={mode!r}: expected auto, bar or lines")
         self.line_every_n_steps = max(1, int(line_every_n_steps))
         self._line_step: int | None = None  # the step of the last progress line (a step ends once per optimizer step)
+        self._line_due = False  # that line is still to be printed (after the step's validation)
         self.lines = mode == "lines" or (mode == "auto" and not sys.stdout.isatty())  # where tqdm draws
 
     @property
@@ -73,24 +74,45 @@ class ProgressBar(TQDMProgressBar):
                 bar.set_postfix(self.get_metrics(trainer, pl_module))  # redraws
         else:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if trainer.is_global_zero and (step % self.line_every_n_steps == 0 or step == trainer.max_steps) and step != self._line_step:
+        if (step % self.line_every_n_steps == 0 or step == trainer.max_steps) and step != self._line_step:
             self._line_step = step
-            shown = "  ".join(f"{k} {v}" for k, v in self.get_metrics(trainer, pl_module).items())
-            line = f"step {step}/{trainer.max_steps}  {shown}"
-            if self.lines:
-                logging.getLogger(console.PROGRESS).info(line)
-            else:
-                console.file_only(line, name=console.PROGRESS)
+            flush = getattr(pl_module, "flush_step_stats", None)  # on every rank: the checkers judge alike
+            if flush is not None:  # this step's own loss and rate, not the previous step's (a device sync once per line)
+                flush()
+            self._line_due = trainer.is_global_zero
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self._print_line(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._print_line(trainer, pl_module)
+        super().on_train_end(trainer, pl_module)
+
+    def _print_line(self, trainer, pl_module) -> None:
+        """The line of step ``_line_step``, printed once that step's validation (if any) has run: at the next step's
+        start or the end of training."""
+        if not self._line_due:
+            return
+        self._line_due = False
+        shown = "  ".join(f"{k} {v}" for k, v in self.get_metrics(trainer, pl_module).items())
+        line = f"step {self._line_step}/{trainer.max_steps}  {shown}"
+        if self.lines:
+            logging.getLogger(console.PROGRESS).info(line)
+        else:
+            console.file_only(line, name=console.PROGRESS)
 
     def get_metrics(self, trainer, pl_module) -> dict:
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
         # logged straight to the loggers (lmtrain.training.logs.log_direct), so read them at the source
-        loss = getattr(pl_module, "last_train_loss", None)
+        # the loss and the rate the optimizer used at the newest step whose statistics were read (after corrections and
+        # rollbacks; the optimizer's param_groups already hold the next step's scheduled rate here)
+        loss, lr = getattr(pl_module, "last_train_loss", None), getattr(pl_module, "last_train_lr", None)
         if loss is not None:
             metrics["train/loss"] = loss
-        if trainer.optimizers:
-            metrics["train/lr"] = trainer.optimizers[0].param_groups[0]["lr"]
+        if lr is not None:
+            metrics["train/lr"] = lr
         rate = next((c.smoothed_tokens_per_sec for c in trainer.callbacks if isinstance(c, ReportsThroughput)), None)
         if rate is not None:
             metrics["perf/tokens_per_sec_smoothed"] = rate

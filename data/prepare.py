@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lmtrain.console import help_text
 from lmtrain.data.corpus import expand_inputs, iter_documents
 from lmtrain.errors import InputError
 from lmtrain.formats.manifest import PrepareError, read_manifest  # noqa: F401  (read_manifest: re-exported for data.datamodule and users)
@@ -235,7 +236,7 @@ def prepare(
             manifest = _build(files, tmp, settings, fp, workers, shard_tokens, bpe_sample_bytes, progress)
         except OSError as exc:  # reading errors are CorpusErrors already: this is the disk we write to
             raise PrepareError(
-                f"writing the dataset for {output} failed ({exc.strerror or exc}; disk full?); "
+                f"writing the dataset for {output} failed ({exc.strerror or exc}); "
                 f"the partial copy was removed and {output} was left as it was"
             ) from exc
         if output.exists():
@@ -254,6 +255,8 @@ def _build(files, tmp: Path, settings: dict, fp: str, workers: int, shard_tokens
     text_key, val_fraction, seed = settings["text_key"], settings["val_fraction"], settings["seed"]
     spec = settings["tokenizer"]
     t0 = time.perf_counter()
+    if next((d for d in iter_documents(files, text_key) if d.text != ""), None) is None:  # before a tokenizer is trained
+        raise PrepareError(f"empty corpus: no non-empty documents in {len(files)} input file(s)")
     if spec.startswith("bpe:"):
         try:
             vocab = int(spec[4:])
@@ -337,8 +340,15 @@ def _build(files, tmp: Path, settings: dict, fp: str, workers: int, shard_tokens
     n_docs = sum(c["num_documents"] for c in counts.values())
     if n_docs == 0:
         raise PrepareError(f"empty corpus: no non-empty documents in {len(files)} input file(s) ({empty} empty skipped)")
-    if val_fraction > 0 and counts["val"]["num_documents"] == 0 and n_docs > 1:
-        raise PrepareError(f"--val-fraction {val_fraction} selected no validation document out of {n_docs}; raise it")
+    if val_fraction > 0 and counts["val"]["num_documents"] == 0:
+        fix = (
+            "raise it, or give --val-fraction 0 for no validation split"
+            if n_docs > 1
+            else ("one document cannot be both: add documents, or give --val-fraction 0 for no validation split")
+        )
+        raise PrepareError(f"--val-fraction {val_fraction} selected no validation document out of {n_docs}: {fix}")
+    if counts["train"]["num_documents"] == 0:
+        raise PrepareError(f"--val-fraction {val_fraction} put all {n_docs} document(s) in the validation split: lower it")
     manifest = {
         "format_version": FORMAT_VERSION,
         "fingerprint": fp,
@@ -360,7 +370,7 @@ def _build(files, tmp: Path, settings: dict, fp: str, workers: int, shard_tokens
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.data.prepare") -> int:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=prog, description=help_text(__doc__, prog), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verify", metavar="DIR", help="check a prepared dataset (sizes, checksums, token ids) and exit")
     p.add_argument("--input", nargs="+", help="files, directories, or 'python-stdlib'")
     p.add_argument("--output", help="dataset directory to create")

@@ -1,15 +1,17 @@
-"""``lmtrain COMMAND [ARGS]`` (or ``python -m lmtrain COMMAND``): one entry point for every tool.
+"""lmtrain COMMAND [ARGS] (or python -m lmtrain COMMAND): one entry point for every tool.
 
     lmtrain train [Hydra overrides]       train (the same as python train.py in a checkout)
     lmtrain prepare --input ... --output  tokenize and pack a corpus into a dataset
     lmtrain plan ...                      memory and throughput plan for a model on a cluster
-    lmtrain report RUN_DIR                plots and a summary of a run
+    lmtrain report RUN_DIR                plots of a run's losses and learning rate (PNG), with its corrections marked
     lmtrain logbook RUN_DIR               the run's logbook as a timeline
-    lmtrain control RUN_DIR ...           learning-rate corrections and stops for a running run
+    lmtrain control RUN_DIR lr|revoke|status
+                                          learning-rate corrections of a run, running or stopped, and what is in force
     lmtrain generate RUN_DIR --prompt ..  sample from a run's newest checkpoint
-    lmtrain export RUN_DIR --out DIR      a standalone model export (safetensors, config, tokenizer)
+    lmtrain export RUN_DIR --out DIR      a standalone model export (safetensors, config, tokenizer; --format hf)
 
-``lmtrain COMMAND --help`` describes each. ``python -m lmtrain.COMMAND`` runs the same module.
+lmtrain COMMAND --help describes each; lmtrain --version gives the version. python -m lmtrain.COMMAND runs the same
+module.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from lmtrain import __version__
+
+        print(f"lmtrain {__version__}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         import difflib

@@ -151,3 +151,15 @@ def duration(seconds: float) -> str:
 
 
 install()
+
+
+def help_text(doc: str, prog: str) -> str:
+    """A tool's module docstring as its ``--help`` text: plain words instead of reST's markup (````x````, roles such as
+    ``:class:`~a.B```), and its ``python -m lmtrain.NAME`` usage lines named as the tool was called (``prog``)."""
+    import re
+
+    text = re.sub(r":(?:class|func|mod|meth|data|attr):`~?([^`]+)`", lambda m: m.group(1).rsplit(".", 1)[-1], doc)
+    text = re.sub(r"``([^`]+)``", r"\1", text)
+    if prog.startswith("lmtrain "):  # python -m lmtrain.data.prepare -> lmtrain prepare
+        text = re.sub(r"python -m lmtrain(?:\.\w+)*\." + re.escape(prog.split()[-1]) + r"\b", prog, text)
+    return text.strip()

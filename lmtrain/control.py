@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from lmtrain.console import help_text
 from lmtrain.errors import InputError
 from lmtrain.formats import checkpoint as ck
 from lmtrain.formats import corrections
@@ -31,7 +32,7 @@ from lmtrain.formats.rundir import config_path
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.control") -> int:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=prog, description=help_text(__doc__, prog), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")
     sub = p.add_subparsers(dest="command", required=True)
     lr = sub.add_parser("lr", help="correct the learning rate")

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from lmtrain.console import help_text
 from lmtrain.errors import InputError
 
 FORMAT = "lmtrain-export/1"
@@ -57,7 +58,9 @@ def export(
         raise InputError(f"{out} exists and is not empty: choose another --out or pass --force to replace it")
     model, enc, eos, ckpt = load_run(Path(run_dir), checkpoint, "cpu")  # a bad run directory: refused before writing
     if fmt == "hf":
-        hf_config = hf.config(model.cfg, eos, dtype)  # what transformers cannot express: refused before writing
+        bos_text = getattr(enc, "bos", None)  # a tokenizer.json's own (lmtrain.formats.tokenizer.JsonTokenizer)
+        bos = enc.encode_single_token(bos_text) if bos_text else None
+        hf_config = hf.config(model.cfg, eos, dtype, bos)  # what transformers cannot express: refused before writing
     try:  # where the files go: checked before the weights are converted
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -118,7 +121,7 @@ def export(
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and old.exists() and not out.exists():
             old.rename(out)
-        raise InputError(f"cannot write the export to {out}: {exc.strerror or exc} (disk full?); nothing there was changed") from exc
+        raise InputError(f"cannot write the export to {out}: {exc.strerror or exc}; nothing there was changed") from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -153,11 +156,11 @@ def _write_hf(tmp: Path, model, ranks_file: Path | None, enc, eos: int, dtype: s
     weights = {k: v.to(DTYPES[dtype]) for k, v in hf.state_dict(state, model.cfg).items()}
     save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(hf.dumps(hf_config))
-    generation = {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}
+    generation = {"bos_token_id": hf_config["bos_token_id"], "eos_token_id": eos, "pad_token_id": eos}
     (tmp / "generation_config.json").write_text(hf.dumps(generation))
     if ranks_file.suffix == ".json":  # already Hugging Face's: as it is, with a config naming its separator
         shutil.copyfile(ranks_file, tmp / "tokenizer.json")
-        (tmp / "tokenizer_config.json").write_text(hf.dumps(hf.tokenizer_config(enc.separator)))
+        (tmp / "tokenizer_config.json").write_text(hf.dumps(hf.tokenizer_config(enc.separator, enc.bos)))
     else:
         (tmp / "tokenizer.json").write_text(hf.tokenizer_json(load_ranks(ranks_file), GPT2_PATTERN, {EOS_TEXT: eos}))
         (tmp / "tokenizer_config.json").write_text(hf.dumps(hf.tokenizer_config(EOS_TEXT)))
@@ -195,7 +198,7 @@ def load(export_dir: str | Path, device: str = "cpu", dtype: str | None = None):
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.export") -> int:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=prog, description=help_text(__doc__, prog), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")
     p.add_argument("--out", required=True, help="the folder to write")
     p.add_argument("--checkpoint", default=None, help="a step-N directory name (default: the newest complete one)")

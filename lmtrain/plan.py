@@ -356,6 +356,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.plan") ->
     except Exception as exc:  # noqa: BLE001 - Hydra's override errors are the user's
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from omegaconf import OmegaConf, open_dict
+
+    if "data" in cfg and OmegaConf.is_missing(cfg.data, "path"):  # the planner reads no data: the experiment's own need
+        with open_dict(cfg):
+            cfg.data.path = "(not read by the planner)"
     try:  # the training config's own checks (keys, sizes, batch and accumulation), then the cluster's
         validate_config(cfg)
         result = plan(cfg, cluster, budget)

@@ -18,12 +18,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from lmtrain.console import help_text
 from lmtrain.errors import InputError
 from lmtrain.training.plots import report
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.report") -> int:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=prog, description=help_text(__doc__, prog), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")
     p.add_argument("--tracking-uri", default=None, help="read the metrics from this MLflow store")
     args = p.parse_args(argv)

@@ -156,11 +156,22 @@ def torchrun_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return {**os.environ, "TMPDIR": str(tmp_path), **extra}
 
 
+_USER_MLFLOW_URI = os.environ.get("MLFLOW_TRACKING_URI")  # as the session started, before MLflow set it (below)
+
+
 def user_env() -> dict[str, str]:
     """This process's environment as a user's shell has it: without the rendezvous variables that Lightning leaves set
     in a process that ran a multi-rank fit in-process (MASTER_ADDR, MASTER_PORT, with its store possibly still listening
-    there), which a launched run would otherwise inherit and collide on (EADDRINUSE)."""
-    return {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")}
+    there), which a launched run would otherwise inherit and collide on (EADDRINUSE), and without the
+    MLFLOW_TRACKING_URI that ``mlflow.set_tracking_uri`` (called by Lightning's logger) exports for child processes:
+    an in-process test's server, stopped since."""
+    drop = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    if _USER_MLFLOW_URI is None:
+        env.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        env["MLFLOW_TRACKING_URI"] = _USER_MLFLOW_URI
+    return env
 
 
 def run_train_cli(

@@ -115,19 +115,22 @@ class RecordBatches(L.Callback):
 
 
 class RecordLR(L.Callback):
-    """Write every step's learning rate, as this rank applied it, to ``{path}.rank{R}.json`` at the end."""
+    """Write every step's learning rate, as this rank's optimizer uses it (read as it steps), to ``{path}.rank{R}.json``
+    at the end, merged over the attempts of a run (a rollback's replay overwrites the steps it repeats)."""
 
     def __init__(self, path: str) -> None:
         self.path, self.lrs = path, {}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.lrs[trainer.global_step] = optimizer.param_groups[0]["lr"]
+        self.lrs[str(trainer.global_step)] = optimizer.param_groups[0]["lr"]
 
     def on_train_end(self, trainer, pl_module) -> None:
         import json
+        from pathlib import Path
 
-        with open(f"{self.path}.rank{trainer.global_rank}.json", "w") as fh:
-            json.dump(self.lrs, fh)
+        path = Path(f"{self.path}.rank{trainer.global_rank}.json")
+        earlier = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**earlier, **self.lrs}))
 
 
 class RecordOneDNN(L.Callback):
@@ -154,7 +157,7 @@ class OperatorAt(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         from pathlib import Path
 
-        marker = Path(self.run_dir) / ".operator-asked"
+        marker = Path(self.run_dir) / f".operator-asked-{self.step}"
         if trainer.global_step == self.step and trainer.is_global_zero and not marker.exists():
             from lmtrain.control import main
 

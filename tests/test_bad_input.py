@@ -114,7 +114,7 @@ def test_prepare_on_a_full_disk_fails_clearly_and_keeps_the_old_dataset(corpus_j
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, preexec_fn=_limit_file_size)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
-    assert f"writing the dataset for {ds} failed (File too large; disk full?)" in res.stderr
+    assert f"writing the dataset for {ds} failed (File too large)" in res.stderr
     assert {p.name: p.read_bytes() for p in ds.iterdir()} == before  # the dataset that was there is intact
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ds.")]  # no partial copy left
 
@@ -187,8 +187,41 @@ def test_bad_option_values_checked_by_constructors_are_one_message(overrides, me
     with pytest.raises(InputError, match=message):
         train(cfg)
     assert "model tiny" not in capsys.readouterr().err  # refused before the data and the model were looked at
-    run = Path(cfg.run_dir)
-    assert not (run / "config.yaml").exists() and not (run / "checkpoints").exists()
+    assert not Path(cfg.run_dir).exists()  # a refused attempt writes nothing, not even an empty run directory
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.batch_size=100000"], r"fewer than one batch across ranks \(data.batch_size=100000 x 1\)"),
+        (["callbacks.disk_guard.margin_gb=1e9"], r"not enough disk space for checkpoints at .* 1000000000.000 GB margin"),
+        (
+            ["logger=mlflow", "logger.mlflow.tracking_uri=http://127.0.0.1:9"],
+            r"the MLflow tracking server http://127.0.0.1:9 does not answer",
+        ),
+    ],
+)
+def test_an_attempt_refused_after_the_data_and_model_are_read_writes_nothing(overrides, message, dataset_dir, tmp_path, monkeypatch):
+    """Refusals that need the data, the model or the tracker (a dataset smaller than one step, a disk that cannot take
+    a checkpoint, a tracking server that does not answer): a new run leaves no directory, no MLflow store; an existing
+    run's directory is left byte for byte as it was."""
+    monkeypatch.chdir(tmp_path)  # where the default MLflow store (./mlflow.db) would be made
+    common = [*TINY, "callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0", "logger=csv", f"paths.runs={tmp_path / 'runs'}"]
+    fresh = make_cfg([*common, "run_name=new", f"run_dir={tmp_path / 'runs' / 'new'}", *overrides], tmp_path, dataset_dir)
+    with pytest.raises(InputError, match=message):
+        train(fresh)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
+    run = tmp_path / "runs" / "old"
+    train(make_cfg([*common, "run_name=old", f"run_dir={run}"], tmp_path, dataset_dir))
+    before = _tree(run)
+    again = make_cfg([*common, "run_name=old", f"run_dir={run}", "trainer.max_steps=8", *overrides], tmp_path, dataset_dir)
+    with pytest.raises(InputError, match=message):
+        train(again)
+    assert _tree(run) == before
 
 
 def test_a_bad_option_value_from_the_command_line(dataset_dir, tmp_path):
@@ -220,3 +253,37 @@ def test_fused_head_and_fp8_options_that_cannot_run_are_one_message(monkeypatch)
     monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed: importing it raises ImportError
     with pytest.raises(InputError, match=r"module.fp8 needs torchao \(.*\): pip install torchao==0.18.0 \(in requirements.txt\)"):
         LMModule(model, opt, fp8="tensorwise")
+
+
+@pytest.mark.slow
+def test_a_read_only_runs_directory_is_one_line(tmp_path, dataset_dir):
+    """The runs directory on a tmpfs of its own (``unshare -rm``) holding one run, then remounted read-only: a new run
+    and the old run's resume each end in one line naming the read-only file system (exit 2), no traceback."""
+    from tests.conftest import user_env
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux's unshare (a private mount namespace)")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = [*TINY, f"paths.runs={disk}", f"data.path={dataset_dir}", "data.prepare=null", "logger=csv"]
+    py = " ".join([sys.executable, str(ROOT / "train.py"), *(f"'{a}'" for a in args)])
+    script = f"""
+set -u
+mount -t tmpfs -o size=40m tmpfs {disk}
+{py} run_name=old > /dev/null 2> {tmp_path}/first.err || exit 9
+mount -o remount,ro {disk}
+{py} run_name=new 2> {tmp_path}/new.err; echo $? > {tmp_path}/new.rc
+{py} run_name=old trainer.max_steps=6 scheduler.total_steps=6 2> {tmp_path}/old.err; echo $? > {tmp_path}/old.rc
+"""
+    env = {**user_env(), "PYTHONPATH": str(ROOT), "LMTRAIN_RUN_ID": ""}
+    res = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, (res.stderr + (tmp_path / "first.err").read_text())[-3000:]
+    for name, said in [
+        ("new", f"error: cannot create the run directory {disk / 'new'}"),
+        ("old", f"error: cannot take the lock of {disk / 'old'}"),
+    ]:
+        err = (tmp_path / f"{name}.err").read_text()
+        assert (tmp_path / f"{name}.rc").read_text().strip() == "2", err[-3000:]
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert errors == [errors[0]] and errors[0].startswith(said) and errors[0].endswith("Read-only file system"), err[-3000:]
+        assert "Traceback" not in err

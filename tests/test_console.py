@@ -59,6 +59,18 @@ def test_summary_log_file_and_a_bar_that_counts_steps_across_a_resume(tmp_path, 
     log = (run_dir / "train.log").read_text()
     assert log.count("==== run con") == 2 and re.findall(r"lmtrain.progress: step (\d+)/8", log) == ["8"], log[-2000:]
 
+    # the finished run launched again trains nothing and says the same figures: they are the record's
+    def figures(err: str) -> list[str]:
+        lines = [line for line in err.splitlines() if line.startswith("[lmtrain]")]
+        first = next(i for i, line in enumerate(lines) if "finished run con" in line)
+        return [lines[first].split(": ", 1)[1]] + [line for line in lines[first:] if "best val loss" in line]
+
+    before = figures(err)
+    val = metric(run_dir, "val/loss")
+    assert f"val loss {val[-1]:.4f} (step 8)" in before[0] and len(before) == 2, before
+    train(make_cfg([*args, "trainer.max_steps=8"], tmp_path, dataset_dir))
+    assert figures(capfd.readouterr().err) == before
+
 
 def test_a_train_log_that_cannot_be_written_is_one_line_and_the_run_goes_on(capsys):
     """/dev/full: every write fails with ENOSPC, as on a full disk."""

@@ -30,6 +30,24 @@ def test_generate_from_the_newest_checkpoint(tmp_path, dataset_dir, capsys):
     assert capsys.readouterr().out == greedy.stdout  # greedy decoding is deterministic
     assert main([str(run), "--prompt", "x", "--checkpoint", "step-0000002", "--max-new-tokens", "4", "--seed", "3"]) == 0
     assert "[step-0000002, step 2]" in capsys.readouterr().err
+    import torch
+
+    root = run / "checkpoints"
+    bad = [
+        (
+            ["--checkpoint", "step-0000999"],
+            f"--checkpoint step-0000999: no such checkpoint in {root} (the complete ones are step-0000002, step-0000003)",
+        ),
+        (["--checkpoint", "../run"], f"--checkpoint ../run: no such checkpoint in {root}"),
+        (["--temperature", "-1"], "--temperature -1 must be >= 0 (0: greedy decoding)"),
+        (["--top-k", "-5", "--max-new-tokens", "0"], "--top-k -5 must be >= 0 (0: no top-k); --max-new-tokens 0 must be >= 1"),
+        (["--device", "tpu"], "--device tpu: not a device (auto, cpu, cuda or cuda:N)"),
+    ]
+    if not torch.cuda.is_available():
+        bad.append((["--device", "cuda"], "--device cuda: this machine has no usable GPU (torch.cuda.is_available() is false)"))
+    for extra, said in bad:
+        code, err = main([str(run), "--prompt", "x", *extra]), capsys.readouterr().err
+        assert code == 2 and err.startswith(f"error: {said}") and len(err.strip().splitlines()) == 1, (extra, err)
     shutil.rmtree(run / "checkpoints")
     code, err = main([str(run), "--prompt", "x"]), capsys.readouterr().err
     assert code == 2 and "has no complete checkpoint" in err and "Traceback" not in err

@@ -207,6 +207,9 @@ def test_table_output_and_bad_keys(capsys):
     assert ok.returncode == 0 and "| fsdp | full |" in ok.stdout and "days" in ok.stdout
     assert main(["cluster.gpu=8"]) == 2 and "unknown planner key 'cluster.gpu'" in capsys.readouterr().err
     assert main(["model=opt-9b"]) == 2 and "opt-9b" in capsys.readouterr().err
+    # an experiment that trains on a prepared dataset plans without one: the planner reads no data
+    assert main(["experiment=llama-7b", "output=json"]) == 0
+    assert json.loads(capsys.readouterr().out)["params"] > 6e9
     # the training config's own checks, then the batch against the cluster: one error line each, no traceback
     for args, message in (
         (["trainer.accumulate_grad_batches=x"], "trainer.accumulate_grad_batches='x' must be a positive integer"),

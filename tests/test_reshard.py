@@ -243,3 +243,34 @@ def test_optimizer_state_is_rekeyed_by_the_optimizers_own_order():
                      "param_groups": [{"lr": 1, "params": ["w1", "w2"]}, {"lr": 2, "params": ["bias"]}]}  # fmt: skip
     assert by_position(named) == state
     assert by_name(by_position(named), ["w1", "w2", "bias"]) == named
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tokens_and_samples_are_sums_of_what_was_trained_across_layouts(tmp_path, dataset_dir):
+    """2 ranks x 2 sequences (a step of 4) for 4 steps, then one process x 2 x 3 micro-batches (a step of 6) for 4, then
+    2 x 2 again: the counts in each checkpoint, the logbook and the summary are the sums of the steps as trained (1,024
+    + 1,536 + 1,024 tokens of 64), not the steps times the last layout's step."""
+    args = [a for a in TINY if not a.startswith(("trainer.devices", "data.batch_size", "trainer.max_steps"))] + [
+        "callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0", "callbacks.checkpoint.every_n_steps=4", "logger=csv",
+        f"paths.runs={tmp_path / 'runs'}", "run_name=counted", f"data.path={dataset_dir}", "data.prepare=null", "data.batch_size=2",
+        "scheduler.total_steps=12",
+    ]  # fmt: skip
+    run = tmp_path / "runs" / "counted"
+    layouts = [
+        (["strategy=ddp", "trainer.devices=2"], 4, 4),
+        (["strategy=single", "trainer.accumulate_grad_batches=3"], 8, 6),
+        (["strategy=ddp", "trainer.devices=2"], 12, 4),
+    ]
+    tokens = samples = 0
+    for layout, until, per_step in layouts:
+        res = run_train_cli(args + layout + [f"trainer.max_steps={until}"], tmp_path)
+        assert res.returncode == 0, res.stderr[-4000:]
+        samples += 4 * per_step
+        tokens += 4 * per_step * 64
+        meta = ck.newest(run / "checkpoints").meta
+        assert (meta["step"], meta["tokens_seen"], meta["samples_seen"], meta["global_batch"]) == (until, tokens, samples, per_step)
+        end = [json.loads(line) for line in (run / "logbook.jsonl").read_text().splitlines()][-1]
+        assert end["kind"] == "end" and end["tokens"] == tokens, end
+        assert f": {until} steps, {tokens:,} tokens" in res.stderr, res.stderr[-2000:]
+    assert tokens == 3584

@@ -83,6 +83,18 @@ def test_loss_spike_rolls_back_to_a_healthy_checkpoint_with_a_lower_learning_rat
     assert out.returncode == 0 and "rolling back to step-0000008" in out.stdout
 
 
+def test_a_rollback_waits_for_the_save_still_being_written_and_returns_to_it(tmp_path, dataset_dir):
+    """The step-8 checkpoint is still being written in the background (its writer held 3 s) when the spike at step 10 is
+    judged: the rollback waits for it and returns to step 8, not to the older step 4 (what it found on disk while the
+    save was in flight: the cause of a test that failed under load)."""
+    cfg = make_cfg(TINY + STABLE + ["fault=loss_spike", "callbacks.fault.step=10", "callbacks.checkpoint.async_save=true",
+                                    "+callbacks.slow._target_=tests.plugins.SlowSaveStart", "+callbacks.slow.seconds=3"],
+                   tmp_path, dataset_dir)  # fmt: skip
+    train(cfg)
+    (entry,) = corrections.load(tmp_path / "run")
+    assert entry["reason"] == "rollback" and entry["signal_step"] == 10 and entry["from_step"] == 8, entry
+
+
 def test_a_rollback_passes_over_a_checkpoint_damaged_since_its_save(tmp_path, dataset_dir, capsys, monkeypatch):
     """The healthy step-8 checkpoint is damaged in place at step 9 (its size kept); the spike at step 10 rolls back
     past it, naming it, to step 4, and the run finishes. Each checkpoint's contents are read once, where the rollback

@@ -119,6 +119,28 @@ def test_bad_input_is_one_clear_error_and_leaves_nothing(tmp_path, name, content
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
+@pytest.mark.parametrize("docs", [1, 20])
+def test_a_corpus_whose_validation_split_would_be_empty_is_refused_alike(tmp_path, docs):
+    """--val-fraction 0.01 of 1 document or of 20 (both give none): one error saying what to do, at any size; the
+    empty corpus is refused before a tokenizer is trained (no vocabulary note first). ``--val-fraction 0`` asks for no
+    validation split."""
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i} " + "words " * 30}) + "\n" for i in range(docs)))
+    fix = "raise it, or give --val-fraction 0" if docs > 1 else "one document cannot be both: add documents, or give --val-fraction 0"
+    res = subprocess.run([sys.executable, "-m", "lmtrain.data.prepare", "--input", str(src), "--output", str(tmp_path / "out")],
+                         capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and last.startswith(f"error: --val-fraction 0.01 selected no validation document out of {docs}: {fix}"), (
+        res.stderr
+    )
+    assert not (tmp_path / "out").exists()
+    assert prepare([src], tmp_path / "out", tokenizer="bpe:300", val_fraction=0.0, progress=False)["num_documents"] == docs
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n')
+    res = subprocess.run([sys.executable, "-m", "lmtrain.data.prepare", "--input", str(tmp_path / "empty.jsonl"), "--output",
+                          str(tmp_path / "none")], capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+    assert res.returncode == 2 and res.stderr.strip() == "error: empty corpus: no non-empty documents in 1 input file(s)", res.stderr
+
+
 def test_gzip_and_directory_inputs(tmp_path):
     d = tmp_path / "corpus"
     d.mkdir()
@@ -254,6 +276,9 @@ def test_a_hugging_face_tokenizer_json_prepares_trains_generates_and_exports(tmp
     assert export.main([str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert tok.eos_token == "</s>" and all(tok(t)["input_ids"] == enc.encode_ordinary(t) for t in texts)
+    # the tokenizer's own <s> is its beginning of sequence, in the tokenizer and both configs alike
+    configs = [json.loads((tmp_path / "hf" / name).read_text()) for name in ("config.json", "generation_config.json")]
+    assert tok.bos_token == "<s>" and tok.bos_token_id == 0 == configs[0]["bos_token_id"] == configs[1]["bos_token_id"]
 
 
 def test_a_tokenizer_json_that_does_not_keep_the_text_is_refused(tmp_path, corpus_jsonl):

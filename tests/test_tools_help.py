@@ -25,6 +25,22 @@ def test_tools_answer_help_and_name_a_missing_run(tmp_path):
     assert nope.returncode == 2 and nope.stderr.strip().startswith("error:") and "has no logbook" in nope.stderr
 
 
+def test_the_entry_points_help_is_plain_text_naming_each_tool_as_called_and_the_version_is_given():
+    """``lmtrain --help`` and each tool's ``--help`` (through ``lmtrain TOOL``): no reST markup, usage lines as the tool
+    was called, every command listed; ``lmtrain --version`` is the package's."""
+    from lmtrain import __version__
+    from lmtrain.__main__ import COMMANDS
+
+    top = _run("-m", "lmtrain", "--help")
+    assert top.returncode == 0 and "``" not in top.stdout and all(f"lmtrain {name} " in top.stdout for name in COMMANDS), top.stdout
+    version = _run("-m", "lmtrain", "--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"lmtrain {__version__}"
+    for name in ("prepare", "report", "control", "generate", "export"):
+        out = _run("-m", "lmtrain", name, "--help")
+        assert out.returncode == 0 and out.stdout.startswith(f"usage: lmtrain {name} "), out.stderr[-2000:]
+        assert "``" not in out.stdout and ":class:" not in out.stdout and "python -m lmtrain" not in out.stdout, (name, out.stdout)
+
+
 def test_train_help_describes_the_groups_and_hides_the_fault_drills(tmp_path):
     res = _run(str(ROOT / "train.py"), "--help", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]

@@ -23,13 +23,15 @@ from lmtrain.errors import InputError
 OPT_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
 
 
-def config(model_cfg, eos: int, dtype: str) -> dict:
-    """``config.json`` for ``transformers`` (refuses what its class cannot express)."""
+def config(model_cfg, eos: int, dtype: str, bos: int | None = None) -> dict:
+    """``config.json`` for ``transformers`` (refuses what its class cannot express); ``bos``: the tokenizer's own
+    beginning-of-sequence id (None: the separator, as with our own tokenizers)."""
     c = model_cfg
+    bos = eos if bos is None else bos
     common = {
         "vocab_size": c.vocab_size, "hidden_size": c.d_model, "num_hidden_layers": c.n_layers,
         "num_attention_heads": c.n_heads, "max_position_embeddings": c.max_seq_len, "tie_word_embeddings": c.tie_embeddings,
-        "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos, "torch_dtype": dtype, "dtype": dtype,
+        "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos, "torch_dtype": dtype, "dtype": dtype,
         "use_cache": True, "initializer_range": c.init_std,
     }  # fmt: skip
     if c.family == "opt":
@@ -133,11 +135,12 @@ def tokenizer_json(ranks: dict[bytes, int], pattern: str, specials: dict[str, in
     return tok.to_str()
 
 
-def tokenizer_config(eos_text: str) -> dict:
+def tokenizer_config(eos_text: str, bos_text: str | None = None) -> dict:
     """``tokenizer_config.json``: a plain fast tokenizer over ``tokenizer.json`` that adds no tokens of its own and, as
-    our data pipeline does, reads text that looks like the separator as ordinary text (``split_special_tokens``)."""
+    our data pipeline does, reads text that looks like the separator as ordinary text (``split_special_tokens``).
+    ``bos_text``: the tokenizer's own beginning-of-sequence token (None: the separator)."""
     return {
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_text, "bos_token": eos_text, "pad_token": eos_text,
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_text, "bos_token": bos_text or eos_text, "pad_token": eos_text,
         "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False, "model_max_length": 10**9,
         "split_special_tokens": True,
     }  # fmt: skip

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -144,6 +145,8 @@ def rows(run_dir: str | Path) -> list[dict[str, str]]:
     """The run's logged rows: the record's current timeline, or a run's CSV log where it has no record (older runs)."""
     if (Path(run_dir) / RECORD).is_file():
         return current_rows(run_dir)
+    if not (Path(run_dir) / "csv" / "metrics.csv").is_file():
+        return []  # nothing logged yet
     return read_metrics(run_dir)
 
 
@@ -159,3 +162,28 @@ def by_step(run_dir: str | Path) -> dict[int, dict[str, str]]:
 def metric(run_dir: str | Path, key: str) -> list[float]:
     """One metric's logged values, in order."""
     return [float(r[key]) for r in rows(run_dir) if r.get(key)]
+
+
+def summary(run_dir: str | Path) -> dict[str, tuple[int, float] | None]:
+    """The figures of a run's end-of-run summary, from its current timeline (so a re-run, a resume or a rollback
+    cannot change them): ``train_loss`` and ``val_loss`` (the last logged, each ``(step, value)``) and ``best_val``
+    (the lowest finite ``val/loss``, the earliest of a tie); None where nothing was logged. Each step is counted as
+    the checkpoints count them, in optimizer steps completed: the record's step (the step's index, from 0) plus one."""
+    steps = by_step(run_dir)
+
+    def series(key: str) -> list[tuple[int, float]]:
+        out = []
+        for step, values in sorted(steps.items()):
+            try:
+                out.append((step + 1, float(values[key])))
+            except (KeyError, ValueError):
+                continue
+        return out
+
+    train, val = series("train/loss"), series("val/loss")
+    finite = [(s, v) for s, v in val if math.isfinite(v)]
+    return {
+        "train_loss": train[-1] if train else None,
+        "val_loss": val[-1] if val else None,
+        "best_val": min(finite, key=lambda sv: (sv[1], sv[0])) if finite else None,
+    }

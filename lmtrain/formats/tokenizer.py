@@ -38,6 +38,7 @@ class TokenizerError(InputError):
 
 
 SEPARATOR_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
 JSON_CONFIG = "tokenizer_config.json"
 
 
@@ -63,18 +64,33 @@ class JsonTokenizer:
         self.special_tokens_set = set(specials)
         self.separator = self._separator(specials)
         self.eot_token = specials[self.separator]
+        self.bos = self._bos(specials)
+
+    def _config(self) -> dict:
+        config = self.path.parent / JSON_CONFIG
+        if not config.is_file():
+            return {}
+        import json
+
+        return json.loads(config.read_text(encoding="utf-8"))
+
+    def _bos(self, specials: dict[str, int]) -> str:
+        """The tokenizer's own beginning-of-sequence token (its config's ``bos_token``, else one of
+        :data:`BOS_NAMES`), else the separator. The data pipeline adds none: it names the token for an export."""
+        bos = self._config().get("bos_token")
+        bos = bos.get("content") if isinstance(bos, dict) else bos
+        if bos in specials:
+            return bos
+        return next((n for n in BOS_NAMES if n in specials), self.separator)
 
     def _separator(self, specials: dict[str, int]) -> str:
-        config = self.path.parent / JSON_CONFIG
-        if config.is_file():
-            import json
-
-            eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
-            eos = eos.get("content") if isinstance(eos, dict) else eos
-            if eos is not None:
-                if eos not in specials:
-                    raise TokenizerError(f"{config}: eos_token {eos!r} is not a special token of {self.path.name} ({sorted(specials)})")
-                return eos
+        eos = self._config().get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if eos is not None:
+            if eos not in specials:
+                config = self.path.parent / JSON_CONFIG
+                raise TokenizerError(f"{config}: eos_token {eos!r} is not a special token of {self.path.name} ({sorted(specials)})")
+            return eos
         found = [n for n in SEPARATOR_NAMES if n in specials]
         if not found:
             raise TokenizerError(

@@ -83,6 +83,10 @@ def load_run(run_dir: Path, checkpoint: str | None = None, device: str = "cpu"):
     cfg = read_config(run_dir)
     root = run_dir / "checkpoints"
     if checkpoint:
+        if not ck.NAME_RE.match(checkpoint) or not (root / checkpoint).is_dir():
+            names = [c.path.name for c in ck.scan(root, quiet=True)]
+            have = f"the complete ones are {', '.join(names)}" if names else "it holds no complete checkpoint"
+            raise InputError(f"--checkpoint {checkpoint}: no such checkpoint in {root} ({have})")
         ckpt, why = ck.verified(root / checkpoint)  # complete, and its contents those saved
         if ckpt is None:
             raise InputError(f"checkpoint {root / checkpoint} is not usable: {why}")

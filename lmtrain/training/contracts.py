@@ -46,6 +46,10 @@ class StepChecker:
 class SaveGuard:
     """A callback consulted around every checkpoint save (the disk guard)."""
 
+    def check_start(self, root, estimate: int) -> None:
+        """Before the attempt writes anything: raise InputError if checkpoints of ``estimate`` bytes cannot be saved
+        under ``root``."""
+
     def before_save(self, trainer, checkpointer, estimate: int) -> bool:
         """``estimate``: the bytes the save will write. False: skip this save (training goes on)."""
         return True
@@ -92,8 +96,9 @@ class CheckpointStore:
         """Seconds the newest save took (``write_s``, ``stall_s``, ``collect_s``)."""
         return {}
 
-    def wait(self) -> None:
-        """Return once no save is in flight."""
+    def wait(self, raise_errors: bool = True) -> None:
+        """Return once no save is in flight (``raise_errors``: raise CheckpointError when too many saves in a row
+        failed)."""
 
     def save_now(self, trainer) -> Path | None:
         """Save the current step (a preemption), wait for it; the complete checkpoint, or None."""

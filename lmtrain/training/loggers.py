@@ -6,7 +6,7 @@
   rewritten only by writing a new file beside it and renaming it over the old one (a kill or a full disk leaves the
   old file whole; Lightning's CSV logger deleted it on resume and rewrote it in place when a column was added).
 * :class:`MLFlowLogger` continues the same MLflow run (``run_id`` from the checkpoint), marks it running again,
-  and drops values for steps the run already has (MLflow cannot delete logged values). Params already logged
+  and drops each value whose key the run already has at that step (MLflow cannot delete logged values). Params already logged
   keep their values; ones that changed since are recorded as a ``config_changed_at_step_N`` tag.
 
 ``lmtrain.training.run`` calls ``resume_at(step)`` before training when it resumes from a checkpoint of optimizer step
@@ -167,18 +167,70 @@ class CSVLogger(Logger):
         self.save()
 
 
+def resolved_uri(uri: str | None) -> str | None:
+    """A tracking URI as it is found again from another directory: a relative SQLite file resolved against the working
+    directory, where MLflow opens it; others as given."""
+    if uri and uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return f"sqlite:///{Path(uri.removeprefix('sqlite:///')).resolve()}"
+    return uri
+
+
+def check_tracker(uri: str | None, run_id: str | None) -> None:
+    """Refuse, in one line (InputError), a tracking store that does not answer, or that does not hold ``run_id`` (the
+    MLflow run a resumed checkpoint records): before the attempt writes anything. A SQLite store is not created here
+    when its file is missing."""
+    from lmtrain.errors import InputError
+
+    if not uri:
+        return
+    where = f"logger.mlflow.tracking_uri={uri}"
+    if uri.startswith(("http://", "https://")):
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=10) as reply:
+                ok = reply.status == 200
+        except (OSError, urllib.error.URLError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise InputError(
+                f"the MLflow tracking server {uri} does not answer ({reason}): start it, or give "
+                "logger.mlflow.tracking_uri=URI where it is (logger=csv trains without MLflow)"
+            ) from None
+        if not ok:
+            raise InputError(f"the MLflow tracking server {uri} answers /health with status {reply.status}: is it an MLflow server?")
+    elif uri.startswith("sqlite:///") and run_id:
+        if not Path(uri.removeprefix("sqlite:///")).is_file():
+            raise InputError(
+                f"MLflow run {run_id}, which the checkpoint records, cannot be in {where}: that store does not exist; give "
+                "logger.mlflow.tracking_uri=URI of the store it is in"
+            )
+    else:
+        return
+    if run_id:
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        try:
+            MlflowClient(tracking_uri=uri).get_run(run_id)
+        except MlflowException as exc:
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise InputError(
+                f"MLflow run {run_id}, which the checkpoint records, is not in {where} ({first}): give "
+                "logger.mlflow.tracking_uri=URI of the store it is in"
+            ) from None
+
+
 class MLFlowLogger(_MLFlowLogger):
     _resume_step: int | None = None
-    _logged_through: int | None = None
+    _logged_through: dict[str, int] = {}  # per key: the last step the interrupted process logged (read at the start)
 
     _relog = False
 
     def where(self) -> str:
         """Where this run is, as a user finds it again: the experiment, the run id and the store (a relative SQLite
         file resolved against the working directory, where MLflow opened it)."""
-        uri = self._tracking_uri or "MLflow's default store"
-        if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-            uri = f"sqlite:///{Path(uri.removeprefix('sqlite:///')).resolve()}"
+        uri = resolved_uri(self._tracking_uri) or "MLflow's default store"
         artifacts = self.experiment.get_experiment(self.experiment_id).artifact_location
         return f"experiment '{self._experiment_name}', run {self.run_id} in {uri}, artifacts in {artifacts} (browse: mlflow ui --backend-store-uri {uri})"
 
@@ -191,18 +243,19 @@ class MLFlowLogger(_MLFlowLogger):
         first = not self._initialized
         client = super().experiment
         if first and self._resume_step is not None and self._run_id is not None and rank_zero_only.rank == 0:
-            if not self._relog:
+            if not self._relog:  # per key: the train statistics are logged a step later than the rates (lmtrain.training.module)
                 run = client.get_run(self._run_id)
-                steps = [m.step for key in run.data.metrics for m in client.get_metric_history(self._run_id, key)]
-                self._logged_through = max(steps) if steps else None
+                self._logged_through = {key: max(m.step for m in client.get_metric_history(self._run_id, key)) for key in run.data.metrics}
             client.update_run(self._run_id, status="RUNNING")
         return client
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         _ = self.experiment
-        if self._logged_through is not None and step is not None and step <= self._logged_through:
-            return  # the interrupted process logged this step already (with the same value)
+        if step is not None and self._logged_through:  # what the interrupted process logged already (the same values)
+            metrics = {k: v for k, v in metrics.items() if step > self._logged_through.get(k, -1)}
+            if not metrics:
+                return
         super().log_metrics(metrics, step)
 
     @rank_zero_only

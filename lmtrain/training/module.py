@@ -181,7 +181,9 @@ class LMModule(L.LightningModule):
         self._act_hook = None
         self._pending_stats: list[_StepStats] = []
         self.last_train_loss: float | None = None
-        self.best_val: tuple[float, int] | None = None  # (lowest validation loss, its step): the end-of-run summary
+        self.last_train_lr: float | None = None  # the rate the optimizer used at the step of last_train_loss
+        self.tokens_trained = 0  # summed step by step as trained, so exact across resumes on any layout (in checkpoints)
+        self.samples_trained = 0
 
     def configure_model(self) -> None:
         """Build the model; under a sharding strategy (lmtrain.training.strategies) also shard it, once."""
@@ -333,7 +335,7 @@ class LMModule(L.LightningModule):
             if self._act_hook is not None:
                 extra["train/act_rms"] = act_rms
             log_direct(self.trainer, extra, step=rec.log_step)
-            self.last_train_loss = loss
+            self.last_train_loss, self.last_train_lr = loss, rec.lr
             stats = {
                 "step": rec.step,
                 "log_step": rec.log_step,
@@ -353,9 +355,14 @@ class LMModule(L.LightningModule):
     def tokens_per_step(self) -> int:
         """Tokens in one optimizer step across all ranks (from the data module's batch shape)."""
         dm = self.trainer.datamodule
+        return self.samples_per_step() * dm.seq_len if self.samples_per_step() else 0
+
+    def samples_per_step(self) -> int:
+        """Sequences in one optimizer step across all ranks (the global batch)."""
+        dm = self.trainer.datamodule
         if dm is None or not hasattr(dm, "seq_len"):
             return 0
-        return dm.batch_size * dm.seq_len * self.trainer.world_size * self.trainer.accumulate_grad_batches
+        return dm.batch_size * self.trainer.world_size * self.trainer.accumulate_grad_batches
 
     def drop_update(self, optimizer: torch.optim.Optimizer) -> None:
         """Make this optimizer step a no-op: no parameter, moment or weight-decay update. Torch optimizers leave a
@@ -398,22 +405,27 @@ class LMModule(L.LightningModule):
         total = totals[torch.tensor(combined, device=totals.device)].sum(0)
         if total[1] == 0:
             return
-        val_loss = self._log_val("", total, prog_bar=True)
-        if not self.trainer.sanity_checking and (self.best_val is None or float(val_loss) < self.best_val[0]):
-            self.best_val = (float(val_loss), self.trainer.global_step)
+        self._log_val("", total, prog_bar=True)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["lmtrain_best_val"] = list(self.best_val) if self.best_val else None
+        checkpoint["lmtrain_trained"] = {"tokens": self.tokens_trained, "samples": self.samples_trained}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        best = checkpoint.get("lmtrain_best_val")
-        self.best_val = (float(best[0]), int(best[1])) if best else None
+        # checkpoints before 2026-12-01 keep no sums: their steps counted at this run's step size
+        steps = int(checkpoint.get("global_step", 0))
+        trained = checkpoint.get("lmtrain_trained") or {
+            "tokens": steps * self.tokens_per_step(),
+            "samples": steps * self.samples_per_step(),
+        }
+        self.tokens_trained, self.samples_trained = int(trained["tokens"]), int(trained["samples"])
         if hasattr(self.trainer.datamodule, "train_sampler"):  # lmtrain.data.datamodule: a resume on another layout
             adapt_to_layout(checkpoint, self.trainer.datamodule)
 
     # -- optimisation -----------------------------------------------------------------------------
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        self.tokens_trained += self.tokens_per_step()  # a step whose update was dropped (skip, fp16 overflow) read them too
+        self.samples_trained += self.samples_per_step()
         # Free the gradients now. Lightning zeroes them after the next batch's forward pass, so they would sit in
         # memory (4 bytes per parameter in fp32) through that forward, where the activations peak: 4.7 GiB of a
         # 1.3B model's peak, measured against the hand-written loop (docs/BENCHMARKS.md).

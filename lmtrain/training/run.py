@@ -22,12 +22,13 @@ from lmtrain.console import log
 from lmtrain.errors import InputError, Preempted, RunStopped
 from lmtrain.formats import checkpoint as ck
 from lmtrain.formats import corrections, logbook, runlock
+from lmtrain.formats import metrics as metrics_record
 from lmtrain.formats.checkpoint import CheckpointError, check_compatible, config_hash
 from lmtrain.formats.rundir import CONFIG, write_text_atomic
 from lmtrain.training import compat
 from lmtrain.training.checkpoint.resume import checked_here, global_rank, resume_identity, resume_point
 from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data
-from lmtrain.training.contracts import CheckpointStore, Preempts, RequestsRollback, StopsTraining
+from lmtrain.training.contracts import CheckpointStore, Preempts, RequestsRollback, SaveGuard, StopsTraining
 from lmtrain.training.goodput import Goodput
 from lmtrain.training.precision import build as build_precision
 
@@ -127,11 +128,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
     clock = Goodput(time.monotonic())  # the run's start, and where its time goes across attempts (lmtrain.training.goodput)
     rollback = lock = None
     accepted: list = []  # the trainer of the attempt once it is accepted (_accept): its end goes in the logbook
+    created: list[Path] = []  # the directories this run made (the run directory and any parent missing)
+    ran = False  # an attempt was accepted: what it wrote is the run's
     try:
-        lock = _take_run(cfg)
+        lock = _take_run(cfg, created)
         while True:
             accepted.clear()
             metrics, detector, stopped = _attempt(cfg, rollback, clock, accepted)
+            ran = True
             if stopped:
                 raise RunStopped(stopped)
             rollback = detector.rollback_request if detector is not None else None
@@ -161,6 +165,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
         if lock is not None:
             lock.release()
         console.end_file()
+        if not ran and not accepted:  # refused: the directories it made go again (a refused attempt writes nothing)
+            for d in reversed(created):
+                try:
+                    d.rmdir()
+                except OSError:
+                    break  # not empty (another process, or more than this run's files): kept
 
 
 def _record_failure(cfg: DictConfig, accepted: list, kind: str, exc: BaseException) -> None:
@@ -174,13 +184,15 @@ def _record_failure(cfg: DictConfig, accepted: list, kind: str, exc: BaseExcepti
     logbook.append(cfg.run_dir, kind, f"the attempt ended in {what} at step {step}: {type(exc).__name__}: {first}", step=step)
 
 
-def _take_run(cfg: DictConfig) -> runlock.RunLock | None:
+def _take_run(cfg: DictConfig, created: list[Path]) -> runlock.RunLock | None:
     """The config checked, the run directory made and (global rank zero) its lock taken: once a run, before anything
-    of it is read or changed (lmtrain.formats.runlock); a dead attempt's lock taken over is said in one line."""
+    of it is read or changed (lmtrain.formats.runlock); a dead attempt's lock taken over is said in one line. The
+    directories made here are added to ``created``, the outermost first."""
     validate_config(cfg)
     check_machine(cfg)
     apply_global_batch_size(cfg)
     run_dir = Path(cfg.run_dir)
+    created += [d for d in reversed([run_dir, *run_dir.parents]) if not d.exists()]
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -190,7 +202,7 @@ def _take_run(cfg: DictConfig) -> runlock.RunLock | None:
     try:
         lock = runlock.acquire(run_dir)
     except OSError as exc:
-        raise InputError(f"cannot take the lock of {run_dir} ({runlock.FILE}): {exc.strerror or exc} (disk full? read-only?)") from exc
+        raise InputError(f"cannot take the lock of {run_dir} ({runlock.FILE}): {exc.strerror or exc}") from exc
     if lock.took_over is not None:
         holder, why = lock.took_over
         log.warning(f"took over the lock of run directory {run_dir} from a dead attempt ({runlock.describe(holder)}): {why}")
@@ -238,6 +250,7 @@ class _Attempt:
     identity: dict | None = None
     mirrors: list = field(default_factory=list)
     mlflow: list = field(default_factory=list)  # where each MLflow run is (rank zero): said at the start and the end
+    branch: dict | None = None  # started from another run's checkpoint: the parent (run, MLflow run id, step, checkpoint)
 
 
 def _attempt(cfg: DictConfig, rollback: dict | None, clock: Goodput, accepted: list):
@@ -317,6 +330,10 @@ def _build(att: _Attempt) -> None:
             "lmtrain.nn.model.Decoder (every shipped model) does"
         )
     att.identity = model_identity(shape, cfg)
+    if att.checkpointer is not None:  # a disk that cannot take a checkpoint: refused before anything is written
+        estimate = _checkpoint_estimate(shape, cfg, resume)
+        for guard in (c for c in att.callbacks if isinstance(c, SaveGuard)):
+            guard.check_start(att.checkpointer.root, estimate)
     del shape
     if resume is not None:
         try:
@@ -329,9 +346,8 @@ def _build(att: _Attempt) -> None:
                 f"run_name=..., or pass resume=false overwrite=true to delete run '{cfg.run_name}''s checkpoints"
             ) from None
         log.info(f"resuming from {resume.path} (step {resume.step})")
-        if resume.meta.get("mlflow_run_id") and (cfg.get("logger") or {}).get("mlflow"):
-            with open_dict(cfg):
-                cfg.logger.mlflow.run_id = cfg.logger.mlflow.get("run_id") or resume.meta["mlflow_run_id"]
+    if (cfg.get("logger") or {}).get("mlflow"):
+        _mlflow_lineage(att)
     callbacks = att.callbacks
     if not cfg.trainer.get("enable_progress_bar", True):  # `trainer.enable_progress_bar=false` wins over the bar callback
         from lightning.pytorch.callbacks import ProgressBar
@@ -365,6 +381,49 @@ def _build(att: _Attempt) -> None:
         trainer.strategy.checkpoint_io = ShardedCheckpointReader()  # fsdp/hsdp -> single/ddp (lmtrain.training.checkpoint.reshard)
 
 
+def _checkpoint_estimate(shape: torch.nn.Module, cfg: DictConfig, resume: ck.Checkpoint | None) -> int:
+    """Bytes a checkpoint of this run will take, before the model is built: the resumed checkpoint's size, else the
+    parameters and the optimizer's moments (Adam's two, one for the others) in fp32, as the checkpointer's own
+    estimate counts them (lmtrain.training.checkpoint.writer.state_bytes)."""
+    files = (resume.meta.get("files") or {}) if resume is not None else {}
+    if files:
+        return int(sum(files.values()))
+    params = sum(p.numel() for p in shape.parameters())
+    moments = 2 if "adam" in str((cfg.get("optimizer") or {}).get("_target_", "")).lower() else 1
+    return int(params * 4 * (1 + moments) * 1.02) + (1 << 16)
+
+
+# the user's MLFLOW_TRACKING_URI, read before any MLflow call: mlflow.set_tracking_uri (Lightning's logger) exports it
+_USER_MLFLOW_URI = os.environ.get("MLFLOW_TRACKING_URI")
+
+
+def _mlflow_lineage(att: _Attempt) -> None:
+    """Which MLflow run the attempt logs to, checked before anything is written. A resume of this run continues the
+    MLflow run its checkpoint records, in the store it records (unless this launch gives ``logger.mlflow.tracking_uri``
+    or ``MLFLOW_TRACKING_URI``); a run started from another run's checkpoint (``ckpt_path``: a branch) is a new MLflow
+    run whose tags name its parent. A store that does not answer, or lacks the recorded run, is refused in one line."""
+    from lmtrain.training.loggers import check_tracker
+
+    cfg, resume, mlflow_cfg = att.cfg, att.resume, att.cfg.logger.mlflow
+    homes = [Path(cfg.run_dir).resolve()] + ([att.checkpointer.root.resolve()] if att.checkpointer is not None else [])
+    own = resume is not None and (not cfg.get("ckpt_path") or any(h in resume.path.resolve().parents for h in homes))
+    if resume is not None and not own:
+        att.branch = {
+            "lmtrain.parent_run": resume.meta.get("run_name"),
+            "lmtrain.parent_mlflow_run_id": resume.meta.get("mlflow_run_id"),
+            "lmtrain.parent_step": resume.step,
+            "lmtrain.parent_checkpoint": str(resume.path.resolve()),
+        }
+    elif resume is not None and resume.meta.get("mlflow_run_id"):
+        given = _USER_MLFLOW_URI is not None or any(o.lstrip("+~").startswith("logger.mlflow.tracking_uri=") for o in _overrides())
+        with open_dict(cfg):
+            if resume.meta.get("mlflow_tracking_uri") and not given and not mlflow_cfg.get("run_id"):
+                mlflow_cfg.tracking_uri = resume.meta["mlflow_tracking_uri"]
+            mlflow_cfg.run_id = mlflow_cfg.get("run_id") or resume.meta["mlflow_run_id"]
+    if not cfg.trainer.get("fast_dev_run"):  # Lightning logs nothing under fast_dev_run
+        check_tracker(mlflow_cfg.get("tracking_uri"), mlflow_cfg.get("run_id"))
+
+
 def _accept(att: _Attempt) -> None:
     """The attempt is accepted: config.yaml, overrides.yaml and train.log written, the checkpointer and MLflow wired,
     the logbook told how the attempt starts."""
@@ -375,19 +434,20 @@ def _accept(att: _Attempt) -> None:
             write_text_atomic(run_dir / CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
             write_text_atomic(run_dir / "overrides.yaml", OmegaConf.to_yaml(_overrides()))
         except OSError as exc:
-            raise InputError(f"cannot write {run_dir / CONFIG}: {exc.strerror or exc} (disk full?)") from exc
+            raise InputError(f"cannot write {run_dir / CONFIG}: {exc.strerror or exc}") from exc
     console.start_file(run_dir, f"run {cfg.run_name}: {' '.join(_overrides()) or '(no overrides)'}", trainer.is_global_zero)
     att.mlflow = _mlflow_locations(trainer)
     if rollback is None:
         for where in att.mlflow:
             log.info(f"MLflow: {where}")
-    _log_config(trainer, cfg, run_dir)
+    _log_config(trainer, cfg, run_dir, att.branch)
     if att.checkpointer is not None:
         info = {
             **att.identity,
             "run_name": cfg.run_name,
             "config_hash": config_hash(OmegaConf.to_container(cfg, resolve=True)),
             "mlflow_run_id": _mlflow_run_id(trainer),
+            "mlflow_tracking_uri": _mlflow_tracking_uri(trainer),
         }
         if hasattr(att.datamodule, "stream_identity"):
             info["data_stream"] = att.datamodule.stream_identity()
@@ -402,7 +462,14 @@ def _accept(att: _Attempt) -> None:
         logbook.events.addHandler(mirror)  # removed when the attempt's fit ends (_fit)
     if not trainer.is_global_zero or rollback is not None:
         return  # a rollback's own entry says where it went
-    if resume is not None:
+    if att.branch is not None:
+        parent = att.branch
+        mlflow = f", MLflow run {parent['lmtrain.parent_mlflow_run_id']}" if parent["lmtrain.parent_mlflow_run_id"] else ""
+        logbook.append(
+            run_dir, "branch", f"started from {parent['lmtrain.parent_checkpoint']} (run {parent['lmtrain.parent_run']}{mlflow}, "
+            f"step {resume.step}){_layout_change(resume, trainer, cfg)}", step=resume.step, parent=parent,
+        )  # fmt: skip
+    elif resume is not None:
         logbook.append(run_dir, "resume", f"resumed from {resume.path.name}{_layout_change(resume, trainer, cfg)}", step=resume.step)
         if changes:
             shown = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items())
@@ -438,7 +505,7 @@ def _fit(att: _Attempt, clock: Goodput):
             logbook.append(run_dir, "stopped", f"training stopped at step {trainer.global_step}: {stopped}", step=trainer.global_step)
         elif trainer.is_global_zero and (detector is None or detector.rollback_request is None):
             step = trainer.global_step
-            tokens = step * module.tokens_per_step() if hasattr(module, "tokens_per_step") else 0
+            tokens = getattr(module, "tokens_trained", 0)
             logbook.append(run_dir, "end", f"training ended at step {step} ({tokens:,} tokens)", step=step, tokens=tokens)
             _summary(cfg, trainer, module, att, tokens, clock)
     finally:
@@ -577,13 +644,21 @@ def _mlflow_locations(trainer) -> list[str]:
 
 
 def _summary(cfg: DictConfig, trainer, module, att: _Attempt, tokens: int, clock: Goodput) -> None:
-    """The end-of-run summary (rank zero): steps, tokens, final losses, checkpoints, wall time, where things are."""
+    """The end-of-run summary (rank zero): steps, tokens, losses, checkpoints, wall time, where things are. The losses
+    are the run's record's (lmtrain.formats.metrics.summary), whatever this attempt itself trained."""
     step, run_dir, checkpointer = trainer.global_step, att.run_dir, att.checkpointer
+    for lg in trainer.loggers:
+        getattr(lg, "flush", lg.save)()  # the record's last lines
+    figures = metrics_record.summary(run_dir)
+    if figures["train_loss"] is None and getattr(module, "last_train_loss", None) is not None:  # no record (fast_dev_run)
+        figures["train_loss"] = (step, module.last_train_loss)
     losses = []
-    if getattr(module, "last_train_loss", None) is not None:
-        losses.append(f"train loss {module.last_train_loss:.4f} (last step)")
-    if "val/loss" in trainer.callback_metrics:
-        losses.append(f"val loss {float(trainer.callback_metrics['val/loss']):.4f}")
+    if figures["train_loss"] is not None:
+        at, value = figures["train_loss"]
+        losses.append(f"train loss {value:.4f} (step {at})")
+    if figures["val_loss"] is not None:
+        at, value = figures["val_loss"]
+        losses.append(f"val loss {value:.4f} (step {at})")
     lines = [f"finished run {cfg.run_name} in {console.duration(time.monotonic() - clock.started)}: {step:,} step{'' if step == 1 else 's'}, {tokens:,} tokens"
              + (f"; {', '.join(losses)}" if losses else "")]  # fmt: skip
     lines.append(f"  goodput        {clock.line()}")
@@ -593,11 +668,11 @@ def _summary(cfg: DictConfig, trainer, module, att: _Attempt, tokens: int, clock
         newest = ck.newest(checkpointer.root)
         if newest is not None:
             lines.append(f"  checkpoint     {newest.path.resolve()} (newest)")
-        best = getattr(module, "best_val", None)
-        if best is not None:
-            kept = checkpointer.root / ck.step_name(best[1])
-            at = f"checkpoint {kept.resolve()}" if kept.is_dir() else "no checkpoint kept at that step"
-            lines.append(f"  best val loss  {best[0]:.4f} at step {best[1]} ({at})")
+        if figures["best_val"] is not None:
+            at, value = figures["best_val"]
+            kept = checkpointer.root / ck.step_name(at)
+            where = f"checkpoint {kept.resolve()}" if kept.is_dir() else "no checkpoint kept at that step"
+            lines.append(f"  best val loss  {value:.4f} at step {at} ({where})")
     for where in att.mlflow:
         lines.append(f"  MLflow         {where}")
     for line in lines:
@@ -608,6 +683,15 @@ def _mlflow_run_id(trainer) -> str | None:
     for lg in trainer.loggers:
         if isinstance(lg, MLFlowLogger) and trainer.is_global_zero:
             return lg.run_id
+    return None
+
+
+def _mlflow_tracking_uri(trainer) -> str | None:
+    from lmtrain.training.loggers import resolved_uri
+
+    for lg in trainer.loggers:
+        if isinstance(lg, MLFlowLogger) and trainer.is_global_zero:
+            return resolved_uri(lg._tracking_uri)
     return None
 
 
@@ -635,7 +719,7 @@ def _safe_finalize(logger, status: str) -> None:
         log.info(f"could not finalize {type(logger).__name__}: {exc}")
 
 
-def _log_config(trainer, cfg: DictConfig, run_dir: Path) -> None:
+def _log_config(trainer, cfg: DictConfig, run_dir: Path, branch: dict | None = None) -> None:
     """Resolved config as MLflow params and as an artifact (rank zero only)."""
     if not trainer.is_global_zero:
         return
@@ -645,3 +729,5 @@ def _log_config(trainer, cfg: DictConfig, run_dir: Path) -> None:
             lg.log_hyperparams(params)
             lg.experiment.log_artifact(lg.run_id, str(run_dir / CONFIG))
             lg.experiment.set_tag(lg.run_id, "run_dir", str(run_dir.resolve()))
+            for key, value in (branch or {}).items():  # a branch names its parent
+                lg.experiment.set_tag(lg.run_id, key, str(value))
