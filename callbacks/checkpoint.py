@@ -22,7 +22,7 @@ from lmtrain.formats import logbook
 from lmtrain.formats.checkpoint import CheckpointError
 from lmtrain.training.checkpoint.rng import every_rank_rng_state, set_rng_state
 from lmtrain.training.checkpoint.writer import CheckpointWriter, SaveEvents, state_bytes
-from lmtrain.training.contracts import CheckpointStore, SaveGuard
+from lmtrain.training.contracts import CheckpointStore, SaveGuard, WatchesProgress
 
 
 class Checkpointer(Checkpoint, CheckpointStore, SaveEvents):
@@ -67,6 +67,7 @@ class Checkpointer(Checkpoint, CheckpointStore, SaveEvents):
         self._health: dict = {}  # record_health (the stability callbacks); stored in meta.json
         self.final_save_suppressed = False  # discard_current_state (a diverged state): never saved
         self._guards: list[SaveGuard] = []
+        self._watchers: list[WatchesProgress] = []
         self.last_saved_step: int | None = None
         self.stall_seconds = 0.0
         self._rng_to_restore: list | None = None
@@ -77,6 +78,7 @@ class Checkpointer(Checkpoint, CheckpointStore, SaveEvents):
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.final_save_suppressed = False
         self._guards = [c for c in trainer.callbacks if isinstance(c, SaveGuard)]
+        self._watchers = [c for c in trainer.callbacks if isinstance(c, WatchesProgress)]
         self.writer.setup(trainer)
         if trainer.is_global_zero:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -209,6 +211,7 @@ class Checkpointer(Checkpoint, CheckpointStore, SaveEvents):
         """Save a checkpoint of the current step; returns False if it was skipped or failed (training goes on). The time
         training waits here (a save still in flight, the guards, the copy or the whole write) adds to ``stall_seconds``."""
         t0 = time.perf_counter()
+        self._beat()
         try:
             self.writer.wait()
             self.writer.settle(trainer)
@@ -225,7 +228,12 @@ class Checkpointer(Checkpoint, CheckpointStore, SaveEvents):
 
     def wait(self, raise_errors: bool = True) -> None:
         """Block until an in-flight asynchronous save is done; count its failure."""
+        self._beat()
         self.writer.wait(raise_errors)
+
+    def _beat(self) -> None:
+        for watcher in self._watchers:  # waiting on a save is progress (lmtrain.callbacks.watchdog)
+            watcher.beat("save")
 
     # -- what the writer tells (lmtrain.training.checkpoint.writer.SaveEvents) ----------------
     def at_stage(self, stage: str, step: int, path: Path) -> None:

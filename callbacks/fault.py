@@ -12,6 +12,8 @@ resumed run goes on):
 * ``loss_spike``: the loss of step ``step`` is multiplied by ``factor`` (a real spike: the gradients follow);
 * ``nan_loss``: the loss of step ``step`` becomes NaN on rank ``rank`` only;
 * ``act_growth``: from step ``step`` on, the last block's output is multiplied by ``factor`` ** (steps since);
+* ``hang``: rank ``rank`` stops at the start of optimizer step ``step`` and never goes on (a rank stuck outside any
+  collective: the others wait for it in the next one), for the watchdog (lmtrain.callbacks.watchdog) to catch;
 * ``grad_overflow``: for ``count`` steps from ``step`` on, the gradient flowing back into the final norm is
   multiplied by ``factor`` (the forward pass and the loss are untouched): under fp16 the backward pass really
   overflows, as it does when the loss scale is too high for the gradients, and the gradient scaler answers.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 from pathlib import Path
 
 import lightning as L
@@ -31,7 +34,7 @@ from lmtrain.console import log
 from lmtrain.errors import InputError
 from lmtrain.training.contracts import SaveGuard
 
-KINDS = ("crash", "crash_mid_save", "enospc", "truncate", "loss_spike", "nan_loss", "act_growth", "grad_overflow")
+KINDS = ("crash", "crash_mid_save", "enospc", "truncate", "loss_spike", "nan_loss", "act_growth", "grad_overflow", "hang")
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -88,6 +91,10 @@ class FaultInjector(L.Callback, SaveGuard):
         step = trainer.global_step
         if self.kind == "crash" and step >= self.step and self._arm():
             self._kill(f"crash at step {step}")
+        if self.kind == "hang" and step >= self.step and self._arm():
+            log.info(f"FAULT: rank {trainer.global_rank} hangs at step {step}")
+            while True:  # noqa: ASYNC110 - the drill: a rank that never goes on
+                time.sleep(1.0)
         if self.kind in ("loss_spike", "nan_loss") and step == self.step and self._arm():
             _scale_next_loss(pl_module, self.factor if self.kind == "loss_spike" else float("nan"))
             log.info(f"FAULT: {self.kind} at step {step} on rank {trainer.global_rank}")

@@ -26,3 +26,4 @@ class Preempted(Exception):
 
 STOPPED_EXIT = 3  # a run stopped by a guard; 2 is an input error, 1 a crash
 PREEMPTED_EXIT = 4  # a run ended by a signal (preemption), its checkpoint saved: run it again to continue
+HUNG_EXIT = 5  # a run that made no progress within the watchdog's limit (lmtrain.callbacks.watchdog): reported, ended

@@ -169,6 +169,8 @@ def test_resuming_with_another_data_seed_is_refused(tiny_cfg, tmp_path, dataset_
         (["preemption.signals=[SIGTERM,SIGFOO]"], r"preemption: signals=\['SIGTERM', 'SIGFOO'\] must name catchable signals .*not SIGFOO"),
         (["preemption.signals=[SIGKILL]"], r"preemption: signals=\['SIGKILL'\] must name catchable signals .*not SIGKILL"),
         (["preemption.grace_s=0"], r"preemption: .*grace_s=0 must be a number of seconds > 0"),
+        (["callbacks=[none,watchdog]", "callbacks.watchdog.timeout_s=0"], r"callbacks.watchdog: timeout_s=0 must be auto, null \(off\)"),
+        (["callbacks=[none,watchdog]", "callbacks.watchdog.startup_s=soon"], r"callbacks.watchdog: .*startup_s='soon' seconds > 0"),
         (
             ["callbacks=[none,stability]", "callbacks.lr_control.factor_bounds=[2,1]"],
             r"callbacks.lr_control.factor_bounds=\[2, 1\]: must be \[low, high\] with 0 < low <= 1 <= high",

@@ -117,6 +117,14 @@ class RunLock:
             self.path.unlink(missing_ok=True)
 
 
+def release_mine(run_dir: Path) -> None:
+    """Remove ``run_dir``'s lock when this process holds it: for a process about to end without returning (the
+    watchdog's exit after a hang), so that the next start needs no takeover."""
+    holder = read(run_dir) or {}
+    if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        (Path(run_dir) / FILE).unlink(missing_ok=True)
+
+
 def acquire(run_dir: Path) -> RunLock:
     """Take ``run_dir``'s lock for this process, or raise :class:`RunLocked` naming the live holder. A dead attempt's
     lock is taken over (``RunLock.took_over``: its holder and why it counts as dead)."""

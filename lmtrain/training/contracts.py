@@ -104,6 +104,14 @@ class CheckpointStore:
         """Save the current step (a preemption), wait for it; the complete checkpoint, or None."""
 
 
+class WatchesProgress:
+    """The callback that watches for progress (lmtrain.callbacks.watchdog); others tell it of work that is progress
+    but no training batch (the checkpointer: a save begins)."""
+
+    def beat(self, phase: str) -> None:
+        """A sign of progress; ``phase`` is what the process does until the next one (``train``, ``val``, ``save``)."""
+
+
 class ReportsThroughput:
     """A callback that measures training speed; the progress bar shows ``smoothed_tokens_per_sec``."""
 
