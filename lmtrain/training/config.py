@@ -23,7 +23,7 @@ from lmtrain.training import compat
 
 # The root config's keys (conf/train.yaml and its groups); anything else at the top is a typo (`+run_nam=x`).
 TOP_LEVEL = {
-    "run_name", "run_dir", "seed", "ckpt_path", "resume", "overwrite", "global_batch_size", "preemption", "grad_scaler", "paths", "module",
+    "run_name", "run_dir", "seed", "ckpt_path", "resume", "overwrite", "global_batch_size", "preemption", "restarts", "grad_scaler", "paths", "module",
     "model", "optimizer", "scheduler", "data", "strategy", "trainer", "callbacks", "logger", "experiment", "debug", "fault", "hydra",
 }  # fmt: skip
 PRECISIONS = ("32-true", "32", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "transformer-engine")

@@ -25,7 +25,7 @@ from lmtrain.formats import corrections, logbook, runlock
 from lmtrain.formats import metrics as metrics_record
 from lmtrain.formats.checkpoint import CheckpointError, check_compatible, config_hash
 from lmtrain.formats.rundir import CONFIG, write_text_atomic
-from lmtrain.training import compat
+from lmtrain.training import compat, restarts
 from lmtrain.training.checkpoint.resume import checked_here, global_rank, resume_identity, resume_point
 from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data
 from lmtrain.training.contracts import CheckpointStore, Preempts, RequestsRollback, SaveGuard, StopsTraining
@@ -189,7 +189,9 @@ def _take_run(cfg: DictConfig, created: list[Path]) -> runlock.RunLock | None:
     of it is read or changed (lmtrain.formats.runlock); a dead attempt's lock taken over is said in one line. The
     directories made here are added to ``created``, the outermost first."""
     validate_config(cfg)
+    restarts.budget(cfg)
     check_machine(cfg)
+    restarts.check_launcher()
     apply_global_batch_size(cfg)
     run_dir = Path(cfg.run_dir)
     created += [d for d in reversed([run_dir, *run_dir.parents]) if not d.exists()]
@@ -212,6 +214,11 @@ def _take_run(cfg: DictConfig, created: list[Path]) -> runlock.RunLock | None:
             run_dir, "died", f"the attempt of {runlock.describe(holder)} ended without a word (killed, or its machine lost): {why}{newest}",
             step=max(saved) if saved else None, holder=holder,
         )  # fmt: skip
+    try:
+        restarts.check_budget(cfg, run_dir)  # rank zero decides: the others have not started, or end with it
+    except RunStopped:
+        lock.release()
+        raise
     return lock
 
 
@@ -462,6 +469,9 @@ def _accept(att: _Attempt) -> None:
         logbook.events.addHandler(mirror)  # removed when the attempt's fit ends (_fit)
     if not trainer.is_global_zero or rollback is not None:
         return  # a rollback's own entry says where it went
+    if (again := restarts.restart()) is not None:
+        launcher, k = again
+        logbook.append(run_dir, "restart", f"restart {k} ({launcher}) after {restarts.previous_end(run_dir)}", restart=k, launcher=launcher)
     if att.branch is not None:
         parent = att.branch
         mlflow = f", MLflow run {parent['lmtrain.parent_mlflow_run_id']}" if parent["lmtrain.parent_mlflow_run_id"] else ""
