@@ -169,6 +169,8 @@ def test_resuming_with_another_data_seed_is_refused(tiny_cfg, tmp_path, dataset_
         (["preemption.signals=[SIGTERM,SIGFOO]"], r"preemption: signals=\['SIGTERM', 'SIGFOO'\] must name catchable signals .*not SIGFOO"),
         (["preemption.signals=[SIGKILL]"], r"preemption: signals=\['SIGKILL'\] must name catchable signals .*not SIGKILL"),
         (["preemption.grace_s=0"], r"preemption: .*grace_s=0 must be a number of seconds > 0"),
+        (["restarts.max=0"], r"restarts: max=0 must be a whole number >= 1 and window_s=3600 seconds > 0"),
+        (["+restarts.budget=3"], r"restarts: .*unknown key\(s\) \['budget'\]"),
         (["callbacks=[none,watchdog]", "callbacks.watchdog.timeout_s=0"], r"callbacks.watchdog: timeout_s=0 must be auto, null \(off\)"),
         (["callbacks=[none,watchdog]", "callbacks.watchdog.startup_s=soon"], r"callbacks.watchdog: .*startup_s='soon' seconds > 0"),
         (
