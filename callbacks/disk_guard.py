@@ -63,17 +63,18 @@ class DiskGuard(L.Callback, StopsTraining, SaveGuard):
         if ckptr is None:
             return
         estimate = ckptr.estimate_bytes(trainer)
-        free = free_bytes(ckptr.root)
-        if not trainer.strategy.broadcast(free >= estimate + self.margin, src=0):
-            self.check_start(ckptr.root, estimate)  # raises, on every rank
+        free = trainer.strategy.broadcast(free_bytes(ckptr.root), src=0)  # rank zero's disk decides, for every rank
+        self._refuse_if_short(ckptr.root, estimate, free)
         self._pending.append((trainer.global_step, {"ckpt/free_gb": free / GB, "ckpt/estimate_gb": estimate / GB}))
 
     def check_start(self, root: Path, estimate: int) -> None:
         """Refuse to start (DiskSpaceError) where ``root``'s disk cannot take one checkpoint of ``estimate`` bytes and the
         margin: called by lmtrain.training.run before the attempt writes anything, with an estimate from the model's
-        shape, and at the start of training with the trainer's."""
-        need, free = estimate + self.margin, free_bytes(root)
-        if free < need:
+        shape (at the start of training the same check runs again with the trainer's estimate and rank zero's disk)."""
+        self._refuse_if_short(root, estimate, free_bytes(root))
+
+    def _refuse_if_short(self, root: Path, estimate: int, free: int) -> None:
+        if free < estimate + self.margin:
             raise DiskSpaceError(
                 f"not enough disk space for checkpoints at {root}: one checkpoint needs about {estimate / GB:.3f} GB plus "
                 f"the {self.margin / GB:.3f} GB margin (callbacks.disk_guard.margin_gb), {free / GB:.3f} GB is free. Free "

@@ -12,6 +12,7 @@ from pathlib import Path
 import lightning as L
 
 from lmtrain.console import log
+from lmtrain.training.loggers import flush as flush_loggers
 
 
 class Report(L.Callback):
@@ -34,8 +35,7 @@ class Report(L.Callback):
         try:
             metrics = None
             mlflow = [lg for lg in trainer.loggers if type(lg).__name__ == "MLFlowLogger"]
-            for lg in trainer.loggers:
-                getattr(lg, "flush", lg.save)()  # rows still in memory (the metrics record's, the CSV view's)
+            flush_loggers(trainer.loggers)  # rows still in memory (the metrics record's, the CSV view's)
             metrics = report.from_record(self.run_dir)
             if metrics is None and mlflow:
                 metrics = report.from_mlflow(self.run_dir, client=mlflow[0].experiment, run_id=mlflow[0].run_id)

@@ -31,6 +31,7 @@ import lightning as L
 
 from lmtrain.errors import HUNG_EXIT, InputError
 from lmtrain.training.contracts import WatchesProgress
+from lmtrain.training.loggers import flush as flush_loggers
 
 FLOOR_S = 120.0  # auto: the least a phase is given once measured (host noise, a slow filesystem, a garbage collection)
 CEILING_S = 1500.0  # auto: the most, under the process group's timeout (lmtrain.training.strategies: 1800 s)
@@ -63,6 +64,7 @@ class Watchdog(L.Callback, WatchesProgress):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._trainer = None
+        self._attempt = ""  # the attempt's name under hangs/ (on_train_start)
         self.fired: dict | None = None  # what the watchdog reported (tests read it in-process)
 
     # -- limits ----------------------------------------------------------------------------------
@@ -156,11 +158,7 @@ class Watchdog(L.Callback, WatchesProgress):
             deadline = time.monotonic() + 2 * REPORT_WAIT_S
             while time.monotonic() < deadline and not (folder / "recorded").exists():
                 time.sleep(0.2)
-        for lg in trainer.loggers:  # what the record holds in memory (the main thread is stuck)
-            try:
-                getattr(lg, "flush", lg.save)()
-            except Exception:  # noqa: BLE001 - a report must not wait on a logger
-                pass
+        flush_loggers(trainer.loggers, best_effort=True)  # what the record holds in memory (the main thread is stuck)
         sys.stderr.flush()
         os._exit(HUNG_EXIT)
 

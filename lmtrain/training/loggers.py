@@ -167,6 +167,17 @@ class CSVLogger(Logger):
         self.save()
 
 
+def flush(loggers, best_effort: bool = False) -> None:
+    """What each logger holds in memory written out: ours by ``flush`` (the record whatever its interval, the CSV
+    view), Lightning's by ``save``. ``best_effort``: a logger that fails is passed over (a process about to exit)."""
+    for lg in loggers:
+        try:
+            getattr(lg, "flush", lg.save)()
+        except Exception:  # noqa: BLE001
+            if not best_effort:
+                raise
+
+
 def resolved_uri(uri: str | None) -> str | None:
     """A tracking URI as it is found again from another directory: a relative SQLite file resolved against the working
     directory, where MLflow opens it; others as given."""

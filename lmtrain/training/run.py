@@ -390,14 +390,16 @@ def _build(att: _Attempt) -> None:
 
 def _checkpoint_estimate(shape: torch.nn.Module, cfg: DictConfig, resume: ck.Checkpoint | None) -> int:
     """Bytes a checkpoint of this run will take, before the model is built: the resumed checkpoint's size, else the
-    parameters and the optimizer's moments (Adam's two, one for the others) in fp32, as the checkpointer's own
-    estimate counts them (lmtrain.training.checkpoint.writer.state_bytes)."""
+    parameters and the optimizer's moments (Adam's two, one for the others) in fp32, counted as the checkpointer's own
+    estimate counts them (lmtrain.training.checkpoint.writer.checkpoint_bytes)."""
+    from lmtrain.training.checkpoint.writer import checkpoint_bytes
+
     files = (resume.meta.get("files") or {}) if resume is not None else {}
     if files:
         return int(sum(files.values()))
     params = sum(p.numel() for p in shape.parameters())
     moments = 2 if "adam" in str((cfg.get("optimizer") or {}).get("_target_", "")).lower() else 1
-    return int(params * 4 * (1 + moments) * 1.02) + (1 << 16)
+    return checkpoint_bytes(params * 4, params * 4 * moments)
 
 
 # the user's MLFLOW_TRACKING_URI, read before any MLflow call: mlflow.set_tracking_uri (Lightning's logger) exports it
@@ -453,8 +455,7 @@ def _accept(att: _Attempt) -> None:
             **att.identity,
             "run_name": cfg.run_name,
             "config_hash": config_hash(OmegaConf.to_container(cfg, resolve=True)),
-            "mlflow_run_id": _mlflow_run_id(trainer),
-            "mlflow_tracking_uri": _mlflow_tracking_uri(trainer),
+            **_mlflow_record(trainer),
         }
         if hasattr(att.datamodule, "stream_identity"):
             info["data_stream"] = att.datamodule.stream_identity()
@@ -657,9 +658,7 @@ def _summary(cfg: DictConfig, trainer, module, att: _Attempt, tokens: int, clock
     """The end-of-run summary (rank zero): steps, tokens, losses, checkpoints, wall time, where things are. The losses
     are the run's record's (lmtrain.formats.metrics.summary), whatever this attempt itself trained."""
     step, run_dir, checkpointer = trainer.global_step, att.run_dir, att.checkpointer
-    for lg in trainer.loggers:
-        getattr(lg, "flush", lg.save)()  # the record's last lines
-    figures = metrics_record.summary(run_dir)
+    figures = metrics_record.summary(run_dir)  # complete: fit's end finalized (flushed) every logger
     if figures["train_loss"] is None and getattr(module, "last_train_loss", None) is not None:  # no record (fast_dev_run)
         figures["train_loss"] = (step, module.last_train_loss)
     losses = []
@@ -689,20 +688,13 @@ def _summary(cfg: DictConfig, trainer, module, att: _Attempt, tokens: int, clock
         log.info(line)
 
 
-def _mlflow_run_id(trainer) -> str | None:
-    for lg in trainer.loggers:
-        if isinstance(lg, MLFlowLogger) and trainer.is_global_zero:
-            return lg.run_id
-    return None
-
-
-def _mlflow_tracking_uri(trainer) -> str | None:
+def _mlflow_record(trainer) -> dict:
+    """What each checkpoint records of the attempt's MLflow run (rank zero's logger; None elsewhere): its id and its
+    store, a relative SQLite path made absolute (a resume finds it there: _mlflow_lineage)."""
     from lmtrain.training.loggers import resolved_uri
 
-    for lg in trainer.loggers:
-        if isinstance(lg, MLFlowLogger) and trainer.is_global_zero:
-            return resolved_uri(lg._tracking_uri)
-    return None
+    lg = next((lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)), None) if trainer.is_global_zero else None
+    return {"mlflow_run_id": lg.run_id if lg else None, "mlflow_tracking_uri": resolved_uri(lg._tracking_uri) if lg else None}
 
 
 def _mlflow_logbook_mirror(lg):

@@ -28,6 +28,7 @@ from lmtrain.formats import logbook
 from lmtrain.formats.checkpoint import CheckpointError
 from lmtrain.training import compat
 from lmtrain.training.checkpoint.host import HostCopy
+from lmtrain.training.loggers import flush as flush_loggers
 
 
 class SaveEvents:
@@ -90,8 +91,7 @@ class CheckpointWriter:
         asynchronous = self._asynchronous(trainer, estimate)
         t0 = time.perf_counter()
         if trainer.is_global_zero:
-            for lg in trainer.loggers:  # rows up to this step are on disk whenever this checkpoint is
-                getattr(lg, "flush", lg.save)()  # the metrics record's lines are written whatever its interval
+            flush_loggers(trainer.loggers)  # rows up to this step are on disk whenever this checkpoint is
         partial, final = self.root / ck.partial_name(step), self.root / ck.step_name(step)
         t_collect = time.perf_counter()
         checkpoint = compat.dump_checkpoint(trainer)  # collective: every rank
@@ -376,9 +376,15 @@ class CheckpointWriter:
             )
 
 
+def checkpoint_bytes(param_bytes: int, optimizer_bytes: int) -> int:
+    """Bytes a checkpoint of parameters and optimizer state of these sizes takes, with a little for the rest (loop
+    state, RNG states, metadata)."""
+    return int((param_bytes + optimizer_bytes) * 1.02) + (1 << 16)
+
+
 def state_bytes(trainer) -> int:
-    """Bytes a checkpoint of this trainer's state takes: parameters plus optimizer state (Adam's two moments in fp32
-    where the optimizer has not stepped yet), and a little for the rest."""
+    """Bytes a checkpoint of this trainer's state takes (:func:`checkpoint_bytes`): parameters plus optimizer state
+    (Adam's two moments in fp32 where the optimizer has not stepped yet)."""
     params = sum(p.numel() * p.element_size() for p in trainer.lightning_module.parameters())
     opt_state = 0
     for opt in trainer.optimizers:
@@ -386,7 +392,7 @@ def state_bytes(trainer) -> int:
             opt_state += sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
         if not opt.state and "Adam" in type(opt).__name__:
             opt_state += 2 * sum(p.numel() * 4 for g in opt.param_groups for p in g["params"])  # exp_avg, exp_avg_sq
-    return int((params + opt_state) * 1.02) + (1 << 16)
+    return checkpoint_bytes(params, opt_state)
 
 
 def _size(n: int) -> str:
