@@ -14,6 +14,9 @@ resumed run goes on):
 * ``act_growth``: from step ``step`` on, the last block's output is multiplied by ``factor`` ** (steps since);
 * ``hang``: rank ``rank`` stops at the start of optimizer step ``step`` and never goes on (a rank stuck outside any
   collective: the others wait for it in the next one), for the watchdog (lmtrain.callbacks.watchdog) to catch;
+* ``slow_rank``: from optimizer step ``step`` on, rank ``rank``'s forward passes take ``factor`` times as long (it
+  waits out the difference after each, on a GPU after the device has run it): a slow GPU or a busy host, for the
+  straggler check (lmtrain.callbacks.stragglers) to name;
 * ``grad_overflow``: for ``count`` steps from ``step`` on, the gradient flowing back into the final norm is
   multiplied by ``factor`` (the forward pass and the loss are untouched): under fp16 the backward pass really
   overflows, as it does when the loss scale is too high for the gradients, and the gradient scaler answers.
@@ -34,7 +37,7 @@ from lmtrain.console import log
 from lmtrain.errors import InputError
 from lmtrain.training.contracts import SaveGuard
 
-KINDS = ("crash", "crash_mid_save", "enospc", "truncate", "loss_spike", "nan_loss", "act_growth", "grad_overflow", "hang")
+KINDS = ("crash", "crash_mid_save", "enospc", "truncate", "loss_spike", "nan_loss", "act_growth", "grad_overflow", "hang", "slow_rank")
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -67,6 +70,7 @@ class FaultInjector(L.Callback, SaveGuard):
             raise InputError(f"fault.kind={kind!r}: use one of {list(KINDS)}")
         self.kind, self.step, self.rank, self.factor, self.count = kind, int(step), rank, float(factor), int(count)
         self._growth_from: int | None = None
+        self._batch_started: float | None = None
         self.marker = Path(run_dir) / ".faults" / f"{kind}-{self.step}"
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -89,6 +93,7 @@ class FaultInjector(L.Callback, SaveGuard):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step
+        self._batch_started = time.perf_counter()
         if self.kind == "crash" and step >= self.step and self._arm():
             self._kill(f"crash at step {step}")
         if self.kind == "hang" and step >= self.step and self._arm():
@@ -105,12 +110,28 @@ class FaultInjector(L.Callback, SaveGuard):
             )
             log.info(f"FAULT: activations growing x{self.factor} per step from step {step}")
 
+        if self.kind == "slow_rank" and step >= self.step and self._growth_from is None and self._arm():
+            self._growth_from = step
+            self._slow_down(pl_module.model)
+            log.info(f"FAULT: rank {trainer.global_rank}'s forward passes x{self.factor:g} as long from step {step}")
+
         if self.kind == "grad_overflow" and step == self.step and self._arm():
             end = step + self.count
             pl_module.model.norm.register_forward_pre_hook(
                 lambda module, args: (_ScaleGrad.apply(args[0], self.factor),) if trainer.global_step < end and module.training else None
             )
             log.info(f"FAULT: gradients x{self.factor:g} in steps {step}..{end - 1}")
+
+    def _slow_down(self, model: torch.nn.Module) -> None:
+        """The forward pass (this micro-batch's start to the final norm) held back to ``factor`` times its time."""
+
+        def after(module, args, output):
+            if module.training and self._batch_started is not None:
+                if output.is_cuda:
+                    torch.cuda.synchronize(output.device)
+                time.sleep((self.factor - 1) * (time.perf_counter() - self._batch_started))
+
+        model.norm.register_forward_hook(after)
 
     def at_save_stage(self, point: str, step: int, path: Path) -> None:
         if step < self.step:
