@@ -9,29 +9,9 @@ import lightning as L
 import torch
 
 from lmtrain.errors import InputError
+from lmtrain.training.cards import detect_peak_flops
 from lmtrain.training.contracts import ReportsThroughput
 from lmtrain.training.logs import log_direct
-
-# Dense bf16/fp16 tensor-core peaks (no sparsity) of the cards where Lightning's table
-# (lightning.fabric.utilities.throughput.get_available_flops, used for every other card) is silent or not dense: it
-# knows no card named plainly "NVIDIA H200" (the name torch reports on the H200s measured in docs/BENCHMARKS.md), and
-# lists the H200 SXM1 at 2.0e15, its 2:4-sparse figure (twice the dense rate that MFU is quoted against).
-DENSE_16BIT_PEAKS = {"H200": 989.4e12}
-
-
-def detect_peak_flops(precision: str) -> float | None:
-    """The card's dense peak for the training precision, or None when unknown (CPU, fp32, a card nobody lists)."""
-    if not torch.cuda.is_available() or not any(p in str(precision) for p in ("16", "bf16")):
-        return None
-    name = torch.cuda.get_device_name()
-    ours = next((v for k, v in DENSE_16BIT_PEAKS.items() if k in name), None)
-    if ours is not None:
-        return ours
-    from lightning.fabric.utilities.throughput import get_available_flops
-
-    dtype = torch.float16 if str(precision).startswith("16") else torch.bfloat16
-    flops = get_available_flops(torch.device("cuda", torch.cuda.current_device()), dtype)
-    return float(flops) if flops else None
 
 
 def alloc_retry_warning(retries: int, step: int) -> str | None:

@@ -9,6 +9,7 @@
                                           learning-rate corrections of a run, running or stopped, and what is in force
     lmtrain generate RUN_DIR --prompt ..  sample from a run's newest checkpoint
     lmtrain export RUN_DIR --out DIR      a standalone model export (safetensors, config, tokenizer; --format hf)
+    lmtrain doctor                        every GPU's matmul rate and memory bandwidth, the links' all-reduce bandwidth
 
 lmtrain COMMAND --help describes each; lmtrain --version gives the version. python -m lmtrain.COMMAND runs the same
 module.
@@ -29,6 +30,7 @@ COMMANDS = {
     "control": "lmtrain.control",
     "generate": "lmtrain.generate",
     "export": "lmtrain.export",
+    "doctor": "lmtrain.doctor",
 }
 
 

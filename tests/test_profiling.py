@@ -185,7 +185,7 @@ def test_peak_flops_come_from_lightnings_table_except_where_it_is_silent(monkeyp
     """The device name is what torch would report on that card (this machine has none): the lookup is what is tested."""
     import torch
 
-    from lmtrain.callbacks.throughput import detect_peak_flops
+    from lmtrain.training.cards import detect_peak_flops
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)

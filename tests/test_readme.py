@@ -11,6 +11,8 @@ the handlers do with them:
   config, tests/test_train.py), the sweep (test_train), resume / ``resume=false`` / ``overwrite`` / ``ckpt_path``
   (tests/test_checkpoint.py), the plugin (tests/test_plugin.py), FSDP/HSDP under torchrun and SLURM
   (tests/test_fsdp.py), resumes on other layouts (tests/test_reshard.py).
+* ``torchrun ... -m lmtrain doctor OPTIONS``: its options parsed by the doctor's own parser; tests/test_doctor.py runs
+  both launcher forms for real (4 ranks on one node, two agents meeting through c10d rendezvous).
 * ``python -m lmtrain.data.prepare``, ``lmtrain.plan``, ``lmtrain.control``, ``lmtrain.generate``, ``lmtrain.report`` and
   ``lmtrain.export``: run here, with the README's arguments, on a run named ``my-run`` trained here for 4 steps.
 * ``pip install transformers==V``: the version tests/requirements.txt pins (tests/conftest.py's TEST_DEPS); ``python -c "..."``: run as written
@@ -174,6 +176,12 @@ def test_every_readme_command_line_works(readme_world, corpus_jsonl, tmp_path, m
                 claimed.append(command)
                 continue
             words = shlex.split(command)
+            if words[0] == "torchrun" and "-m" in words and words[words.index("-m") :][:3] == ["-m", "lmtrain", "doctor"]:
+                from lmtrain import doctor
+
+                doctor.parser().parse_args(words[words.index("-m") + 3 :])  # a bad option exits 2: the test fails
+                claimed.append(command)
+                continue
             if words[:2] == ["pip", "install"]:  # the version pinned for the tests (tests/requirements.txt), installed already
                 assert all(w in (ROOT / "tests" / "requirements.txt").read_text().split() for w in words[2:]), command
                 claimed.append(command)
