@@ -3,7 +3,8 @@
 A thread on every rank watches for signs of progress: a training micro-batch starting or ending, a validation batch
 ending, a checkpoint save beginning (lmtrain.callbacks.checkpoint says so). When none comes within the current
 phase's limit, the rank writes the stacks of all its threads, what its child processes (the loader's workers) are
-doing, and where its main thread stands to ``RUN_DIR/hangs/attempt-T/rank-R.txt`` (``T``: when the attempt took the
+doing, with their own stacks (lmtrain.training.workers), and where its main thread stands, naming the loader worker
+it waits for when it waits for a batch to ``RUN_DIR/hangs/attempt-T/rank-R.txt`` (``T``: when the attempt took the
 run's lock); rank zero waits for the other ranks' reports, writes a ``hang`` alert to the logbook naming the step and
 each rank's place (or that a rank never reported), releases the run's lock, and every rank exits with status 5
 (lmtrain.errors.HUNG_EXIT). A launcher that restarts failed jobs (``torchrun --max-restarts``, ``sbatch --requeue``)
@@ -30,6 +31,7 @@ from pathlib import Path
 import lightning as L
 
 from lmtrain.errors import HUNG_EXIT, InputError
+from lmtrain.training import compat, workers
 from lmtrain.training.contracts import WatchesProgress
 from lmtrain.training.loggers import flush as flush_loggers
 
@@ -135,9 +137,14 @@ class Watchdog(L.Callback, WatchesProgress):
         rank, step = trainer.global_rank, trainer.global_step
         folder = self.run_dir / "hangs" / f"attempt-{self._attempt}"
         where = _main_thread_place()
+        loader = compat.awaited_loader_worker(threading.main_thread().ident)
+        if loader is not None:
+            loader["state"] = _process_state(loader["pid"]) if loader["alive"] else "dead"
+            where += f", waiting for loader worker {loader['worker']} (pid {loader['pid']}, {loader['state']})"
         report = {
             "rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "step": step, "phase": phase,
             "waited_s": round(waited, 1), "limit_s": round(self.limit(phase), 1), "where": where, "time": time.time(),
+            "loader_worker": loader,
         }  # fmt: skip
         self.fired = report
         try:
@@ -230,7 +237,26 @@ def _stacks(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _process_state(pid: int) -> str:
+    """A process's state in words, from ``/proc/PID/stat``."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+    meaning = {
+        "R": "running",
+        "S": "sleeping",
+        "D": "in an uninterruptible wait (I/O)",
+        "Z": "dead (zombie)",
+        "T": "stopped",
+        "t": "stopped",
+    }
+    return meaning.get(state, state)
+
+
 def _children() -> list[str]:
+    """Each child process with its state and command, and the Python stacks of those that answer a request for them
+    (the data module's loader workers: lmtrain.training.workers)."""
     out = []
     for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
         try:
@@ -239,12 +265,12 @@ def _children() -> list[str]:
             continue
         for pid in pids:
             try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
             except OSError:
                 out.append(f"pid {pid}: gone")
                 continue
-            state = stat.rpartition(")")[2].split()[0]
-            meaning = {"R": "running", "S": "sleeping", "D": "in an uninterruptible wait (I/O)", "Z": "dead (zombie)", "T": "stopped"}
-            out.append(f"pid {pid}: {meaning.get(state, state)}: {cmd[:200]}")
+            out.append(f"pid {pid}: {_process_state(int(pid))}: {cmd[:200]}")
+            stacks = workers.worker_stacks(int(pid))
+            if stacks is not None:
+                out.extend(["  " + line for line in stacks.splitlines()])
     return out

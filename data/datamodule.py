@@ -25,6 +25,7 @@ from lmtrain.data.prepare import CHECKSUM, PrepareError, prepare, read_manifest,
 from lmtrain.errors import InputError
 from lmtrain.formats.tokenizer import load_tokenizer, tokenizer_identity
 from lmtrain.nn.model import document_ids
+from lmtrain.training.workers import answer_stack_requests
 
 VERIFY_ON_OPEN_BYTES = 1 << 30  # a split this small has its shard checksums checked when opened; larger: --verify
 
@@ -472,6 +473,7 @@ class TokenDataModule(L.LightningDataModule):
             drop_last=drop_last,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
+            worker_init_fn=answer_stack_requests if self.num_workers > 0 else None,  # the hang watchdog's report
         )
 
 

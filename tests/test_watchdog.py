@@ -56,3 +56,129 @@ def test_a_rank_that_hangs_is_reported_on_every_rank_and_the_run_resumes_exactly
     kinds = [json.loads(line)["kind"] for line in (run / "logbook.jsonl").read_text().splitlines()]
     assert kinds.index("hang") < kinds.index("resume") and "died" not in kinds, kinds
     assert _losses(run) == _losses(tmp_path / "runs" / "ref")
+
+
+class _Stuck(__import__("torch").utils.data.Dataset):
+    """A dataset whose items never come: a read that hangs (a dead mount, a stalled network filesystem)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        import time
+
+        while True:  # noqa: ASYNC110 - the stall
+            time.sleep(0.1)
+
+
+def test_a_loader_worker_a_thread_waits_for_is_named_and_answers_with_its_stacks():
+    """A real DataLoader worker stuck in its dataset's __getitem__: the waiting thread's loader names that worker and
+    its pid, and the worker, asked by signal, writes where it stands (faulthandler, lmtrain.training.workers)."""
+    import os
+    import signal
+    import threading
+
+    from torch.utils.data import DataLoader
+
+    from lmtrain.training import compat, workers
+
+    loader = DataLoader(_Stuck(), batch_size=2, num_workers=1, worker_init_fn=workers.answer_stack_requests)
+    failed, awaited = [], None
+    # the iterator made in the waiting thread: PyTorch's SIGCHLD handler (a dead worker raises) is the main thread's only
+    waiter = threading.Thread(target=lambda: failed.append(_next_or_error(iter(loader))), daemon=True)
+    waiter.start()
+    try:
+        for _ in range(200):
+            awaited = compat.awaited_loader_worker(waiter.ident)
+            if awaited is not None:
+                break
+            waiter.join(0.05)
+        assert awaited is not None and awaited["worker"] == 0 and awaited["alive"] and awaited["batch"] == 0, awaited
+        stacks = workers.worker_stacks(awaited["pid"], wait_s=5)
+        assert "__getitem__" in stacks and "test_watchdog.py" in stacks, stacks
+        assert workers.worker_stacks(os.getpid()) is None  # a process that does not listen is never signalled
+    finally:
+        if awaited is not None:
+            os.kill(awaited["pid"], signal.SIGKILL)
+        waiter.join(30)
+    assert failed and "DataLoader worker" in failed[0], failed
+
+
+def _next_or_error(it) -> str:
+    try:
+        next(it)
+        return "a batch came"
+    except RuntimeError as exc:
+        return str(exc)
+
+
+def _train_until_stepping(args, tmp_path, run):
+    """`train.py ARGS` started, returned once its record shows step 2 trained, with its loader workers' pids. Its
+    output goes to RUN.err (a pipe would stay open as long as the workers, which inherit it, live)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from tests.conftest import ROOT, user_env
+
+    env = {**user_env(), "PYTHONPATH": str(ROOT), "LMTRAIN_RUN_ID": ""}
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        record = run / "metrics.jsonl"
+        if record.exists() and any('"step": 2,' in line or '"step": 3,' in line for line in record.read_text().splitlines()):
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, (tmp_path / f"{run.name}.err").read_text()[-3000:]
+    kids = [int(c) for t in Path(f"/proc/{proc.pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    assert kids, "no loader worker processes"
+    return proc, kids
+
+
+@pytest.mark.slow
+def test_a_stalled_loader_worker_is_named_by_the_watchdog_and_a_dead_one_by_the_error(tmp_path, dataset_dir):
+    """The loader's workers of a real run are stopped (SIGSTOP: a worker that stalls): the watchdog's `hang` alert
+    names the worker the main thread waits for, its pid and state, and the run exits 5. In a second run a worker is
+    killed (SIGKILL): the run ends at once, exit 1, its logbook naming the worker's pid and the signal."""
+    import os
+    import signal
+
+    base = [a for a in TINY if a != "callbacks=none"] + [
+        "callbacks=[checkpoint,watchdog]", "callbacks.watchdog.timeout_s=4", "callbacks.checkpoint.every_n_steps=50",
+        "callbacks.disk_guard.margin_gb=0", "data.num_workers=1", "trainer.max_steps=100000", "scheduler.total_steps=100000",
+        "trainer.val_check_interval=1000", "logger=csv", f"paths.runs={tmp_path / 'runs'}", f"data.path={dataset_dir}", "data.prepare=null",
+    ]  # fmt: skip
+    run = tmp_path / "runs" / "stall"
+    proc, kids = _train_until_stepping(base + ["run_name=stall"], tmp_path, run)
+    try:
+        for pid in kids:
+            os.kill(pid, signal.SIGSTOP)
+        proc.wait(timeout=120)
+    finally:
+        for pid in kids:
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 5, (tmp_path / "stall.err").read_text()[-3000:]
+    (entry,) = [json.loads(line) for line in (run / "logbook.jsonl").read_text().splitlines() if '"hang"' in line]
+    (worker,) = [r["loader_worker"] for r in entry["ranks"].values()]
+    assert worker["worker"] == 0 and worker["pid"] in kids and worker["state"] == "stopped", worker
+    assert f"waiting for loader worker 0 (pid {worker['pid']}, stopped)" in entry["message"], entry["message"]
+    (folder,) = (run / "hangs").iterdir()
+    assert f"pid {worker['pid']}: stopped: " in (folder / "rank-0.txt").read_text()
+
+    run = tmp_path / "runs" / "dead"
+    proc, kids = _train_until_stepping(base + ["run_name=dead"], tmp_path, run)
+    try:
+        os.kill(kids[0], signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        for pid in kids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode == 1, (tmp_path / "dead.err").read_text()[-3000:]
+    (entry,) = [json.loads(line) for line in (run / "logbook.jsonl").read_text().splitlines() if '"failed"' in line]
+    assert f"DataLoader worker (pid {kids[0]}) is killed by signal: Killed" in entry["message"], entry

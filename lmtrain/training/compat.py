@@ -194,3 +194,26 @@ def dtensor_around(local: torch.Tensor, like):
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, like._spec, requires_grad=False)
+
+
+def awaited_loader_worker(thread_id: int) -> dict | None:
+    """The loader worker process that thread ``thread_id`` waits for a batch from, or None when it waits for none: the
+    thread's frames searched for a multi-process loader iterator (torch's ``_MultiProcessingDataLoaderIter``, torchdata's
+    ``_StatefulMultiProcessingDataLoaderIter``), whose private bookkeeping says which task comes next (``_rcvd_idx``),
+    which worker has it while it has not arrived (``_task_info[idx] == (worker_id,)``) and the worker processes
+    (``_workers``). No public API names the worker a loader waits on."""
+    import sys
+
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        it = frame.f_locals.get("self")
+        if type(it).__name__.endswith("MultiProcessingDataLoaderIter"):
+            tasks = getattr(it, "_task_info", None)  # None while the iterator is being built
+            info = tasks.get(it._rcvd_idx) if tasks is not None else None
+            if info is None or len(info) != 1:  # no task sent, or it arrived and waits to be yielded
+                return None
+            worker = info[0]
+            process = it._workers[worker]
+            return {"worker": worker, "pid": process.pid, "alive": process.is_alive(), "batch": it._rcvd_idx}
+        frame = frame.f_back
+    return None
