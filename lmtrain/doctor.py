@@ -3,6 +3,7 @@
     lmtrain doctor                                            # this process: its GPU (or the CPU)
     torchrun --standalone --nproc_per_node=8 -m lmtrain doctor    # every GPU of a node, and the links between them
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HEAD:29500 -m lmtrain doctor
+    srun python -m lmtrain doctor                             # in a SLURM job, with MASTER_ADDR/PORT exported
 
 Per rank: a matrix-product rate (bf16 products of 8192 x 8192 on a GPU, fp32 of 1024 x 1024 on the CPU) and a
 memory bandwidth (a device-to-device copy of 1 GiB, 64 MiB on the CPU, counting the bytes read and written), each
@@ -71,7 +72,18 @@ def parser(prog: str = "python -m lmtrain.doctor") -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.doctor") -> int:
     args = parser(prog).parse_args(argv)
+    if "WORLD_SIZE" not in os.environ and "SLURM_PROCID" in os.environ:  # started by srun, one task per GPU
+        os.environ.update(
+            WORLD_SIZE=os.environ.get("SLURM_NTASKS", "1"), RANK=os.environ["SLURM_PROCID"], LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0")
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        print(
+            "error: a job of several ranks needs MASTER_ADDR and MASTER_PORT: torchrun sets them; under srun the batch "
+            "script exports them (examples/slurm/train.sbatch)",
+            file=sys.stderr,
+        )
+        return 2
     if args.slow_rank is not None and not 0 <= args.slow_rank < world:
         print(f"error: --slow-rank {args.slow_rank}: the job has ranks 0 to {world - 1}", file=sys.stderr)
         return 2

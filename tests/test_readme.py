@@ -11,6 +11,7 @@ the handlers do with them:
   config, tests/test_train.py), the sweep (test_train), resume / ``resume=false`` / ``overwrite`` / ``ckpt_path``
   (tests/test_checkpoint.py), the plugin (tests/test_plugin.py), FSDP/HSDP under torchrun and SLURM
   (tests/test_fsdp.py), resumes on other layouts (tests/test_reshard.py).
+* ``sbatch examples/slurm/train.sbatch ARGS``: ARGS as a training command's; tests/test_restarts.py runs the script.
 * ``torchrun ... -m lmtrain doctor OPTIONS``: its options parsed by the doctor's own parser; tests/test_doctor.py runs
   both launcher forms for real (4 ranks on one node, two agents meeting through c10d rendezvous).
 * ``python -m lmtrain.data.prepare``, ``lmtrain.plan``, ``lmtrain.control``, ``lmtrain.generate``, ``lmtrain.report`` and
@@ -81,6 +82,9 @@ def _train_args(command: str) -> list[str] | None:
     words = shlex.split(command.split("&&")[-1])
     while words and re.match(r"^[A-Z_]+=", words[0]):
         words.pop(0)
+    if words[:1] == ["sbatch"] and len(words) > 1 and words[1].endswith(".sbatch"):  # a batch script's arguments are train.py's
+        assert (ROOT / words[1]).is_file(), f"no batch script {words[1]}"
+        return words[2:]
     if "train.py" not in words:
         return None
     if words[0] not in ("python", "torchrun", "srun"):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, TINY, run_train_cli, user_env
+from tests.conftest import ROOT, TINY, free_port, run_train_cli, user_env
 
 BASE = [a for a in TINY if not a.startswith("trainer.devices")] + [
     "callbacks=[checkpoint,watchdog]", "callbacks.checkpoint.every_n_steps=4", "callbacks.disk_guard.margin_gb=0",
@@ -29,16 +29,69 @@ def _torchrun(args: list[str], cwd, restarts: int, share_store: bool = False) ->
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
+SRUN = """#!{python}
+# srun for one node, as SLURM runs a job step: SLURM_NTASKS tasks of the command, each with its SLURM_PROCID and
+# SLURM_LOCALID; --kill-on-bad-exit=1: the first task to fail ends the others; the status is the highest task status.
+import os, subprocess, sys, time
+args = sys.argv[1:]
+kill = "--kill-on-bad-exit=1" in args
+while args and args[0].startswith("--"):
+    args.pop(0)
+n = int(os.environ["SLURM_NTASKS"])
+tasks = [subprocess.Popen(args, env={{**os.environ, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i), "SLURM_NODEID": "0"}})
+         for i in range(n)]
+while any(t.poll() is None for t in tasks):
+    if kill and any(t.returncode not in (None, 0) for t in tasks):
+        for t in tasks:
+            if t.poll() is None:
+                t.kill()
+    time.sleep(0.1)
+sys.exit(max(t.returncode if t.returncode >= 0 else 128 - t.returncode for t in tasks))
+"""
+SCONTROL = """#!/bin/bash
+# scontrol show hostnames LIST: one host a line; scontrol requeue ID: written to $SCONTROL_LOG (the requeue itself is
+# the test running the script again, as SLURM does, with SLURM_RESTART_COUNT set)
+case "$1" in
+  show) echo "$3" | tr , '\\n' ;;
+  requeue) echo "requeue $2" >> "$SCONTROL_LOG" ;;
+esac
+"""
+
+
+def _slurm_job(args: list[str], tmp_path, restart: int) -> subprocess.CompletedProcess:
+    """examples/slurm/train.sbatch run as SLURM runs a batch script on a 1-node, 2-task allocation (job 4242), with
+    srun and scontrol (no SLURM here) doing what they do there."""
+    bin_dir = tmp_path / "bin"
+    if not bin_dir.is_dir():
+        bin_dir.mkdir()
+        (bin_dir / "srun").write_text(SRUN.format(python=sys.executable))
+        (bin_dir / "scontrol").write_text(SCONTROL)
+        (bin_dir / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # the environment's python
+        for tool in ("srun", "scontrol", "python"):
+            (bin_dir / tool).chmod(0o755)
+    env = {k: v for k, v in user_env().items() if not k.startswith(("SLURM_", "LMTRAIN_RUN_ID"))}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHONPATH=str(ROOT), SCONTROL_LOG=str(tmp_path / "scontrol.log"),
+               SLURM_JOB_ID="4242", SLURM_JOB_NAME="train.sbatch", SLURM_JOB_NODELIST="localhost", SLURM_NODELIST="localhost",
+               SLURM_NNODES="1", SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", MASTER_PORT=str(free_port()))  # fmt: skip
+    if restart:
+        env["SLURM_RESTART_COUNT"] = str(restart)
+    script = ROOT / "examples" / "slurm" / "train.sbatch"
+    return subprocess.run(["bash", str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
 def _entries(run) -> list[dict]:
     return [json.loads(line) for line in (run / "logbook.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_torchrun_restarts_a_hung_and_a_killed_job_to_an_uninterrupted_runs_losses(tmp_path, dataset_dir):
+def test_torchrun_and_a_slurm_requeue_restart_a_hung_job_to_an_uninterrupted_runs_losses(tmp_path, dataset_dir):
     """torchrun --max-restarts 3, 2 ranks: rank 1 hangs at step 6 (the watchdog reports it, exit 5), rank 0 is killed
     (SIGKILL) at step 9; torchrun starts the job again each time, each attempt resumes from the newest checkpoint, and
-    the run finishes on its own with an uninterrupted run's losses; the logbook tells both restarts and their causes."""
+    the run finishes on its own with an uninterrupted run's losses; the logbook tells both restarts and their causes.
+    The shipped SLURM batch script, on 2 tasks: lmtrain doctor passes, rank 1 hangs at step 6, the script requeues the
+    job (exit 5, or 137 where srun ended rank 0 first); run again as SLURM runs a requeued job (same job id, SLURM_RESTART_COUNT=1) it resumes, finishes
+    with the same losses and does not requeue; the logbook names the restart."""
     from tests.test_checkpoint import _losses
 
     data = [f"paths.runs={tmp_path / 'runs'}", f"data.path={dataset_dir}", "data.prepare=null"]
@@ -55,6 +108,23 @@ def test_torchrun_restarts_a_hung_and_a_killed_job_to_an_uninterrupted_runs_loss
     assert restarts[1]["message"].startswith("restart 2 (torchrun) after a kill at step 8: "), restarts[1]
     kinds = [e["kind"] for e in entries]
     assert kinds.count("resume") == 2 and kinds[-1] == "end" and kinds.index("hang") < kinds.index("died"), kinds
+    assert _losses(run) == _losses(tmp_path / "runs" / "ref")
+
+    job = BASE + data + ["fault=hang", "callbacks.fault.step=6", "callbacks.fault.rank=1"]
+    first = _slurm_job(job, tmp_path, restart=0)
+    # 5, or 137: srun's status is its tasks' highest, and a task it ended with SIGKILL (--kill-on-bad-exit) counts 128 + 9
+    assert first.returncode in (5, 137), first.stdout[-2000:] + first.stderr[-4000:]
+    assert "doctor: 2 rank(s) on 1 node(s): ok" in first.stdout, first.stdout[-2000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    again = _slurm_job(job, tmp_path, restart=1)  # the requeued job: same script, same arguments, same job id
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"  # finished: not requeued again
+    run = tmp_path / "runs" / "slurm-4242"
+    assert [e["step"] for e in _entries(run) if e["kind"] == "hang"] == [6]
+    (restart,) = [e for e in _entries(run) if e["kind"] == "restart"]
+    assert restart["launcher"] == "SLURM requeue" and restart["message"].startswith("restart 1 (SLURM requeue) after a hang at step 6"), (
+        restart
+    )
     assert _losses(run) == _losses(tmp_path / "runs" / "ref")
 
 
