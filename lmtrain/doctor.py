@@ -12,7 +12,7 @@ Across the job's ranks: the all-reduce bus bandwidth (NCCL on GPUs, gloo on the 
 bus bandwidth as nccl-tests reports it, algorithm bandwidth x 2(n-1)/n) within each node, and across all ranks when
 the job spans nodes. GPUs are measured all at once, as they train; CPU ranks share the host's cores, so they take turns.
 
-One table comes out, with every figure below ``--min-share`` of the ranks' (or nodes') median, below
+One table comes out, with every figure below ``--min-share`` of the other ranks' (or nodes') median, below
 ``--min-card-share`` of the card's datasheet figure, or an all-reduce below ``--min-busbw``, flagged. The exit status
 is 0 when nothing is flagged, 1 when something is (a batch script stops there: ``lmtrain doctor || exit 1``), 2 for
 bad options. ``--json FILE`` writes the figures. ``--slow-rank R`` rehearses a slow card: rank R does each measured
@@ -59,7 +59,7 @@ def _positive(text: str) -> float:
 
 def parser(prog: str = "python -m lmtrain.doctor") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=help_text(__doc__, prog), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--min-share", type=_share, default=0.8, help="flag a figure below this share of the ranks' median (0.8)")
+    p.add_argument("--min-share", type=_share, default=0.8, help="flag a figure below this share of the other ranks' median (0.8)")
     p.add_argument("--min-card-share", type=_share, default=0.5, help="flag a figure below this share of the card's datasheet figure (0.5)")
     p.add_argument(
         "--min-busbw", type=_positive, default=None, metavar="GBPS", help="flag an all-reduce bus bandwidth below this many GB/s"

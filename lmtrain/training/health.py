@@ -167,21 +167,29 @@ def examine(
     return result
 
 
+def _others_median(values: list[float], i: int) -> float:
+    """The median of every value but the ``i``-th: with two ranks the other's, so that a slow one does not pull down
+    the figure it is compared with."""
+    return statistics.median(v for j, v in enumerate(values) if j != i)
+
+
 def judge(result: dict, min_share: float, min_card_share: float, min_busbw: float | None) -> list[str]:
-    """One line per figure out of bounds."""
+    """One line per figure out of bounds: below ``min_share`` of the other ranks' (nodes') median, below
+    ``min_card_share`` of the card's datasheet figure, an all-reduce below ``min_busbw``."""
     flags = []
     ranks = result["ranks"]
     for key, card, what, unit, scale in (
         ("matmul_flops", "card_flops", "matrix products", "TFLOP/s", 1e12),
         ("memory_bytes", "card_bytes", "memory bandwidth", "GB/s", 1e9),
     ):
-        median = statistics.median(r[key] for r in ranks)
-        for r in ranks:
+        values = [r[key] for r in ranks]
+        for i, r in enumerate(ranks):
             v = r[key]
-            if len(ranks) > 1 and v < min_share * median:
+            median = _others_median(values, i) if len(ranks) > 1 else None
+            if median is not None and v < min_share * median:
                 flags.append(
                     f"rank {r['rank']} ({r['host']}, {r['device']}): {what} {v / scale:.4g} {unit}, {v / median:.0%} of the "
-                    f"ranks' median {median / scale:.4g} (below {min_share:.0%})"
+                    f"other ranks' median {median / scale:.4g} (below {min_share:.0%})"
                 )
             if r.get(card) and v < min_card_share * r[card]:
                 flags.append(
@@ -190,13 +198,14 @@ def judge(result: dict, min_share: float, min_card_share: float, min_busbw: floa
                 )
     within = result["allreduce"]["within"]
     if len(within) > 1:
-        median = statistics.median(within.values())
-        flags += [
-            f"{h}: all-reduce within the node {bw / 1e9:.4g} GB/s, {bw / median:.0%} of the nodes' median "
-            f"{median / 1e9:.4g} (below {min_share:.0%})"
-            for h, bw in within.items()
-            if bw < min_share * median
-        ]
+        nodes, figures = list(within), list(within.values())
+        for i, (h, bw) in enumerate(zip(nodes, figures, strict=True)):
+            median = _others_median(figures, i)
+            if bw < min_share * median:
+                flags.append(
+                    f"{h}: all-reduce within the node {bw / 1e9:.4g} GB/s, {bw / median:.0%} of the other nodes' median "
+                    f"{median / 1e9:.4g} (below {min_share:.0%})"
+                )
     if min_busbw is not None:
         figures = [(f"within {h}", bw) for h, bw in within.items()]
         if result["allreduce"]["across"] is not None:
