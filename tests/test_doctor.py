@@ -124,3 +124,42 @@ def test_at_the_start_of_training_a_flagged_figure_stops_the_job_before_its_firs
     from lmtrain.formats import metrics
 
     assert metrics.metric(run, "train/loss") == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="a GPU's figures: run on a GPU (docs/BENCHMARKS.md)")
+def test_on_a_gpu_the_figures_match_a_plain_matmul_loop_and_copy_within_10_percent(tmp_path):
+    """The doctor's bf16 matmul rate and memory bandwidth against a plain loop of 8192^3 bf16 products and of a 1-GiB
+    device-to-device copy timed here, in the same process, on the same card (bench/doctor_gpu.sh prints both)."""
+    import torch
+
+    done = _doctor(["--json", str(tmp_path / "d.json")], tmp_path)
+    assert done.returncode in (0, 1), done.stderr[-2000:]
+    (me,) = json.loads((tmp_path / "d.json").read_text())["ranks"]
+    assert me["card_flops"] and me["card_bytes"], me  # the card is in the table
+    plain_flops, plain_bytes = _plain_loops(torch.device("cuda"))
+    assert abs(me["matmul_flops"] / plain_flops - 1) < 0.10, (me["matmul_flops"], plain_flops)
+    assert abs(me["memory_bytes"] / plain_bytes - 1) < 0.10, (me["memory_bytes"], plain_bytes)
+
+
+def _plain_loops(device) -> tuple[float, float]:
+    """FLOP/s of 50 products of 8192 x 8192 bf16 matrices, bytes/s (read + written) of 50 copies of 1 GiB."""
+    import torch
+
+    n = 8192
+    a, b = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    src = torch.ones(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    rates = []
+    for op, work in ((lambda: a @ b, 2 * n**3), (lambda: dst.copy_(src), 2 * 2**30)):
+        for _ in range(5):
+            op()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(50):
+            op()
+        end.record()
+        end.synchronize()
+        rates.append(work * 50 / (start.elapsed_time(end) / 1e3))
+    return rates[0], rates[1]

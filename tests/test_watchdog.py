@@ -182,3 +182,23 @@ def test_a_stalled_loader_worker_is_named_by_the_watchdog_and_a_dead_one_by_the_
     assert proc.returncode == 1, (tmp_path / "dead.err").read_text()[-3000:]
     (entry,) = [json.loads(line) for line in (run / "logbook.jsonl").read_text().splitlines() if '"failed"' in line]
     assert f"DataLoader worker (pid {kids[0]}) is killed by signal: Killed" in entry["message"], entry
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="a hang in a GPU run: run on a GPU (docs/BENCHMARKS.md)")
+def test_a_hang_in_a_gpu_run_is_reported_and_ends_it(tmp_path, dataset_dir):
+    """One GPU, bf16: the rank stops at step 4 with its CUDA work queued (fault=hang); within the 10-s limit the
+    watchdog writes its stacks and the `hang` alert, and the run exits 5."""
+    gpu = [a for a in TINY if not a.startswith(("trainer.accelerator", "trainer.precision", "callbacks="))]
+    args = gpu + [
+        "trainer.accelerator=gpu", "trainer.precision=bf16-mixed", "callbacks=[checkpoint,watchdog]", "callbacks.watchdog.timeout_s=10",
+        "callbacks.disk_guard.margin_gb=0", "trainer.max_steps=8", "scheduler.total_steps=8", "fault=hang", "callbacks.fault.step=4",
+        f"paths.runs={tmp_path / 'runs'}", f"data.path={dataset_dir}", "data.prepare=null", "run_name=gpuhang", "logger=csv",
+    ]  # fmt: skip
+    res = run_train_cli(args, tmp_path)
+    assert res.returncode == 5, res.stderr[-3000:]
+    run = tmp_path / "runs" / "gpuhang"
+    (entry,) = [json.loads(line) for line in (run / "logbook.jsonl").read_text().splitlines() if '"hang"' in line]
+    assert entry["step"] == 4 and "fault.py" in entry["message"], entry["message"]
+    (folder,) = (run / "hangs").iterdir()
+    assert "--- thread MainThread" in (folder / "rank-0.txt").read_text()
