@@ -30,12 +30,26 @@ class _ConsoleFormatter(logging.Formatter):
         return f"[lmtrain] {text}"
 
 
+def launched_rank() -> int:
+    """This process's rank as its launcher gave it (torchrun's ``RANK``, srun's ``SLURM_PROCID``, Lightning's own
+    launcher's ``LOCAL_RANK``); 0 for a single process."""
+    import os
+
+    for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
 class _StderrHandler(logging.StreamHandler):
-    """stderr as it is when a record is emitted (pytest's capture and redirections swap ``sys.stderr``)."""
+    """stderr as it is when a record is emitted (pytest's capture and redirections swap ``sys.stderr``). Ranks other
+    than zero show warnings and errors only: eight ranks of a node would otherwise print every line eight times."""
 
     def __init__(self) -> None:
         super().__init__()
         self.addFilter(lambda record: not getattr(record, _FILE_ONLY, False))
+        self.addFilter(lambda record: record.levelno >= logging.WARNING or launched_rank() == 0)
 
     @property
     def stream(self):
@@ -103,6 +117,21 @@ class RunLogFile(logging.Handler):
 run_log = RunLogFile()
 _installed = False
 
+# Lines Lightning and MLflow print on every run that say what the run's own lines say, or nothing a user acts on: kept
+# in train.log, not shown on the console. Which accelerators exist (the run's model and strategy lines say what it
+# uses), the distributed banners, Lightning's cloud-logger tip and its float32-matmul tip (training is in bf16/fp16),
+# "max_steps reached" (the summary says how the run ended), MLflow creating its tables and experiment (the run's
+# MLflow line names both).
+BANNERS = (
+    "GPU available:", "TPU available:", "HPU available:", "LOCAL_RANK:", "You are using a CUDA device",
+    "Initializing distributed:", "`Trainer.fit` stopped:", "Experiment with name",
+)  # fmt: skip
+
+
+def _not_a_banner(record: logging.LogRecord) -> bool:
+    text = record.getMessage()
+    return not (text.startswith(BANNERS) or "distributed_backend=" in text or "litlogger" in text)
+
 
 def install() -> None:
     """Route the ``lmtrain`` logger to stderr and to :data:`run_log` (idempotent; done on import, so the tools'
@@ -117,7 +146,17 @@ def install() -> None:
     log.addHandler(run_log)
     log.setLevel(logging.INFO)
     log.propagate = False
-    logging.getLogger("lightning.pytorch").addHandler(run_log)  # its own console handler stays as it is
+    import warnings
+
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        lightning_log = logging.getLogger(name)
+        for handler in lightning_log.handlers:  # its own console handler: the banners filtered out
+            handler.addFilter(_not_a_banner)
+        lightning_log.addHandler(run_log)
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # "Creating initial MLflow database tables..."
+    # Lightning's advice to raise num_workers: the data module's loader slices a memory-mapped file, which the main
+    # process does at many times a 1.3B model's consumption (docs/BENCHMARKS.md, data loader), so it is no bottleneck
+    warnings.filterwarnings("ignore", message=r".*does not have many workers which may be a bottleneck")
 
 
 def begin_run() -> None:

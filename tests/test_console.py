@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from lmtrain.formats.metrics import metric
 from lmtrain.training.run import train
 from tests.conftest import TINY, make_cfg
@@ -86,3 +88,29 @@ def test_a_train_log_that_cannot_be_written_is_one_line_and_the_run_goes_on(caps
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot write /dev/full: No space left on device; train.log stops here" in err, err
     assert handler.path is None  # closed: nothing more is tried
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_two_rank_run_says_each_line_once_and_no_library_banners(tmp_path, dataset_dir):
+    """2 ranks (ddp, gloo, Lightning's launcher) logging to MLflow in a fresh SQLite store: the console holds the run's
+    own lines, once each (rank 1 shows warnings and errors only), and the progress lines; none of Lightning's or
+    MLflow's banners (accelerators, the distributed banner, "max_steps reached", MLflow creating its tables and
+    experiment), which train.log keeps."""
+    from lmtrain.console import BANNERS
+    from tests.conftest import run_train_cli
+
+    args = [a for a in TINY if not a.startswith(("trainer.devices", "logger=", "callbacks="))] + [
+        "strategy=ddp", "trainer.devices=2", "logger=mlflow", f"logger.mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}",
+        f"paths.runs={tmp_path / 'runs'}", f"data.path={dataset_dir}", "data.prepare=null", "run_name=quiet",
+    ]  # fmt: skip
+    done = run_train_cli(args, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    strangers = [line for line in lines if not line.startswith(("[lmtrain] ", "step "))]
+    assert not strangers, strangers
+    assert len(set(lines)) == len(lines), [line for line in lines if lines.count(line) > 1]
+    assert sum(line.startswith("[lmtrain] run quiet: ") for line in lines) == 1
+    kept = (tmp_path / "runs" / "quiet" / "train.log").read_text()
+    assert "GPU available: False" in kept and "Initializing distributed" not in done.stderr
+    assert all(b not in done.stderr for b in BANNERS)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -26,14 +25,11 @@ from lmtrain.formats import metrics as metrics_record
 from lmtrain.formats.checkpoint import CheckpointError, check_compatible, config_hash
 from lmtrain.formats.rundir import CONFIG, write_text_atomic
 from lmtrain.training import compat, restarts
-from lmtrain.training.checkpoint.resume import checked_here, global_rank, resume_identity, resume_point
+from lmtrain.training.checkpoint.resume import checked_here, resume_identity, resume_point
 from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data
 from lmtrain.training.contracts import CheckpointStore, Preempts, RequestsRollback, SaveGuard, StopsTraining
 from lmtrain.training.goodput import Goodput
 from lmtrain.training.precision import build as build_precision
-
-# Lightning 2.6 advertises a cloud logger on every run without its own ("💡 Tip: ... litlogger"): not ours to print.
-logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: "litlogger" not in record.getMessage())
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -142,7 +138,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
             if rollback is None:
                 return metrics
             run_dir = Path(cfg.run_dir)
-            if global_rank() == 0:
+            if console.launched_rank() == 0:
                 _record_rollback(run_dir, rollback)
             log.info(f"rollback to {rollback['checkpoint']} (learning rate x{rollback['scale']})")
             with open_dict(cfg):
@@ -199,7 +195,7 @@ def _take_run(cfg: DictConfig, created: list[Path]) -> runlock.RunLock | None:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise InputError(f"cannot create the run directory {run_dir} (run_dir / paths.runs): {exc.strerror or exc}") from exc
-    if global_rank() != 0:
+    if console.launched_rank() != 0:
         return None
     try:
         lock = runlock.acquire(run_dir)

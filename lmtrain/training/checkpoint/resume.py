@@ -4,21 +4,15 @@ model identity a checkpoint recorded (compared by lmtrain.training.run before th
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from lmtrain.console import log
+from lmtrain.console import launched_rank, log
 from lmtrain.formats import checkpoint as ck
 from lmtrain.formats import logbook, untrusted
 from lmtrain.formats.checkpoint import CheckpointError
 from lmtrain.training.config import ConfigError, world_size
-
-
-def global_rank() -> int:
-    """This process's rank in the launch, from the launcher's environment (0 when there is none)."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", "0"))))
 
 
 def resume_point(cfg: DictConfig, root: Path | None, check=lambda c: True) -> ck.Checkpoint | None:
@@ -34,7 +28,7 @@ def resume_point(cfg: DictConfig, root: Path | None, check=lambda c: True) -> ck
     if root is None:
         return None
     if cfg.get("resume", True):
-        found = ck.newest_intact(ck.scan(root), move_aside=global_rank() == 0, contents=lambda c: ck.damage(c, crc=check(c)))
+        found = ck.newest_intact(ck.scan(root), move_aside=launched_rank() == 0, contents=lambda c: ck.damage(c, crc=check(c)))
         if found is None:
             refuse_fresh_start(cfg, root)
         return found
@@ -45,7 +39,7 @@ def resume_point(cfg: DictConfig, root: Path | None, check=lambda c: True) -> ck
             f"(newest {max(existing).name}): pass resume=true to continue it, overwrite=true to delete them and start "
             "fresh, or choose another run_name"
         )
-    if existing and global_rank() == 0:
+    if existing and launched_rank() == 0:
         import shutil
 
         log.info(f"overwrite=true: deleting {len(existing)} checkpoint(s) in {root}")
