@@ -145,6 +145,7 @@ def test_the_bench_refuses_a_config_without_the_throughput_callback(tmp_path):
 # -- the command lines docs/BENCHMARKS.md shows (tests/test_readme.py covers README.md and the other docs) -----------
 
 BENCHMARKS = ROOT / "docs" / "BENCHMARKS.md"
+PAGES = [BENCHMARKS, *sorted((ROOT / "docs" / "benchmarks").glob("*.md"))]  # the page and its dated history
 COMMAND = re.compile(r"^(?:\w+=\S+ )*(?:python3?|torchrun|bash) ")
 FRAGMENT = re.compile(r"^(?:--[\w-]+(?: \d+)? )*\$M\d+\b")  # bench/throughput.py's arguments after the command: `--no-raw $M13 ...`
 TEMPLATE = re.compile(r"\.\.\.|\[|\||\$|\b(?:SIZE|RUN|NAME|MODEL|N|B)\b")  # a line written as a pattern (RAW=..., [--no-raw]): left out
@@ -164,15 +165,22 @@ def _script_variables(script: str) -> dict[str, str]:
 
 
 def benchmark_commands() -> list[str]:
-    """The complete command lines of docs/BENCHMARKS.md: its inline code (which may wrap across lines) and its fenced
-    blocks (a block's ``NAME="..."`` lines expanded in the lines after them), without comments and without the lines
+    """The complete command lines of docs/BENCHMARKS.md and its dated history (docs/benchmarks/): their inline code
+    (which may wrap across lines) and their fenced blocks (a block's ``NAME="..."`` lines expanded in the lines after them), without comments and without the lines
     written as templates.
 
     ``$M13``-style variables in inline code take the value the page last gave them before the line: a
     ``M13="..."`` of the page, or, after a sentence naming a bench script's variables, that script's own. A row's
     settings written as ``bench/throughput.py``'s arguments alone (``--no-raw $M13 data.batch_size=48``) are checked
     as that command, and a row's trainer settings alone (``$M13 data.batch_size=32``) as ``train.py``'s."""
-    text = BENCHMARKS.read_text()
+    lines = []
+    for page in PAGES:
+        lines += _page_commands(page.read_text())
+    return sorted({c for c in lines if COMMAND.match(c) and not TEMPLATE.search(c)})
+
+
+def _page_commands(text: str) -> list[str]:
+    """One page's command lines, its variables as the page sets them (:func:`benchmark_commands`)."""
     lines = []
     for block in re.findall(r"^```\w*\n(.*?)^```", text, flags=re.M | re.S):
         names: dict[str, str] = {}
@@ -198,8 +206,7 @@ def benchmark_commands() -> list[str]:
         if FRAGMENT.match(" ".join(m[1].split())):  # with options: bench/throughput.py's; settings alone: the trainer's
             line = ("python3 bench/throughput.py " if line.startswith("--") else "python3 train.py ") + line
         lines.append(line)
-    lines = [re.sub(r"^(?:\w+=\.\.\. )+", "", line) for line in lines]  # RAW=... before a script: the path is the reader's
-    return sorted({c for c in lines if COMMAND.match(c) and not TEMPLATE.search(c)})
+    return [re.sub(r"^(?:\w+=\.\.\. )+", "", line) for line in lines]  # RAW=... before a script: the path is the reader's
 
 
 def _check_benchmark_command(command: str, tmp_path: Path, throughput) -> None:
@@ -215,6 +222,15 @@ def _check_benchmark_command(command: str, tmp_path: Path, throughput) -> None:
             return
         unknown = [a for a in argv[2:] if not a.isdigit() and a not in modes]
         assert not unknown, f"{command}: {script.name} has no mode {unknown} (modes: {modes})"
+        return
+    if argv[0] == "torchrun" and "-m" in argv and argv[argv.index("-m") :][:3] == ["-m", "lmtrain", "doctor"]:  # by its parser
+        from lmtrain import doctor
+
+        doctor.parser().parse_args(argv[argv.index("-m") + 3 :])
+        return
+    if argv[1:3] == ["-m", "pytest"]:  # the GPU tests: the files and tests named exist (they run on a GPU only)
+        missing = [a for a in argv[3:] if a.startswith("tests/") and not (ROOT / a.split("::")[0]).is_file()]
+        assert not missing, f"{command}: no {missing}"
         return
     interpreter = []  # python's own options before -m (python -X importtime -m ...): run with them
     while argv[0] in ("python", "python3") and len(argv) > 3 and argv[1] == "-X":
