@@ -331,6 +331,15 @@ def validate_config(cfg: DictConfig) -> None:
 def check_machine(cfg: DictConfig) -> None:
     """What this machine must have for the config to run here (not part of validate_config: a plan for a GPU cluster
     is validated on a laptop). Checked before any data is prepared or model built."""
+    loggers = cfg.get("logger") or {}
+    if any(str((v or {}).get("_target_", "")).endswith(".TensorBoardLogger") for v in loggers.values()):
+        import importlib.util
+
+        if not (importlib.util.find_spec("tensorboardX") or importlib.util.find_spec("tensorboard")):
+            raise ConfigError(
+                "logger=tensorboard needs a TensorBoard writer, which lmtrain does not install for every run: "
+                "pip install tensorboardX==2.6.5 (or tensorboard, which also shows the runs)"
+            )
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     if device_type(accelerator) == "cuda":
         import torch

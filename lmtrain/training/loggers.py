@@ -5,6 +5,9 @@
 * :class:`CSVLogger` (``logger=csv``): ``RUN_DIR/csv/metrics.csv``, a view of the record's current timeline. It is
   rewritten only by writing a new file beside it and renaming it over the old one (a kill or a full disk leaves the
   old file whole; Lightning's CSV logger deleted it on resume and rewrote it in place when a column was added).
+* :class:`TensorBoardLogger` (``logger=tensorboard``): ``RUN_DIR/tensorboard``, one folder across attempts; an attempt
+  that resumes from step S purges the events of steps S and later that an earlier attempt wrote (TensorBoard's
+  ``purge_step``), so the board shows the timeline the run kept.
 * :class:`MLFlowLogger` continues the same MLflow run (``run_id`` from the checkpoint), marks it running again,
   and drops each value whose key the run already has at that step (MLflow cannot delete logged values). Params already logged
   keep their values; ones that changed since are recorded as a ``config_changed_at_step_N`` tag.
@@ -22,6 +25,7 @@ from typing import Any
 
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.loggers import MLFlowLogger as _MLFlowLogger
+from lightning.pytorch.loggers import TensorBoardLogger as _TensorBoardLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -73,6 +77,24 @@ class RecordLogger(Logger):
     @rank_zero_only
     def finalize(self, status: str) -> None:
         self.flush()
+
+
+class TensorBoardLogger(_TensorBoardLogger):
+    """Lightning's TensorBoard logger (tensorboardX or tensorboard writes the events) in one folder across attempts,
+    without its ``hp_metric`` placeholder; a resumed attempt purges the later steps an earlier attempt logged."""
+
+    def __init__(self, save_dir: str, name: str = "tensorboard", version: str = "", **kwargs: Any) -> None:
+        super().__init__(save_dir=save_dir, name=name, version=version, default_hp_metric=False, **kwargs)
+
+    def resume_at(self, step: int, relog: bool = False) -> None:
+        """This attempt continues from ``step``: events of ``step`` and later, from earlier attempts, are dropped."""
+        self._kwargs["purge_step"] = step
+
+    @rank_zero_only
+    def flush(self) -> None:
+        """The events written out (before every checkpoint: the writer's own interval is 2 minutes)."""
+        if self._experiment is not None:
+            self._experiment.flush()
 
 
 class CSVLogger(Logger):
