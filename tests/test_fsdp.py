@@ -187,7 +187,7 @@ def test_fsdp_options_activation_checkpointing_meta_init_and_compile(tmp_path, d
     """2 ranks: full and selective activation checkpointing recompute exactly what was freed (same losses, to
     the digit); meta-device init allocates and initialises each shard in place and trains; under bf16-mixed,
     gradients reduced in bf16 (strategy.reduce_dtype=bfloat16) train like the fp32 reduction to bf16 rounding, and
-    not identically; strategy.compile=true compiles every block and the output head with the loss
+    not identically; module.compile=true compiles every block and the output head with the loss
     (Decoder.head_loss under FSDP2) and computes one eager process's losses to float rounding (one rank; needs a C
     compiler). Three launches of 2 ranks share the assertions: full, selective, and op-level with the bf16 reduction."""
     common = ["strategy=fsdp", "trainer.devices=2", "data.batch_size=4", "trainer.max_steps=4", "scheduler.total_steps=4"]
@@ -209,7 +209,8 @@ def test_fsdp_options_activation_checkpointing_meta_init_and_compile(tmp_path, d
         pytest.skip("torch.compile on CPU needs a C compiler: the compiled run was not tried")
     # compiled on one rank (one compilation, not two at once on two cores), against one eager process (fp32, the same
     # global batch of 8 and schedule): the module's one_process_losses
-    res = _run(tmp_path, dataset_dir, "compiled", "strategy=fsdp", "trainer.devices=1", "data.batch_size=8", "strategy.compile=true")
+    # module.compile=true, the one compile switch: under fsdp it compiles the sharded way (strategy.compile)
+    res = _run(tmp_path, dataset_dir, "compiled", "strategy=fsdp", "trainer.devices=1", "data.batch_size=8", "module.compile=true")
     assert "compile True" in res.stderr
     compiled = {s: float(v) for s, v in _losses(tmp_path / "runs" / "compiled").items()}
     assert sorted(compiled) == list(range(8)) and compiled == pytest.approx(one_process_losses, rel=1e-4)

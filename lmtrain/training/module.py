@@ -97,8 +97,9 @@ class LMModule(L.LightningModule):
         scheduler: a partial LR scheduler taking the optimizer, stepped once per optimizer step, or None.
         grad_clip: clip the global gradient norm to this value (None or 0: measure only). Done here rather than
             with the Trainer's ``gradient_clip_val``, which Lightning refuses with fused AdamW under mixed precision.
-        compile: ``torch.compile`` the forward pass and loss together (single device and DDP; sharded strategies
-            compile per block through their own ``compile`` option). Parameter names do not change.
+        compile: ``torch.compile`` the forward pass and loss together (single device and DDP); under a sharded
+            strategy it turns on the strategy's own ``compile`` (per block, and the head with the loss:
+            lmtrain.training.run). Parameter names do not change.
         sdpa_backend: attention kernel(s) for ``scaled_dot_product_attention``, in priority order: ``flash``,
             ``cudnn`` (cuDNN's fused attention, the fastest on Hopper GPUs in our measurements, see docs/BENCHMARKS.md),
             ``efficient`` or ``math``; a name or a list. None: PyTorch's own choice.

@@ -306,6 +306,8 @@ def _build(att: _Attempt) -> None:
     stream refused. Nothing of the run is written here."""
     cfg, resume, rollback = att.cfg, att.resume, att.rollback
     strategy = instantiate(cfg.strategy) if cfg.get("strategy") else "auto"
+    if (cfg.get("module") or {}).get("compile") and getattr(strategy, "compile_blocks", None) is False:
+        strategy.compile_blocks = True  # module.compile under fsdp/hsdp: the sharded way, per block and the head with the loss
     model_factory = instantiate(cfg.model)  # a factory: the model itself is built in LMModule.configure_model
     att.module = instantiate(
         cfg.module,
