@@ -105,8 +105,8 @@ class StepProfiler(PyTorchProfiler):
         return self.start_step * accumulate, (self.start_step + self.steps) * accumulate - 1
 
     def _near(self) -> bool:
-        """Lightning's profiler runs only around the window: measured on an H100 (124M, batch 16, host-bound), left
-        open for the whole run (ranges around every hook) it slowed the steps outside the window by about 10%."""
+        """Lightning's profiler runs only around the window: left open for the whole run (ranges around every hook) it
+        slowed the steps outside the window measurably on a host-bound run (docs/BENCHMARKS.md)."""
         if self._written:  # every hook of the rest of the run asks: answered without looking at the trainer
             return False
         bounds = self._bounds()

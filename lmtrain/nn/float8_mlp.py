@@ -3,8 +3,8 @@ Llama's, ``down(silu(gate) * value)`` without biases, ``gate`` and ``value`` the
 (lmtrain.nn.model.MLP's ``gate_up``).
 
 torchao's float8 layers cast each product's inputs on their own: the compiler fuses the casts with the activation
-around them, but on an H200 the kernels it makes for them ran at a third of the memory bandwidth or less (the
-transposed one-byte stores the backward products need; docs/BENCHMARKS.md). Here the activation and its casts are
+around them, but on an H200 the kernels it makes for them ran far below the memory bandwidth (the transposed
+one-byte stores the backward products need; docs/BENCHMARKS.md). Here the activation and its casts are
 written once, as two Triton passes over the MLP's wide tensor (tokens x ffn):
 
 * forward: one pass takes the activation of ``h = up(x)`` and its largest magnitude, the next writes it in e4m3 as

@@ -6,9 +6,8 @@ tokens ``chunk`` at a time: the chunk's logits, its loss terms (fp32), and at on
 the chunk's hidden states and its share of the weight's gradient (softmax minus one-hot, over the number of
 counted tokens); the backward only scales them by the incoming gradient. The same FLOPs (the backward's two
 matmuls move into the forward); the logits take one chunk's memory instead of the batch's. Enabled with
-``module.loss_chunk_tokens=N`` (lmtrain.training.module). Measured under ``module.compile=true`` on an H100 the saving is
-small (1.3B, batch 28: 71.6 GiB against 72.4), as the compiled plain loss already holds far less than a whole
-fp32 copy of the logits (docs/BENCHMARKS.md).
+``module.loss_chunk_tokens=N`` (lmtrain.training.module). Under ``module.compile=true`` the saving is small, as the
+compiled plain loss already holds far less than a whole fp32 copy of the logits (docs/BENCHMARKS.md).
 
 With ``float8=True`` (``module.fp8=tensorwise`` with ``module.fp8_layers=all|head`` and ``module.loss_chunk_tokens``)
 the chunk's three products run in float8 (``torch._scaled_mm``), as torchao's tensorwise recipe computes a float8

@@ -5,24 +5,21 @@
     module.fp8=rowwise       one scale per row (finer, more robust to outliers, slower kernels)
     module.fp8=null          bf16 / fp32 matmuls (the default)
     module.fp8_fast_accum=true   with either recipe: the backward float8 products also accumulate in Hopper's fast mode
-                             (torchao's recipes do so for the forward product only; +2.1% tokens/s at 1.3B, loss
-                             after 1,000 steps 1.0% above bf16's where plain FP8's was 0.8%: docs/BENCHMARKS.md)
+                             (torchao's recipes do so for the forward product only; its speed and its loss against
+                             bf16's: docs/BENCHMARKS.md)
     module.fp8_layers=blocks     which products: the transformer blocks' linear layers (the default, as torchtitan's
                    =all          and torchao's recipes leave the output layer out), the blocks and the output head,
                    =head         or the output head alone (where the blocks are too narrow for FP8 to pay); with
-                                 module.loss_chunk_tokens the head is chunked and never holds the batch's logits. On an
-                                 H200: opt-1.3b +2.9% with the head (1.217x raw PyTorch), 1.231x under an H100's memory
-                                 chunked; opt-125m at 47.8% MFU with the head alone, chunked; validation loss after
-                                 1,000 steps on a corpus read once 0.86% below bf16's (docs/BENCHMARKS.md)
+                                 module.loss_chunk_tokens the head is chunked and never holds the batch's logits
+                                 (what each choice measured: docs/BENCHMARKS.md)
 
     module.fp8_fused_mlp=true    with tensorwise, a block's MLP (OPT: up, GELU or ReLU, down; Llama: gate_up, SwiGLU,
                                  down) as one float8 function of ours instead of two torchao layers
                                  (lmtrain.nn.float8_mlp): the activation and its float8 casts in two Triton passes each
                                  way (lmtrain.training.kernels), where the compiler's kernels for them ran at a third of
                                  the bandwidth; the same numbers as torchao's layers (tests/test_fp8.py). Its weights
-                                 are all-gathered in float8 under fsdp/hsdp, as torchao's layers' are. On an H200,
-                                 opt-1.3b: +5.8% over torchao's layers at the same memory, 1.283x raw PyTorch (+5.4%
-                                 under fsdp on 2 GPUs); llama-7b under fsdp: level with them (docs/BENCHMARKS.md)
+                                 are all-gathered in float8 under fsdp/hsdp, as torchao's layers' are (its speed
+                                 against theirs: docs/BENCHMARKS.md)
 
 Each converted ``nn.Linear`` becomes torchao's ``Float8Linear``: the same parameters under the same names
 (checkpoints load either way), its forward and backward matmuls in float8 with dynamic scales. The output head is a
@@ -323,9 +320,8 @@ def describe(model: nn.Module, layers: str) -> str:
     return " and ".join(parts) + (" computes" if parts == ["the output head"] else " compute")
 
 
-# Where FP8 paid on one H100 (bench/fast_paths_gpu.sh, docs/BENCHMARKS.md): opt-125m (d_model 768, batch 64 x 1024)
-# ran at 0.91x of bf16, opt-1.3b (d_model 2048, batch 16 x 1024) at 1.07x. Below this width the casts cost more than
-# the faster matmuls save.
+# The width from which FP8 in the blocks paid on an H100 (bench/fast_paths_gpu.sh; the figures: docs/BENCHMARKS.md):
+# below it the casts cost more than the faster matmuls save.
 PAYS_FROM_D_MODEL = 2048
 
 
@@ -336,9 +332,8 @@ def width_warning(model: nn.Module, recipe: str, layers: str = "blocks") -> str 
         return None
     return (
         f"module.fp8={recipe} at d_model={d}: on an H100, FP8 was slower than bf16 below d_model {PAYS_FROM_D_MODEL} "
-        "(opt-125m, d_model 768: 0.91x; opt-1.3b, d_model 2048: 1.07x; docs/BENCHMARKS.md); it saves memory, not time, here. "
-        "module.fp8_layers=head puts the output head alone in float8 (opt-125m on an H200: 1.03x bf16; with "
-        "module.loss_chunk_tokens=16384, chunked: 47.8% MFU, 1.04x raw PyTorch)"
+        "(docs/BENCHMARKS.md); it saves memory, not time, here. module.fp8_layers=head puts the output head alone in "
+        "float8, which paid at opt-125m's width (with module.loss_chunk_tokens, chunked)"
     )
 
 

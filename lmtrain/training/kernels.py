@@ -141,7 +141,7 @@ if triton is not None:
             tl.store(out_ptr + rows * N + cols, a, mask=mask)
 
 
-# blocks: measured on an H200 at 49,152 x 8,192 (backward: 1.44 ms against 2.16 for the compiled PyTorch passes)
+# blocks: the fastest measured on an H200 (docs/BENCHMARKS.md, the fused float8 MLP)
 _AMAX_BLOCK, _CAST_BLOCK, _WARPS = (64, 128), (64, 128), 8
 
 

@@ -105,8 +105,7 @@ class LMModule(L.LightningModule):
             ``efficient`` or ``math``; a name or a list. None: PyTorch's own choice.
         loss_chunk_tokens: compute the output head and loss this many tokens at a time (lmtrain.nn.loss): the batch's
             logits (3.3 GB in bf16 per 32k tokens of a 50k vocabulary, and as much again for their gradient) are never
-            held whole. Measured under ``compile`` on an H100 the peak fell by only 0.8 GiB (docs/BENCHMARKS.md).
-            None: all at once.
+            held whole; under ``compile`` the saving is small (docs/BENCHMARKS.md). None: all at once.
         loss_kernel: ``liger``: the output head and loss by liger-kernel's fused linear cross-entropy (Triton, GPU
             only; ``pip install -r requirements-gpu.txt``), which never holds the batch's logits; None: the plain head
             (or ``loss_chunk_tokens``). Measured against both: docs/BENCHMARKS.md.
