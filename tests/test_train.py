@@ -179,3 +179,26 @@ def test_document_masking_is_refused_for_a_model_without_document_ids(tmp_path, 
     ):
         train(cfg)
     assert not (tmp_path / "run" / "config.yaml").exists()  # refused before anything of the run is written
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not any(Path(d, "cc").exists() for d in os.environ.get("PATH", "").split(os.pathsep)), reason="torch.compile on CPU needs a C compiler"
+)
+def test_a_compiled_run_validates_without_compiling_again(tmp_path, dataset_dir, monkeypatch):
+    """module.compile=true with a validation every 2 steps: PyTorch's recompile log stays empty (validation runs
+    eagerly where the training graphs do not fit, instead of compiling for a few batches), and the validation losses
+    are the eager run's."""
+    args = [a for a in TINY if not a.startswith(("logger=", "callbacks="))] + [
+        "logger=csv", "callbacks=none", "trainer.max_steps=6", "scheduler.total_steps=6", f"paths.runs={tmp_path / 'runs'}",
+        f"data.path={dataset_dir}", "data.prepare=null",
+    ]  # fmt: skip
+    monkeypatch.setenv("TORCH_LOGS", "recompiles")  # run_train_cli passes this process's environment on
+    compiled = run_train_cli([*args, "module.compile=true", "run_name=compiled"], tmp_path)
+    monkeypatch.delenv("TORCH_LOGS")
+    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    assert "Recompiling function" not in compiled.stderr, compiled.stderr[-3000:]
+    eager = run_train_cli([*args, "run_name=eager"], tmp_path)
+    assert eager.returncode == 0, eager.stderr[-3000:]
+    got, want = (metric(tmp_path / "runs" / name, "val/loss") for name in ("compiled", "eager"))
+    assert len(got) == len(want) == 3 and got == pytest.approx(want, rel=1e-5)

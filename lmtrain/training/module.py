@@ -258,6 +258,7 @@ class LMModule(L.LightningModule):
         self._onednn_off = fp8_module.emulate_cpu_matmuls(self.fp8, self.device, self.trainer.precision)
 
     def teardown(self, stage: str) -> None:
+        torch.compiler.set_stance("default")  # a validation that raised leaves no stance behind
         fp8_module.restore_onednn(getattr(self, "_onednn_off", False))
         self._onednn_off = False
 
@@ -383,6 +384,9 @@ class LMModule(L.LightningModule):
 
     def on_validation_epoch_start(self) -> None:
         self._val_sums = torch.zeros(len(self._val_sets()[1]), 2, device=self.device, dtype=torch.float64)
+        # Validation compiles nothing: a compiled training step's graphs do not fit it (no gradients, eval mode), and a
+        # compilation for a few batches cost more than they took; it runs eagerly wherever no compiled graph fits.
+        torch.compiler.set_stance("eager_on_recompile")
 
     def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int, dataloader_idx: int = 0) -> None:
         inputs, targets, *doc = batch
@@ -397,6 +401,7 @@ class LMModule(L.LightningModule):
         return loss
 
     def on_validation_epoch_end(self) -> None:
+        torch.compiler.set_stance("default")
         totals = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum")  # (sets, 2), the same on every rank
         names, combined = self._val_sets()
         for name, total in zip(names, totals):
