@@ -12,9 +12,10 @@ then resumes the run from its newest checkpoint like any resume.
 
 The limits (``timeout_s: auto``): an attempt's first interval of each phase (start-up and the first training steps,
 the first validation, the first save: compilation, warm-up, pinning host memory) gets ``startup_s``; after that a phase
-gets ten times the longest interval measured in it, at least :data:`FLOOR_S`, at most :data:`CEILING_S` (under the
-process group's 30-minute timeout, so that a hung collective is reported here before the communication library aborts
-without a word). A number instead of ``auto`` is the limit of every phase; ``null`` turns the watchdog off.
+gets ten times the longest interval measured in it, at least :data:`FLOOR_S`, at most :data:`CEILING_S`. No limit is
+above :data:`GROUP_SHARE` of the process group's timeout (``strategy.timeout_s``), so that a hung collective is
+reported here before the communication library aborts without a word. A number instead of ``auto`` is the limit of
+every phase (refused when it is too close to that timeout); ``null`` turns the watchdog off.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from lmtrain.training.contracts import WatchesProgress
 from lmtrain.training.loggers import flush as flush_loggers
 
 FLOOR_S = 120.0  # auto: the least a phase is given once measured (host noise, a slow filesystem, a garbage collection)
-CEILING_S = 1500.0  # auto: the most, under the process group's timeout (lmtrain.training.strategies: 1800 s)
+CEILING_S = 1500.0  # auto: the most
 FACTOR = 10.0  # auto: a phase's limit over the longest interval measured in it
 REPORT_WAIT_S = 20.0  # rank zero waits this long for the other ranks' reports; they wait for its entry twice as long
+GROUP_SHARE = 5 / 6  # every limit at most this share of the process group's timeout (1800 s: 1500), time for the reports
 
 
 class Watchdog(L.Callback, WatchesProgress):
@@ -47,9 +49,12 @@ class Watchdog(L.Callback, WatchesProgress):
     timeout_s: ``auto``, seconds without progress in any phase, or null (off).
     startup_s: with ``auto``: the limit of each phase's first interval in an attempt (start-up, first validation,
         first save).
+    group_timeout_s: the process group's timeout (``strategy.timeout_s``); no limit is above :data:`GROUP_SHARE` of it.
     """
 
-    def __init__(self, run_dir: str, timeout_s: float | str | None = "auto", startup_s: float = 900.0) -> None:
+    def __init__(
+        self, run_dir: str, timeout_s: float | str | None = "auto", startup_s: float = 900.0, group_timeout_s: float = 1800.0
+    ) -> None:
         fixed = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
         if not (timeout_s is None or timeout_s == "auto" or (fixed and timeout_s > 0)) or not (
             isinstance(startup_s, int | float) and not isinstance(startup_s, bool) and startup_s > 0
@@ -57,6 +62,15 @@ class Watchdog(L.Callback, WatchesProgress):
             raise InputError(
                 f"callbacks.watchdog: timeout_s={timeout_s!r} must be auto, null (off) or seconds > 0, and "
                 f"startup_s={startup_s!r} seconds > 0"
+            )
+        # every limit under the process group's timeout, by the time the reports take: a hung collective is reported
+        # here before the communication library aborts it without a word
+        self.ceiling_s = min(CEILING_S, GROUP_SHARE * float(group_timeout_s))
+        if fixed and timeout_s > self.ceiling_s:
+            raise InputError(
+                f"callbacks.watchdog.timeout_s={timeout_s} is too close to the process group's timeout ({group_timeout_s:g} s, "
+                "strategy.timeout_s): a hung collective would be aborted first, without a report; give at most "
+                f"{self.ceiling_s:g}, or raise strategy.timeout_s"
             )
         self.run_dir = Path(run_dir)
         self.timeout_s, self.startup_s = (float(timeout_s) if fixed else timeout_s), float(startup_s)
@@ -76,8 +90,8 @@ class Watchdog(L.Callback, WatchesProgress):
             return float(self.timeout_s)
         longest = self._longest.get(phase)
         if longest is None:
-            return self.startup_s
-        return min(CEILING_S, max(FLOOR_S, FACTOR * longest))
+            return min(self.startup_s, self.ceiling_s)
+        return min(self.ceiling_s, max(FLOOR_S, FACTOR * longest))
 
     def beat(self, phase: str) -> None:
         """A sign of progress; ``phase`` is what the process does from now until the next one (``train``, ``val``,

@@ -17,6 +17,17 @@ def test_the_limits_grow_from_the_measured_intervals_within_floor_and_ceiling():
     dog._longest = {"train": 0.5, "val": 30.0, "save": 400.0}
     assert (dog.limit("train"), dog.limit("val"), dog.limit("save")) == (FLOOR_S, 300.0, CEILING_S)
     assert Watchdog(run_dir="/x", timeout_s=7).limit("train") == 7.0
+    short = Watchdog(run_dir="/x", group_timeout_s=600)  # strategy.timeout_s=600: every limit under 500 s
+    short._longest = {"train": 400.0}
+    assert short.limit("train") == short.limit("val") == 500.0
+
+
+def test_a_fixed_limit_the_process_groups_timeout_would_beat_is_refused():
+    from lmtrain.callbacks.watchdog import Watchdog
+    from lmtrain.errors import InputError
+
+    with pytest.raises(InputError, match=r"timeout_s=1700 is too close to the process group's timeout \(1800 s"):
+        Watchdog(run_dir="/x", timeout_s=1700)
 
 
 @pytest.mark.slow
