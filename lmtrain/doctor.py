@@ -16,7 +16,7 @@ One table comes out, with every figure below ``--min-share`` of the other ranks'
 ``--min-card-share`` of the card's datasheet figure, or an all-reduce below ``--min-busbw``, flagged. The exit status
 is 0 when nothing is flagged, 1 when something is (a batch script stops there: ``lmtrain doctor || exit 1``), 2 for
 bad options. ``--json FILE`` writes the figures. ``--slow-rank R`` rehearses a slow card: rank R does each measured
-operation twice. The same check runs at the start of training with ``callbacks=[default,doctor]``.
+operation three times. The same check runs at the start of training with ``callbacks=[default,doctor]``.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def parser(prog: str = "python -m lmtrain.doctor") -> argparse.ArgumentParser:
     )
     p.add_argument("--seconds", type=_positive, default=1.0, help="length of each timed loop (1.0)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the figures to FILE (rank 0)")
-    p.add_argument("--slow-rank", type=int, default=None, metavar="R", help="rehearsal: rank R does each measured operation twice")
+    p.add_argument("--slow-rank", type=int, default=None, metavar="R", help="rehearsal: rank R does each measured operation three times")
     return p
 
 

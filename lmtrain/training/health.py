@@ -16,6 +16,7 @@ from lmtrain.training.cards import card_memory_bandwidth, detect_peak_flops
 
 GPU = {"matmul_n": 8192, "copy_bytes": 2**30, "allreduce_bytes": 2**28}
 CPU = {"matmul_n": 1024, "copy_bytes": 2**26, "allreduce_bytes": 2**23}
+DRILL_TIMES = 3  # --slow-rank: the rank does each measured operation this many times (a card at a third of its speed)
 REPEATS = 3  # timed loops per figure; the best is kept (a loop disturbed by the host is not the card's rate)
 
 
@@ -36,7 +37,7 @@ def _timer(device: torch.device):
     return (lambda: t0.append(time.perf_counter())), (lambda: time.perf_counter() - t0[-1])
 
 
-def _best_rate(device: torch.device, op, work: float, seconds: float, twice: bool, repeats: int = REPEATS) -> float:
+def _best_rate(device: torch.device, op, work: float, seconds: float, drill: bool, repeats: int = REPEATS) -> float:
     """The best of ``repeats`` timed loops of ``op`` (``work`` units each: FLOPs, bytes), each loop about ``seconds``
     long; units per second."""
     for _ in range(2):  # warm-up: kernels chosen, memory touched
@@ -50,28 +51,27 @@ def _best_rate(device: torch.device, op, work: float, seconds: float, twice: boo
     for _ in range(repeats):
         start()
         for _ in range(iters):
-            op()
-            if twice:
+            for _ in range(DRILL_TIMES if drill else 1):
                 op()
         best = max(best, work * iters / max(stop(), 1e-9))
     return best
 
 
-def matmul_rate(device: torch.device, seconds: float = 1.0, twice: bool = False, repeats: int = REPEATS) -> float:
+def matmul_rate(device: torch.device, seconds: float = 1.0, drill: bool = False, repeats: int = REPEATS) -> float:
     """FLOP/s of square matrix products: bf16 of 8192 on a GPU, fp32 of 1024 on the CPU."""
     n = (GPU if device.type == "cuda" else CPU)["matmul_n"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    return _best_rate(device, lambda: torch.matmul(a, b, out=out), 2.0 * n**3, seconds, twice, repeats)
+    return _best_rate(device, lambda: torch.matmul(a, b, out=out), 2.0 * n**3, seconds, drill, repeats)
 
 
-def memory_bandwidth(device: torch.device, seconds: float = 1.0, twice: bool = False, repeats: int = REPEATS) -> float:
+def memory_bandwidth(device: torch.device, seconds: float = 1.0, drill: bool = False, repeats: int = REPEATS) -> float:
     """Bytes/s of a device-to-device copy, the bytes read and written both counted."""
     size = (GPU if device.type == "cuda" else CPU)["copy_bytes"]
     src = torch.ones(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return _best_rate(device, lambda: dst.copy_(src), 2.0 * size, seconds, twice, repeats)
+    return _best_rate(device, lambda: dst.copy_(src), 2.0 * size, seconds, drill, repeats)
 
 
 def allreduce_busbw(device: torch.device, group, seconds: float = 1.0) -> float:
@@ -131,17 +131,17 @@ def examine(
         me |= {"device": f"{device} ({name})", "card_flops": detect_peak_flops("bf16-mixed"), "card_bytes": card_memory_bandwidth(name)}
     hosts = [r["node"] for r in _gather(me)]
 
-    twice = slow_rank == rank
+    drill = slow_rank == rank
     if device.type == "cuda" or world == 1:
-        me["matmul_flops"] = matmul_rate(device, seconds, twice)
-        me["memory_bytes"] = memory_bandwidth(device, seconds, twice)
+        me["matmul_flops"] = matmul_rate(device, seconds, drill)
+        me["memory_bytes"] = memory_bandwidth(device, seconds, drill)
     else:  # the ranks share the host's cores: one at a time, one loop per turn, the rounds spread over the whole check
         me["matmul_flops"] = me["memory_bytes"] = 0.0
         for _ in range(REPEATS):
             for turn in range(world):
                 if turn == rank:
-                    me["matmul_flops"] = max(me["matmul_flops"], matmul_rate(device, seconds, twice, repeats=1))
-                    me["memory_bytes"] = max(me["memory_bytes"], memory_bandwidth(device, seconds, twice, repeats=1))
+                    me["matmul_flops"] = max(me["matmul_flops"], matmul_rate(device, seconds, drill, repeats=1))
+                    me["memory_bytes"] = max(me["memory_bytes"], memory_bandwidth(device, seconds, drill, repeats=1))
                 dist.barrier()
     ranks = _gather(me)
 
