@@ -25,6 +25,7 @@ from lmtrain.training import compat
 TOP_LEVEL = {
     "run_name", "run_dir", "seed", "ckpt_path", "resume", "overwrite", "global_batch_size", "preemption", "restarts", "grad_scaler", "paths", "module",
     "model", "optimizer", "scheduler", "data", "strategy", "trainer", "callbacks", "logger", "experiment", "debug", "fault", "hydra",
+    "speed",
 }  # fmt: skip
 PRECISIONS = ("32-true", "32", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "transformer-engine")
 

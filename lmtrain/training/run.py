@@ -24,7 +24,7 @@ from lmtrain.formats import corrections, logbook, runlock
 from lmtrain.formats import metrics as metrics_record
 from lmtrain.formats.checkpoint import CheckpointError, check_compatible, config_hash
 from lmtrain.formats.rundir import CONFIG, write_text_atomic
-from lmtrain.training import compat, restarts
+from lmtrain.training import compat, restarts, speed
 from lmtrain.training.checkpoint.resume import checked_here, resume_identity, resume_point
 from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data
 from lmtrain.training.contracts import CheckpointStore, Preempts, RequestsRollback, SaveGuard, StopsTraining
@@ -184,11 +184,13 @@ def _take_run(cfg: DictConfig, created: list[Path]) -> runlock.RunLock | None:
     """The config checked, the run directory made and (global rank zero) its lock taken: once a run, before anything
     of it is read or changed (lmtrain.formats.runlock); a dead attempt's lock taken over is said in one line. The
     directories made here are added to ``created``, the outermost first."""
+    turned_off = speed.adapt(cfg, _overrides())  # speed=fp8 fitted to this card and model, before the config is checked
     validate_config(cfg)
     restarts.budget(cfg)
     check_machine(cfg)
     restarts.check_launcher()
     apply_global_batch_size(cfg)
+    log.info(speed.describe(cfg, turned_off))
     run_dir = Path(cfg.run_dir)
     created += [d for d in reversed([run_dir, *run_dir.parents]) if not d.exists()]
     try:
