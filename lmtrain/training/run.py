@@ -125,12 +125,13 @@ def train(cfg: DictConfig) -> dict[str, float]:
     rollback = lock = None
     accepted: list = []  # the trainer of the attempt once it is accepted (_accept): its end goes in the logbook
     created: list[Path] = []  # the directories this run made (the run directory and any parent missing)
+    said: list[str] = []  # what the run says after its first line (the speed preset's line)
     ran = False  # an attempt was accepted: what it wrote is the run's
     try:
-        lock = _take_run(cfg, created)
+        lock = _take_run(cfg, created, said)
         while True:
             accepted.clear()
-            metrics, detector, stopped = _attempt(cfg, rollback, clock, accepted)
+            metrics, detector, stopped = _attempt(cfg, rollback, clock, accepted, said)
             ran = True
             if stopped:
                 raise RunStopped(stopped)
@@ -180,17 +181,17 @@ def _record_failure(cfg: DictConfig, accepted: list, kind: str, exc: BaseExcepti
     logbook.append(cfg.run_dir, kind, f"the attempt ended in {what} at step {step}: {type(exc).__name__}: {first}", step=step)
 
 
-def _take_run(cfg: DictConfig, created: list[Path]) -> runlock.RunLock | None:
+def _take_run(cfg: DictConfig, created: list[Path], said: list[str]) -> runlock.RunLock | None:
     """The config checked, the run directory made and (global rank zero) its lock taken: once a run, before anything
     of it is read or changed (lmtrain.formats.runlock); a dead attempt's lock taken over is said in one line. The
-    directories made here are added to ``created``, the outermost first."""
+    directories made here are added to ``created``, the outermost first; the speed preset's line to ``said``."""
     turned_off = speed.adapt(cfg, _overrides())  # speed=fp8 fitted to this card and model, before the config is checked
     validate_config(cfg)
     restarts.budget(cfg)
     check_machine(cfg)
     restarts.check_launcher()
     apply_global_batch_size(cfg)
-    log.info(speed.describe(cfg, turned_off))
+    said.append(speed.describe(cfg, turned_off))
     run_dir = Path(cfg.run_dir)
     created += [d for d in reversed([run_dir, *run_dir.parents]) if not d.exists()]
     try:
@@ -258,13 +259,13 @@ class _Attempt:
     branch: dict | None = None  # started from another run's checkpoint: the parent (run, MLflow run id, step, checkpoint)
 
 
-def _attempt(cfg: DictConfig, rollback: dict | None, clock: Goodput, accepted: list):
+def _attempt(cfg: DictConfig, rollback: dict | None, clock: Goodput, accepted: list, said: list[str] = ()):
     """One ``trainer.fit``; returns (final metrics, the divergence detector or None, why a guard stopped it or None).
     In order: what is decided from the config alone (nothing written but the run directory), what is built and checked
     (data prepared, model identity and data stream against the checkpoint), the acceptance (only now is anything of the
     run written), the fit."""
     clock.begin_attempt()
-    att = _decide(cfg, rollback)
+    att = _decide(cfg, rollback, said)
     att.callbacks.insert(0, clock)  # first: its start hooks run before the other callbacks'
     _build(att)
     _accept(att)
@@ -272,7 +273,7 @@ def _attempt(cfg: DictConfig, rollback: dict | None, clock: Goodput, accepted: l
     return _fit(att, clock)
 
 
-def _decide(cfg: DictConfig, rollback: dict | None) -> _Attempt:
+def _decide(cfg: DictConfig, rollback: dict | None, said: list[str] = ()) -> _Attempt:
     """The config checked, the callbacks built (cheap; their constructors check their options), the resume point."""
     import lightning as L
 
@@ -300,6 +301,8 @@ def _decide(cfg: DictConfig, rollback: dict | None) -> _Attempt:
             f"run {cfg.run_name}: {run_dir.resolve()}"
             + (f" (continuing from step {resume.step})" if resume is not None and resume.step >= 0 else "")
         )
+        for line in said:
+            log.info(line)
     return _Attempt(cfg, rollback, run_dir, callbacks, checkpointer, resume, profilers[0] if profilers else None)
 
 

@@ -9,7 +9,8 @@
 advantage is turned off again, with the reason: a device without float8 tensor cores (the CPU, a GPU before compute
 capability 8.9) or an fp16 run keeps bf16 matmuls; blocks narrower than d_model 2048 (lmtrain.training.fp8's
 ``PAYS_FROM_D_MODEL``: float8 did not pay there) stay in bf16 and only the output head is float8. A key the command
-line gives is never changed. :func:`describe` is the start line: what the run's config turns on, whatever the preset.
+line gives is never changed. :func:`describe` is the line said after the run's first: what the run's config turns on,
+whatever the preset.
 """
 
 from __future__ import annotations
