@@ -19,8 +19,8 @@ sys.path.insert(0, ".")
 from tests.test_doctor import _plain_loops
 (me,) = json.load(open(sys.argv[1]))["ranks"]
 flops, nbytes = _plain_loops(torch.device("cuda"))
-print(f"matmul: doctor {me['matmul_flops'] / 1e12:.1f} TFLOP/s, plain 8192^3 bf16 loop {flops / 1e12:.1f} ({me['matmul_flops'] / flops:.3f}); card {me['card_flops'] / 1e12:.1f}")
-print(f"memory: doctor {me['memory_bytes'] / 1e9:.0f} GB/s, plain 1-GiB D2D copy {nbytes / 1e9:.0f} ({me['memory_bytes'] / nbytes:.3f}); card {me['card_bytes'] / 1e9:.0f}")
+print(f"matmul: doctor {me['matmul_flops'] / 1e12:.1f} TFLOP/s, plain 8192^3 bf16 loop (700 products) {flops / 1e12:.1f} ({me['matmul_flops'] / flops:.3f}); card {me['card_flops'] / 1e12:.1f}")
+print(f"memory: doctor {me['memory_bytes'] / 1e9:.0f} GB/s, plain 1-GiB D2D copy (2,000 copies) {nbytes / 1e9:.0f} ({me['memory_bytes'] / nbytes:.3f}); card {me['card_bytes'] / 1e9:.0f}")
 PY
 timeout 300 python3 train.py trainer=gpu model=tiny trainer.devices=1 logger=csv callbacks.disk_guard.margin_gb=0 \
   trainer.max_steps=40 scheduler.total_steps=40 scheduler.warmup_steps=1 fault=hang callbacks.fault.step=20 \

@@ -179,7 +179,8 @@ def run_train_cli(
 ) -> subprocess.CompletedProcess:
     """`python train.py ARGS` in a fresh process, as a user runs it (a fresh run name per call); ``preexec_fn`` runs in
     the child before it starts (a resource limit: a disk that fills up)."""
-    env = {**user_env(), "PYTHONPATH": os.pathsep.join(map(str, [*extra_path, ROOT])), "LMTRAIN_RUN_ID": ""}
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]  # the user's own (the GPU image's packages)
+    env = {**user_env(), "PYTHONPATH": os.pathsep.join(map(str, [*extra_path, ROOT, *kept])), "LMTRAIN_RUN_ID": ""}
     cmd = [sys.executable, str(ROOT / "train.py"), *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn)
 
