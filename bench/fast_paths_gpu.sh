@@ -185,6 +185,12 @@ targets1)  # one GPU: issue 19's single-GPU targets, each beside its raw baselin
   TMO=100 raw raw-1.3b-b32 1.3b --compile --batch 32 --steps 20
   TMO=200 bench fastest-1.3b-b48 --no-raw --steps 16 --warmup 6 $M13 data.seq_len=1024 data.batch_size=48 module.fp8=tensorwise module.fp8_fast_accum=true module.fp8_layers=all module.loss_chunk_tokens=8192 module.fp8_fused_mlp=true
   ;;
+speedfp8)  # one GPU: speed=fp8 as a user types it (issue 44's targets: 1.35x raw at 1.3B, 1.05x at 125M), each beside its raw baseline
+  TMO=100 raw raw-1.3b-b32 1.3b --compile --batch 32 --steps 20
+  TMO=200 bench speedfp8-1.3b-b48 --no-raw --steps 16 --warmup 6 $M13 data.seq_len=1024 data.batch_size=48 speed=fp8
+  TMO=100 raw raw-124m-b64 124m --compile --batch 64 --steps 40
+  TMO=120 bench speedfp8-125m-b64 --no-raw --steps 40 --warmup 10 $M125 model.activation=gelu_tanh data.seq_len=1024 data.batch_size=64 speed=fp8
+  ;;
 targets2)  # 2 GPUs: issue 19's 2-GPU targets (llama-7b >= 50% MFU in bf16 and >= 13K tokens/s per GPU in FP8; opt-1.3b fsdp >= 0.95 of one GPU in FP8)
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   for run in bf16-op-b2 fp8fused-op-b2; do llama7b "$run"; done
