@@ -39,13 +39,13 @@ row "trainer: $(CUDA_VISIBLE_DEVICES=0 trainer single 1 module.compile=true)"
 for n in 2 4; do
   (( NGPU >= n )) || continue
   row "== $n GPUs"; row "raw fsdp: $(raw_fsdp $n)"
-  row "trainer fsdp: $(trainer fsdp$n $n strategy=fsdp strategy.compile=true trainer.devices=$n)"
-  row "trainer fsdp, reshard_after_forward=false: $(trainer fsdpnr$n $n strategy=fsdp strategy.compile=true trainer.devices=$n strategy.reshard_after_forward=false)"
+  row "trainer fsdp: $(trainer fsdp$n $n strategy=fsdp module.compile=true trainer.devices=$n)"
+  row "trainer fsdp, reshard_after_forward=false: $(trainer fsdpnr$n $n strategy=fsdp module.compile=true trainer.devices=$n strategy.reshard_after_forward=false)"
 done
 if (( NGPU >= 4 )); then
   row "== 4 GPUs as 2 nodes x 2"; row "raw hsdp: $(raw_fsdp 4 2)"
   for NR in true false; do  # strategy.reshard_after_forward
-    A="bench/throughput.py --no-raw --dir /tmp/gs_h22$NR --steps $STEPS --warmup 10 $MODEL strategy=hsdp strategy.compile=true trainer.devices=2 trainer.num_nodes=2 strategy.reshard_after_forward=$NR"
+    A="bench/throughput.py --no-raw --dir /tmp/gs_h22$NR --steps $STEPS --warmup 10 $MODEL strategy=hsdp module.compile=true trainer.devices=2 trainer.num_nodes=2 strategy.reshard_after_forward=$NR"
     R="--nnodes=2 --nproc_per_node=2 --rdzv-backend=c10d --rdzv-endpoint=localhost:29517 --rdzv-id=gs_h22$NR"
     CUDA_VISIBLE_DEVICES=2,3 LMTRAIN_RUN_ID=gs_h22$NR torchrun $R $A > "$OUT/h22${NR}_node1.txt" 2>&1 &
     CUDA_VISIBLE_DEVICES=0,1 LMTRAIN_RUN_ID=gs_h22$NR torchrun $R $A > "$OUT/h22${NR}_node0.txt" 2>&1

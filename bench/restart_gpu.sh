@@ -54,7 +54,7 @@ stall)
   done
   ;;
 stall7b)  # a 7B save where training holds 63 GiB per GPU: the host copy must not take GPU memory (84 GB of state, one checkpoint on disk)
-  S7="trainer=gpu model=llama-7b data.seq_len=4096 data.batch_size=2 strategy=fsdp strategy.compile=true strategy.init_device=meta strategy.activation_checkpointing=op trainer.devices=2 optimizer.lr=3e-5 scheduler.warmup_steps=2 scheduler.total_steps=5 trainer.max_steps=5 callbacks.checkpoint.every_n_steps=3 callbacks.checkpoint.save_on_train_end=false callbacks.checkpoint.async_save=true ~callbacks.divergence $QUIET"
+  S7="trainer=gpu model=llama-7b data.seq_len=4096 data.batch_size=2 strategy=fsdp module.compile=true strategy.init_device=meta strategy.activation_checkpointing=op trainer.devices=2 optimizer.lr=3e-5 scheduler.warmup_steps=2 scheduler.total_steps=5 trainer.max_steps=5 callbacks.checkpoint.every_n_steps=3 callbacks.checkpoint.save_on_train_end=false callbacks.checkpoint.async_save=true ~callbacks.divergence $QUIET"
   python3 train.py $S7 run_name=stall7b > "$OUT/stall7b.log" 2>&1 || { echo "stall7b FAILED"; tail -30 "$OUT/stall7b.log"; }
   echo "STALL7B"; metrics "$OUT/runs/stall7b" ckpt/stall_s ckpt/collect_s ckpt/write_s ckpt/size_gb perf/max_memory_gib
   grep -h "finished run\|goodput  \|checkpoints:" "$OUT/stall7b.log"

@@ -172,7 +172,10 @@ def main() -> None:
     os.environ.setdefault("LMTRAIN_RUN_ID", "bench")
     cfg = composed(overrides)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer_rates, mfus, mems = trainer_tokens_per_sec(cfg.copy(), args.steps, args.warmup, Path(args.dir or tmp), args.profile)
+        trained = cfg.copy()
+        trainer_rates, mfus, mems = trainer_tokens_per_sec(trained, args.steps, args.warmup, Path(args.dir or tmp), args.profile)
+        with open_dict(cfg):  # what the run resolved (data.batch_size=auto, module.compile=auto, the speed preset): the raw loop's and the row's
+            cfg.data.batch_size, cfg.module = trained.data.batch_size, trained.module
         if int(os.environ.get("RANK", "0")) != 0:
             return
         device = torch.device("cuda" if torch.cuda.is_available() and cfg.trainer.accelerator in ("auto", "gpu", "cuda") else "cpu")
@@ -189,13 +192,13 @@ def main() -> None:
     if strategy == "named":
         strategy = str(cfg.strategy.name)
     print(
-        "| device | processes | strategy | model | params | precision | fp8 | compile | attention | doc mask | batch x seq (per device) | steps (timed) "
+        "| device | processes | strategy | model | params | precision | speed | fp8 | head | compile | attention | doc mask | batch x seq (per device) | steps (timed) "
         "| trainer tokens/s | per device | raw PyTorch tokens/s | ratio | trainer MFU | peak GiB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print(
-        f"| {card} | {ws} | {strategy} | {cfg.model.name} | {n / 1e6:.2f}M | {cfg.trainer.precision} | {cfg.module.get('fp8') or '-'} | "
-        f"{bool(cfg.module.get('compile') or cfg.strategy.get('compile'))} | {cfg.module.get('sdpa_backend') or 'default'} | "
+        f"| {card} | {ws} | {strategy} | {cfg.model.name} | {n / 1e6:.2f}M | {cfg.trainer.precision} | {cfg.get('speed', 'default')} | "
+        f"{cfg.module.fp8.recipe or '-'} | {cfg.module.head.kind} | {bool(cfg.module.get('compile'))} | {cfg.module.get('sdpa_backend') or 'default'} | "
         f"{'on' if cfg.data.get('document_mask') else '-'} | {cfg.data.batch_size} x {cfg.data.seq_len} | {args.steps} ({len(trainer_rates)}) | {t:,.0f} | {t / ws:,.0f} | {r:,.0f} | {t / r:.3f} | "
         f"{mfu} | {mem} |"
     )

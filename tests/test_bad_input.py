@@ -141,9 +141,6 @@ def test_resuming_with_another_data_seed_is_refused(tiny_cfg, tmp_path, dataset_
         (["strategy=fsdp", "strategy.reduce_dtype=fp8"], r"strategy.reduce_dtype='fp8': use one of \['float32', 'bfloat16'\]"),
         (["fault=crash", "callbacks.fault.kind=boom"], r"fault.kind='boom': use one of"),
         (["module.sdpa_backend=fast"], r"module.sdpa_backend='fast': use one of"),
-        (["module.loss_chunk_tokens=0"], r"module.loss_chunk_tokens=0: give a positive number of tokens, or null"),
-        (["module.loss_kernel=cce"], r"module.loss_kernel='cce': use one of \['liger'\] or null"),
-        (["module.loss_chunk_tokens=many"], r"module.loss_chunk_tokens='many': give a positive number of tokens, or null"),
         (["callbacks=[none,samples]", "callbacks.samples.prompts=[]"], r"callbacks.samples.prompts: give one or more non-empty prompts"),
         (
             ["callbacks=[none,progress_bar]", "callbacks.progress_bar.mode=fancy"],
@@ -237,10 +234,10 @@ def test_a_bad_option_value_from_the_command_line(dataset_dir, tmp_path):
     assert "Traceback" not in res.stderr and "InstantiationException" not in res.stderr
 
 
-def test_fused_head_and_fp8_options_that_cannot_run_are_one_message(monkeypatch):
-    """What the config validation cannot see on its own: the liger head asked together with the chunked loss (two
-    heads), and module.fp8 on a machine without torchao (named with its install line). Both refused by the module's
-    constructor, before any model is built."""
+def test_head_and_fp8_options_given_to_the_module_are_checked_there(monkeypatch):
+    """LMModule built from Python, without the config check: the same rules (lmtrain.training.fastpaths), a node
+    with a misspelled key, and module.fp8.recipe on a machine without torchao (named with its install line), each
+    refused by the constructor before any model is built."""
     import functools
 
     import torch
@@ -252,11 +249,13 @@ def test_fused_head_and_fp8_options_that_cannot_run_are_one_message(monkeypatch)
         functools.partial(Decoder, name="t", vocab_size=64, d_model=16, n_layers=1, n_heads=2),
         functools.partial(torch.optim.AdamW),
     )
-    with pytest.raises(InputError, match=r"module.loss_kernel=liger and module.loss_chunk_tokens=8: choose one"):
-        LMModule(model, opt, loss_kernel="liger", loss_chunk_tokens=8)
+    with pytest.raises(InputError, match=r"module.fp8.fused_mlp=true scales per tensor"):
+        LMModule(model, opt, fp8={"fused_mlp": True})
+    with pytest.raises(InputError, match=r"unknown key 'module.head.chunk' \(did you mean 'module.head.chunk_tokens'\?\)"):
+        LMModule(model, opt, head={"kind": "chunked", "chunk": 8})
     monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed: importing it raises ImportError
-    with pytest.raises(InputError, match=r"module.fp8 needs torchao \(.*\): pip install torchao==0.18.0 \(in requirements.txt\)"):
-        LMModule(model, opt, fp8="tensorwise")
+    with pytest.raises(InputError, match=r"module.fp8.recipe needs torchao \(.*\): pip install torchao==0.18.0 \(in requirements.txt\)"):
+        LMModule(model, opt, fp8={"recipe": "tensorwise"})
 
 
 @pytest.mark.slow

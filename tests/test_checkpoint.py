@@ -203,7 +203,7 @@ def test_the_host_copy_of_a_sharded_state_stays_in_host_memory_and_is_reused(tmp
 
 
 def test_the_host_copy_keeps_float8_gathered_weights_of_one_shape_apart():
-    """Under fsdp/hsdp with module.fp8=tensorwise the blocks' weights are torchao's float8-gathered wrappers, which hold
+    """Under fsdp/hsdp with module.fp8.recipe=tensorwise the blocks' weights are torchao's float8-gathered wrappers, which hold
     no storage of their own (data_ptr() 0 for each): the host copy took every such weight of one shape for one tied
     tensor, and an asynchronous save wrote them all with the first one's values. Each keeps its own values now; a
     weight tied to itself is still one copy."""

@@ -265,7 +265,7 @@ def test_op_level_checkpointing_writes_nothing_it_keeps_and_its_compile_advice_i
 def test_op_level_checkpointing_keeps_flex_attention_under_the_document_mask(compiled, monkeypatch):
     """``activation_checkpointing=op`` with the document mask on a GPU, where attention runs in FlexAttention's kernel.
     The gradients are the unwrapped model's (to float tolerance: the compiled kernels may order their sums
-    differently), with the blocks run as they are and compiled (``strategy.compile``). In compiled blocks the policy
+    differently), with the blocks run as they are and compiled (``module.compile`` under fsdp). In compiled blocks the policy
     sees FlexAttention and keeps its output, like SDPA's. In eager blocks FlexAttention is its own compiled function,
     which the policy never sees: it is run again in the backward pass (docs/scale-out.md says so)."""
     from torch.utils.checkpoint import CheckpointPolicy

@@ -1,4 +1,4 @@
-"""FP8 training (module.fp8, torchao's float8 linear layers) on the CPU, where PyTorch's float8 matmul computes the
+"""FP8 training (module.fp8, torchao's float8 linear layers; module.head.kind=float8) on the CPU, where PyTorch's float8 matmul computes the
 same numbers a Hopper GPU does without its speed: the conversion, the losses against full precision, checkpoints and
 resume. The GPU's speed and its 1,000-step loss: docs/BENCHMARKS.md."""
 
@@ -22,42 +22,47 @@ CKPT = ["callbacks=[none,checkpoint]", "callbacks.checkpoint.every_n_steps=3", "
 
 
 @pytest.mark.parametrize(
-    "model, recipe, fast, layers, chunk, fused",
+    "model, recipe, fast, chunk, fused",
     [
-        ("tiny", "tensorwise", False, "all", None, False),
-        ("tiny-llama", "rowwise", True, "blocks", None, False),
-        ("tiny", "tensorwise", True, "all", 300, False),
-        ("tiny", "tensorwise", False, "blocks", None, True),
-        ("tiny-llama", "tensorwise", True, "blocks", None, True),
+        ("tiny", "tensorwise", False, None, False),
+        ("tiny-llama", "rowwise", True, None, False),
+        ("tiny", "tensorwise", True, 300, False),
+        ("tiny", None, False, 300, False),
+        ("tiny", "tensorwise", False, None, True),
+        ("tiny-llama", "tensorwise", True, None, True),
     ],
-    ids=["tiny", "tiny-llama", "tiny-chunked-head", "tiny-fused-mlp", "tiny-llama-fused-mlp"],
+    ids=["tiny", "tiny-llama", "tiny-float8-head", "tiny-head-alone", "tiny-fused-mlp", "tiny-llama-fused-mlp"],
 )
 def test_fp8_trains_like_full_precision_keeps_parameter_names_and_resumes_exactly(
-    tmp_path, dataset_dir, model, recipe, fast, layers, chunk, fused, capsys
+    tmp_path, dataset_dir, model, recipe, fast, chunk, fused, capsys
 ):
-    """Six steps: FP8 (tensorwise in the blocks and the tied output head; rowwise in the blocks with every product
-    in fast accumulation for Llama; tensorwise in the blocks and the chunked loss's head, fast, against the chunked
-    fp32 run; tensorwise with the blocks' MLPs fused, lmtrain.nn.float8_mlp, OPT's and Llama's SwiGLU) within 1% of
+    """Six steps: FP8 (tensorwise in the blocks; rowwise in the blocks with every product in fast accumulation for
+    Llama; tensorwise in the blocks and the float8 head, fast, against the chunked fp32 run; the float8 head alone;
+    tensorwise with the blocks' MLPs fused, lmtrain.nn.float8_mlp, OPT's and Llama's SwiGLU) within 1% of
     the fp32 run at every step,
     not equal to it (the matmuls did run in float8); the checkpoint holds the same parameter names and shapes as the
     fp32 run's; a run stopped at step 3 and resumed ends with the uninterrupted run's losses exactly."""
     base = [*TINY, f"model={model}", "trainer.max_steps=6", "scheduler.total_steps=6", *CKPT]
-    base += [f"module.loss_chunk_tokens={chunk}"] if chunk else []
-    fp8_args = [f"module.fp8={recipe}", f"module.fp8_fast_accum={str(fast).lower()}", f"module.fp8_layers={layers}"]
-    fp8_args += ["module.fp8_fused_mlp=true"] if fused else []
+    base += ["module.head.kind=chunked", f"module.head.chunk_tokens={chunk}"] if chunk else []
+    fp8_args = [f"module.fp8.recipe={recipe or 'null'}", f"module.fp8.fast_accum={str(fast).lower()}"]
+    fp8_args += ["module.head.kind=float8"] if chunk else []
+    fp8_args += ["module.fp8.fused_mlp=true"] if fused else []
     runs = {}
     for name, extra in (("fp32", []), ("fp8", fp8_args)):
         cfg = make_cfg([*base, *extra], tmp_path / name, dataset_dir)
         train(cfg)
         runs[name] = cfg.run_dir
     said = capsys.readouterr().out
-    head = (f" and the chunked output head ({chunk} tokens at a time)" if chunk else " and the output head") if layers == "all" else ""
-    blocks = (
-        "4 linear layers of the transformer blocks and 2 fused MLPs (lmtrain.nn.float8_mlp)"
-        if fused
-        else "8 linear layers of the transformer blocks"
-    )
-    assert f"module.fp8={recipe}: {blocks}{head} compute in float8" in said
+    head = f"the chunked output head ({chunk} tokens at a time)" if chunk else ""
+    blocks = ""
+    if recipe:
+        blocks = (
+            "4 linear layers of the transformer blocks and 2 fused MLPs (lmtrain.nn.float8_mlp)"
+            if fused
+            else "8 linear layers of the transformer blocks"
+        )
+    what = " and ".join(p for p in (blocks, head) if p)
+    assert f"float8: {what} {'compute' if recipe else 'computes'} in float8" in said, said
     assert ("every product accumulated in fast mode" in said) == fast
     full, low = ([float(v) for v in _losses(Path(runs[k])).values()] for k in ("fp32", "fp8"))
     assert len(low) == 6 and low != full
@@ -81,7 +86,7 @@ def test_fp8_on_the_cpu_in_full_precision_runs_its_float8_products_in_pytorchs_e
     oneDNN) and without FP8 it stays on."""
     from tests.plugins import RecordOneDNN
 
-    extra = ["module.fp8=tensorwise", f"trainer.precision={precision}"] if precision else []
+    extra = ["module.fp8.recipe=tensorwise", f"trainer.precision={precision}"] if precision else []
     cfg = make_cfg([*TINY, "+callbacks.onednn._target_=tests.plugins.RecordOneDNN", *extra], tmp_path, dataset_dir)
     assert torch.backends.mkldnn.enabled
     train(cfg)
@@ -89,7 +94,7 @@ def test_fp8_on_the_cpu_in_full_precision_runs_its_float8_products_in_pytorchs_e
 
 
 def test_fast_accumulation_reaches_every_float8_product_and_only_with_the_option():
-    """module.fp8_fast_accum: torchao's recipes accumulate only the forward product in fast mode; the option makes the
+    """module.fp8.fast_accum: torchao's recipes accumulate only the forward product in fast mode; the option makes the
     two backward ones fast too, in every converted layer, for both recipes, and leaves the recipe otherwise alone."""
     from torchao.float8.float8_linear import Float8Linear
 
@@ -114,11 +119,11 @@ def test_fast_accumulation_reaches_every_float8_product_and_only_with_the_option
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_the_output_head_in_float8_keeps_its_tie_and_is_never_gathered_in_float8(tied):
-    """module.fp8_layers: ``head`` converts the output head alone, ``all`` the blocks and the head, ``blocks`` leaves
-    the head alone. A tied head keeps the embedding's very parameter (one tensor, one gradient: the loss's and the
-    lookup's), and under FSDP's float8 all-gather (tensorwise, sharded) the blocks' weights are gathered in
-    float8 and the head's is not: the embedding lookup reads it too."""
+def test_float8_blocks_leave_the_output_head_a_plain_layer_never_gathered_in_float8(tied):
+    """module.fp8.recipe converts the blocks' linear layers; the head stays a plain layer (module.head.kind=float8
+    computes its products in float8 from its weight). A tied head keeps the embedding's very parameter (one tensor,
+    one gradient: the loss's and the lookup's), and under FSDP's float8 all-gather (tensorwise, sharded) the blocks'
+    weights are gathered in float8 and the head's is not: the embedding lookup reads it too."""
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
@@ -126,58 +131,53 @@ def test_the_output_head_in_float8_keeps_its_tie_and_is_never_gathered_in_float8
     from lmtrain.nn.model import Decoder
     from lmtrain.training.fp8 import convert, describe
 
-    for layers, blocks_f8, said in (
-        ("blocks", 8, "8 linear layers of the transformer blocks compute"),
-        ("all", 8, "8 linear layers of the transformer blocks and the output head compute"),
-        ("head", 0, "the output head computes"),
+    for recipe, float8_head, blocks_f8, said in (
+        ("tensorwise", False, 8, "8 linear layers of the transformer blocks compute"),
+        ("tensorwise", True, 8, "8 linear layers of the transformer blocks and the chunked output head (64 tokens at a time) compute"),
+        (None, True, 0, "the chunked output head (64 tokens at a time) computes"),
     ):
         with torch.device("meta"):
             model = Decoder(preset("tiny"), tie_embeddings=tied)
-        convert(model, "tensorwise", sharded=True, device=torch.device("cpu"), layers=layers)
+        model.loss_chunk_tokens = 64
+        convert(model, recipe, sharded=True, device=torch.device("cpu"), float8_head=float8_head)
         assert sum(isinstance(m, Float8Linear) for m in model.blocks.modules()) == blocks_f8
-        assert isinstance(model.lm_head, Float8Linear) == (layers != "blocks")
+        assert type(model.lm_head) is torch.nn.Linear and model.loss_float8 == float8_head
         assert (model.lm_head.weight is model.tok_emb.weight) == tied
         assert not isinstance(model.lm_head.weight, WeightWithDynamicFloat8CastTensor)
         gathered = [isinstance(m.weight, WeightWithDynamicFloat8CastTensor) for m in model.blocks.modules() if isinstance(m, Float8Linear)]
         assert gathered == [True] * blocks_f8
-        assert describe(model, layers) == said
+        assert describe(model) == said
 
 
 def test_a_model_without_the_parts_asked_for_is_refused_and_left_as_it_was():
-    """A model of one's own (LMModule takes any nn.Module) that lacks what module.fp8_layers names: one error naming
+    """A model of one's own (LMModule takes any nn.Module) that lacks what the float8 options name: one error naming
     the option and the missing part, raised before any layer is converted (its blocks stay nn.Linear)."""
     from lmtrain.errors import InputError
     from lmtrain.training.fp8 import convert
 
     class OwnModel(torch.nn.Module):
-        def __init__(self, head: bool):
+        def __init__(self):
             super().__init__()
             self.blocks = torch.nn.ModuleList([torch.nn.Linear(32, 32)])
-            if head:
-                self.lm_head = torch.nn.Sequential(torch.nn.Linear(32, 64))  # not a plain linear layer
+            self.lm_head = torch.nn.Linear(32, 64)
 
     cpu = torch.device("cpu")
-    for head, chunked, message in (
-        (False, False, r"module.fp8_layers=all: the model OwnModel has no linear output head lm_head"),
-        (True, False, r"module.fp8_layers=all: the model OwnModel has no linear output head lm_head"),
-        (True, True, r"module.fp8_layers=all with module.loss_chunk_tokens: the model OwnModel has no chunked head"),
-    ):
-        model = OwnModel(head)
-        with pytest.raises(InputError, match=message):
-            convert(model, "tensorwise", sharded=False, device=cpu, layers="all", chunked_head=chunked)
-        assert type(model.blocks[0]) is torch.nn.Linear
-    with pytest.raises(InputError, match=r"module.fp8: the model Sequential has no transformer blocks"):
+    model = OwnModel()
+    with pytest.raises(InputError, match=r"module.head.kind=float8: the model OwnModel has no chunked head"):
+        convert(model, "tensorwise", sharded=False, device=cpu, float8_head=True)
+    assert type(model.blocks[0]) is torch.nn.Linear
+    with pytest.raises(InputError, match=r"module.fp8.recipe: the model Sequential has no transformer blocks"):
         convert(torch.nn.Sequential(torch.nn.Linear(32, 32)), "tensorwise", sharded=False, device=cpu)
-    # module.fp8_fused_mlp on blocks without an MLP it fuses: OwnModel's, and a tiny opt model whose last MLP lost
+    # module.fp8.fused_mlp on blocks without an MLP it fuses: OwnModel's, and a tiny opt model whose last MLP lost
     # its bias (every block is checked before any is converted)
     from lmtrain.formats.presets import preset
     from lmtrain.nn.model import Decoder
 
     odd = Decoder(preset("tiny"))
     odd.blocks[-1].mlp.up.bias = None
-    for model in (OwnModel(True), odd):
+    for model in (OwnModel(), odd):
         with pytest.raises(
-            InputError, match=rf"module.fp8_fused_mlp=true: the model {type(model).__name__} has blocks without an MLP it fuses"
+            InputError, match=rf"module.fp8.fused_mlp=true: the model {type(model).__name__} has blocks without an MLP it fuses"
         ):
             convert(model, "tensorwise", sharded=False, device=cpu, fused_mlp=True)
         assert not any(type(m).__name__ == "Float8Linear" for m in model.modules())
@@ -191,9 +191,11 @@ def test_a_model_too_narrow_for_fp8_to_pay_is_told_so():
 
     with torch.device("meta"):
         narrow, wide = Decoder(preset("opt-125m")), Decoder(preset("opt-1.3b"))
-    assert "module.fp8=rowwise at d_model=768: on an H100, FP8 was slower than bf16 below d_model 2048" in width_warning(narrow, "rowwise")
+    warning = width_warning(narrow, "rowwise")
+    assert "module.fp8.recipe=rowwise at d_model=768: FP8 in the blocks was slower than bf16 below d_model 2048" in warning
+    assert "module.head.kind=float8 with module.fp8.recipe=null" in warning
     assert width_warning(wide, "tensorwise") is None
-    assert width_warning(narrow, "tensorwise", "head") is None  # the head's product is vocabulary-wide
+    assert width_warning(narrow, None) is None  # the head alone: its product is vocabulary-wide
 
 
 def test_checking_for_torchao_prints_nothing(tmp_path):
@@ -205,7 +207,7 @@ def test_checking_for_torchao_prints_nothing(tmp_path):
 
     from tests.conftest import ROOT
 
-    code = "from lmtrain.training.fp8 import config_problems; print(config_problems('tensorwise'))"
+    code = "from lmtrain.training import fastpaths as f; print(f.problems(f.Head(), f.Float8('tensorwise')))"
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert res.returncode == 0 and res.stdout.strip() == "[]", res.stderr[-2000:]
@@ -240,10 +242,9 @@ def test_a_run_without_fp8_does_not_import_torchao(tmp_path, dataset_dir):
     ],
 )
 @pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
-@pytest.mark.parametrize("head", ["layer", "chunked"])
-def test_the_float8_head_gives_the_bf16_heads_loss_and_gradients(head, name, device):
-    """module.fp8_layers=head on a 50,304-token vocabulary, as torchao's float8 layer and as the chunked loss's float8
-    products (module.loss_chunk_tokens, chunks that split the tokens unevenly): the loss equals the bf16 head's to
+def test_the_float8_head_gives_the_bf16_heads_loss_and_gradients(name, device):
+    """module.head.kind=float8 on a 50,304-token vocabulary, the chunked loss's float8 products (chunks that split the
+    tokens unevenly): the loss equals the bf16 head's to
     1e-3, and every gradient (a tied embedding's two together) is within float8's rounding of the bf16 head's, on the
     CPU (PyTorch's float8 matmul, eager) and on a GPU (cuBLAS's, compiled as training runs it: the path that is fast)."""
     from lmtrain.formats.presets import preset
@@ -253,10 +254,9 @@ def test_the_float8_head_gives_the_bf16_heads_loss_and_gradients(head, name, dev
     torch.manual_seed(0)
     base = Decoder(preset(name), vocab_size=50304, dropout=0.0).to(device)
     fp8 = Decoder(preset(name), vocab_size=50304, dropout=0.0).to(device)
-    if head == "chunked":
-        fp8.loss_chunk_tokens = base.loss_chunk_tokens = 200  # the bf16 reference chunked too: the same loss code
-    convert(fp8, "tensorwise", sharded=False, device=torch.device(device), layers="head", chunked_head=head == "chunked")
-    assert fp8.loss_float8 == (head == "chunked")
+    fp8.loss_chunk_tokens = base.loss_chunk_tokens = 200  # the bf16 reference chunked too: the same loss code
+    convert(fp8, None, sharded=False, device=torch.device(device), float8_head=True)
+    assert fp8.loss_float8
     fp8.load_state_dict(base.state_dict())
     idx = torch.randint(0, 50304, (4, 128), device=device)
     results = {}
@@ -290,7 +290,7 @@ def _plain_mlp(x, up, down, act):
 @pytest.mark.parametrize("tokens", [48, 37], ids=["aligned", "padded"])
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "relu", "silu"])
 def test_the_fused_float8_mlp_computes_what_torchaos_float8_layers_compute(act, tokens):
-    """module.fp8_fused_mlp: lmtrain.nn.float8_mlp's MLP gives the output and the gradients (input, both weights,
+    """module.fp8.fused_mlp: lmtrain.nn.float8_mlp's MLP gives the output and the gradients (input, both weights,
     both biases where it has them) of the same MLP made of torchao's tensorwise float8 layers, to fp32 rounding, for
     each OPT activation and Llama's SwiGLU, and for a token count that is not a multiple of 16 (padded) to float8's
     rounding of a value or two; both differ from full precision by float8's rounding."""
@@ -459,7 +459,7 @@ def _gathered_float8_steps(rank: int, name: str, compiled: bool, fast: bool, dev
     for block in model.blocks:
         fully_shard(block)
         if compiled:
-            block.compile()  # as strategy.compile=true compiles them
+            block.compile()  # as module.compile=true compiles them under fsdp
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)  # all weights in one operation, as on GPUs
     idx = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1 + rank)).to(dev)

@@ -209,7 +209,7 @@ def test_fsdp_options_activation_checkpointing_meta_init_and_compile(tmp_path, d
         pytest.skip("torch.compile on CPU needs a C compiler: the compiled run was not tried")
     # compiled on one rank (one compilation, not two at once on two cores), against one eager process (fp32, the same
     # global batch of 8 and schedule): the module's one_process_losses
-    # module.compile=true, the one compile switch: under fsdp it compiles the sharded way (strategy.compile)
+    # module.compile=true, the one compile switch: under fsdp it compiles the sharded way (each block)
     res = _run(tmp_path, dataset_dir, "compiled", "strategy=fsdp", "trainer.devices=1", "data.batch_size=8", "module.compile=true")
     assert "compile True" in res.stderr
     compiled = {s: float(v) for s, v in _losses(tmp_path / "runs" / "compiled").items()}
@@ -219,12 +219,12 @@ def test_fsdp_options_activation_checkpointing_meta_init_and_compile(tmp_path, d
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_the_fused_float8_mlp_trains_sharded_with_op_level_checkpointing(tmp_path, dataset_dir, one_process_losses):
-    """module.fp8_fused_mlp under FSDP2 on 2 ranks (its weights gathered for its own function, op-level checkpointing
+    """module.fp8.fused_mlp under FSDP2 on 2 ranks (its weights gathered for its own function, op-level checkpointing
     replaying it in the backward pass), OPT's MLP: eight steps within 1% of one fp32 process at the same global batch,
     and not equal to it (the products ran in float8). Llama's SwiGLU the same way: the fp8 resume test below."""
     res = _run(
         tmp_path, dataset_dir, "fused", "strategy=fsdp", "trainer.devices=2", "data.batch_size=4",
-        "strategy.activation_checkpointing=op", "module.fp8=tensorwise", "module.fp8_fused_mlp=true",
+        "strategy.activation_checkpointing=op", "module.fp8.recipe=tensorwise", "module.fp8.fused_mlp=true",
     )  # fmt: skip
     assert "2 fused MLPs (lmtrain.nn.float8_mlp)" in res.stdout + res.stderr
     fused = {s: float(v) for s, v in _losses(tmp_path / "runs" / "fused").items()}
@@ -251,7 +251,7 @@ def test_an_fp8_sharded_run_resumes_exactly_and_its_checkpoint_reads_anywhere(tm
         return _run(tmp_path, dataset_dir, name, *extra, base=GPU if device == "cuda" else None)
 
     fp8 = ["model=tiny-llama", "strategy=fsdp", "trainer.devices=2", "data.batch_size=4", "strategy.activation_checkpointing=op",
-           "module.fp8=tensorwise", "module.fp8_fast_accum=true", "module.fp8_fused_mlp=true"]  # fmt: skip
+           "module.fp8.recipe=tensorwise", "module.fp8.fast_accum=true", "module.fp8.fused_mlp=true"]  # fmt: skip
     ref = run("ref", *fp8, "callbacks.checkpoint.async_save=true")
     assert "2 fused MLPs (lmtrain.nn.float8_mlp)" in ref.stdout + ref.stderr
     runs = tmp_path / "runs"

@@ -31,22 +31,24 @@ BIG = ["model.vocab_size=50272", "model.max_seq_len=2048"]  # the presets as the
 
 
 B13 = ["model=opt-1.3b", "model.n_heads=16"]
-F13 = ["cluster.gpus=1", "module.compile=true", "module.fp8=tensorwise"]
+F13 = ["cluster.gpus=1", "module.compile=true", "module.fp8.recipe=tensorwise"]
 FS13 = [
     "cluster.gpus=2",
     "strategy=fsdp",
-    "strategy.compile=true",
-    "module.fp8=tensorwise",
-    "module.fp8_layers=all",
-    "module.loss_chunk_tokens=8192",
+    "module.compile=true",
+    "module.fp8.recipe=tensorwise",
+    "module.head.kind=float8",
+    "module.head.chunk_tokens=8192",
 ]
-G13 = ["cluster.gpus=1", "strategy=fsdp", "strategy.compile=true", "model.max_seq_len=2048"]
-GATHER8 = [  # module.fp8, strategy.reshard_after_forward, measured peak GiB, band
+G13 = ["cluster.gpus=1", "strategy=fsdp", "module.compile=true", "model.max_seq_len=2048"]
+GATHER8 = [  # module.fp8.recipe, strategy.reshard_after_forward, measured peak GiB, band
     ("null", "true", 41.0, (1.0, 1.15)),
     ("null", "false", 43.2, (1.0, 1.15)),
     ("tensorwise", "true", 32.3, (1.0, 1.3)),
     ("tensorwise", "false", 33.4, (1.0, 1.3)),
 ]
+CHUNKED_4096 = ["module.head.kind=chunked", "module.head.chunk_tokens=4096"]
+FLOAT8_HEAD = ["module.head.kind=float8", "module.head.chunk_tokens=8192"]
 L7 = ["model=llama-7b", "cluster.gpus=2", "data.seq_len=4096", "model.vocab_size=32000", "model.max_seq_len=4096"]
 
 
@@ -59,7 +61,7 @@ L7 = ["model=llama-7b", "cluster.gpus=2", "data.seq_len=4096", "model.vocab_size
         # two accumulated micro-batches: the first one's gradients live through the second forward pass
         ([*B13, "cluster.gpus=1", "trainer.accumulate_grad_batches=2"], "ddp", 51.0, (0.95, 1.02)),
         # the chunked loss under compile: counted as no saving (it saved 1.3 GiB here)
-        ([*B13, "cluster.gpus=1", "data.batch_size=32", "module.compile=true", "module.loss_chunk_tokens=4096"], "ddp", 73.6, (1.0, 1.05)),
+        ([*B13, "cluster.gpus=1", "data.batch_size=32", "module.compile=true", *CHUNKED_4096], "ddp", 73.6, (1.0, 1.05)),
         # over-predicted, on the safe side: the compiled loss keeps no fp32 copy of the logits (124M), per-block
         # compile under fsdp keeps less than the eager activation count (1.3B)
         ([*B13, "cluster.gpus=2", "data.batch_size=32"], "fsdp", 59.5, (1.0, 1.2)),
@@ -67,18 +69,15 @@ L7 = ["model=llama-7b", "cluster.gpus=2", "data.seq_len=4096", "model.vocab_size
         ([*B13, "cluster.gpus=2", "data.batch_size=32", "strategy=fsdp", "strategy.reshard_after_forward=false"], "fsdp", 61.7, (1.0, 1.2)),
         (["model=opt-125m", "cluster.gpus=1", "data.batch_size=64"], "ddp", 28.9, (1.0, 1.4)),
         # FP8 in the compiled 1.3B keeps about 21 bytes per token and d_model per layer where the count says 27 (llama-7b's
-        # per-block compile matches its count, below): over-predicted by up to a fifth; the head in float8 counted at 8
-        # bytes per logit (7.4 measured). H100 (b16, b32), H200 (b48), H200 capped at 79.1 GiB (b40)
+        # per-block compile matches its count, below): over-predicted by up to a fifth. H100 (b16, b32)
         ([*B13, *F13, "data.batch_size=16"], "ddp", 34.9, (1.0, 1.25)),
         ([*B13, *F13, "data.batch_size=32"], "ddp", 54.7, (1.0, 1.25)),
-        ([*B13, *F13, "data.batch_size=48", "module.fp8_layers=all"], "ddp", 78.4, (1.0, 1.25)),
-        ([*B13, *F13, "data.batch_size=40", "module.fp8_layers=all"], "ddp", 67.8, (1.0, 1.25)),
-        # the chunked float8 head (8192 tokens at a time) at batch 48: H200, and the same capped at 79.1 GiB
-        ([*B13, *F13, "data.batch_size=48", "module.fp8_layers=all", "module.loss_chunk_tokens=8192"], "ddp", 72.9, (1.0, 1.25)),
-        # the same with the fused float8 MLP (module.fp8_fused_mlp, H200): the same peak, as it saves what torchao's
+        # the float8 head (chunks of 8192 tokens) at batch 48: H200
+        ([*B13, *F13, "data.batch_size=48", *FLOAT8_HEAD], "ddp", 72.9, (1.0, 1.25)),
+        # the same with the fused float8 MLP (module.fp8.fused_mlp, H200): the same peak, as it saves what torchao's
         # layers save under the compiler (the first version, which also kept the activation in float8: 81.9)
         (
-            [*B13, *F13, "data.batch_size=48", "module.fp8_layers=all", "module.loss_chunk_tokens=8192", "module.fp8_fused_mlp=true"],
+            [*B13, *F13, "data.batch_size=48", *FLOAT8_HEAD, "module.fp8.fused_mlp=true"],
             "ddp",
             72.9,
             (1.0, 1.25),
@@ -89,7 +88,8 @@ L7 = ["model=llama-7b", "cluster.gpus=2", "data.seq_len=4096", "model.vocab_size
         ([*B13, *FS13, "data.batch_size=48", "strategy.reshard_after_forward=false"], "fsdp", 58.3, (1.0, 1.3)),
         # fsdp on one H200, per-block compile, batch 16, resharded or not, bf16 and fp8 tensorwise (bench/fast_paths_gpu.sh gather8)
         *[
-            ([*B13, *G13, f"module.fp8={fp8}", f"strategy.reshard_after_forward={nr}"], "fsdp", gib, band) for fp8, nr, gib, band in GATHER8
+            ([*B13, *G13, f"module.fp8.recipe={fp8}", f"strategy.reshard_after_forward={nr}"], "fsdp", gib, band)
+            for fp8, nr, gib, band in GATHER8
         ],  # fmt: skip
         # the largest models (micro-batch 1 x 2048; fsdp/hsdp with full activation checkpointing): peak at the end of
         # the backward pass, weights, gradients and optimizer state
@@ -111,11 +111,11 @@ L7 = ["model=llama-7b", "cluster.gpus=2", "data.seq_len=4096", "model.vocab_size
         ([*L7, "data.batch_size=2"], "fsdp/selective", 59.9, (0.97, 1.03)),
         ([*L7, "data.batch_size=3"], "fsdp/selective", 69.6, (0.97, 1.03)),
         ([*L7, "data.batch_size=2"], "fsdp/op", 63.1, (0.97, 1.03)),
-        ([*L7, "data.batch_size=2", "module.fp8=tensorwise"], "fsdp", 70.5, (0.97, 1.03)),
-        ([*L7, "data.batch_size=2", "module.fp8=tensorwise"], "fsdp/selective", 56.9, (0.97, 1.03)),
-        ([*L7, "data.batch_size=3", "module.fp8=tensorwise"], "fsdp/selective", 64.4, (0.97, 1.03)),
-        ([*L7, "data.batch_size=2", "module.fp8=tensorwise"], "fsdp/op", 62.7, (0.97, 1.03)),
-        ([*L7, "data.batch_size=3", "module.fp8=tensorwise"], "fsdp/op", 74.1, (0.97, 1.03)),
+        ([*L7, "data.batch_size=2", "module.fp8.recipe=tensorwise"], "fsdp", 70.5, (0.97, 1.03)),
+        ([*L7, "data.batch_size=2", "module.fp8.recipe=tensorwise"], "fsdp/selective", 56.9, (0.97, 1.03)),
+        ([*L7, "data.batch_size=3", "module.fp8.recipe=tensorwise"], "fsdp/selective", 64.4, (0.97, 1.03)),
+        ([*L7, "data.batch_size=2", "module.fp8.recipe=tensorwise"], "fsdp/op", 62.7, (0.97, 1.03)),
+        ([*L7, "data.batch_size=3", "module.fp8.recipe=tensorwise"], "fsdp/op", 74.1, (0.97, 1.03)),
     ],
 )
 def test_memory_prediction_against_measured_peaks(capsys, args, strategy, measured_gib, band):
@@ -183,17 +183,18 @@ def test_keeping_the_gathered_parameters_counts_all_of_them_under_fsdp_and_hsdp(
 
 
 def test_chunked_loss_counts_one_chunk_of_logits(capsys):
-    args = ["model=opt-1.3b", "model.vocab_size=50304", "data.seq_len=1024", "data.batch_size=32", "cluster.gpus=1"]
+    """Eager (a plan is for GPUs, where module.compile=auto compiles: said false here), one chunk of logits counted."""
+    args = ["model=opt-1.3b", "model.vocab_size=50304", "data.seq_len=1024", "data.batch_size=32", "cluster.gpus=1", "module.compile=false"]
     whole = _plan(capsys, *args)["memory_gb_per_gpu"]["ddp"]["none"]
-    chunked = _plan(capsys, *args, "module.loss_chunk_tokens=4096")["memory_gb_per_gpu"]["ddp"]["none"]
+    chunked = _plan(capsys, *args, *CHUNKED_4096)["memory_gb_per_gpu"]["ddp"]["none"]
     assert whole["logits"] * 1e9 == 6 * 32 * 1024 * 50304
     assert chunked["logits"] * 1e9 == pytest.approx(6 * 4096 * 50304 + 4 * (32 * 1024 + 50304) * 2048)
     assert chunked["total"] == pytest.approx(whole["total"] - whole["logits"] + chunked["logits"])  # both at the forward peak
     # under compile the bf16 chunked loss is counted as the whole batch's logits (it saved little there); the chunked
-    # float8 head saves the whole float8 head's 8 bytes per logit, and is counted as one chunk
-    compiled = [*args, "module.compile=true", "module.loss_chunk_tokens=4096"]
+    # float8 head is counted as one chunk
+    compiled = [*args, "module.compile=true", *CHUNKED_4096]
     assert _plan(capsys, *compiled)["memory_gb_per_gpu"]["ddp"]["none"]["logits"] == whole["logits"]
-    fp8 = _plan(capsys, *compiled, "module.fp8=tensorwise", "module.fp8_layers=all")["memory_gb_per_gpu"]["ddp"]["none"]
+    fp8 = _plan(capsys, *compiled, "module.fp8.recipe=tensorwise", "module.head.kind=float8")["memory_gb_per_gpu"]["ddp"]["none"]
     assert fp8["logits"] == chunked["logits"]
 
 
@@ -252,10 +253,10 @@ def test_largest_model_search_measures_both_sides_of_the_boundary():
 
 def test_chunked_loss_saves_nothing_counted_under_compile(capsys):
     """Measured on an H100: under compile the chunked loss saved 0.8 of the 8.1 GiB of logits counted at 1.3B batch 28."""
-    args = [*B13, "model.vocab_size=50304", "data.seq_len=1024", "data.batch_size=28", "cluster.gpus=1", "module.loss_chunk_tokens=4096"]
-    eager = _plan(capsys, *args)
+    args = [*B13, "model.vocab_size=50304", "data.seq_len=1024", "data.batch_size=28", "cluster.gpus=1", *CHUNKED_4096]
+    eager = _plan(capsys, *args, "module.compile=false")
     compiled = _plan(capsys, *args, "module.compile=true")
-    whole = _plan(capsys, *args[:-1], "module.compile=true")
+    whole = _plan(capsys, *args[:-2], "module.compile=true")
     assert eager["loss_chunk_counted"] and not compiled["loss_chunk_counted"]
     assert compiled["memory_gb_per_gpu"]["ddp"]["none"]["total"] == whole["memory_gb_per_gpu"]["ddp"]["none"]["total"]
     assert eager["memory_gb_per_gpu"]["ddp"]["none"]["total"] < whole["memory_gb_per_gpu"]["ddp"]["none"]["total"]
@@ -265,7 +266,7 @@ def test_chunked_loss_saves_nothing_counted_under_compile(capsys):
 
 
 def test_fp8_counts_the_products_inputs_in_one_byte(capsys):
-    """module.fp8: a block's activations without checkpointing lose the second byte of the four block products' inputs,
+    """module.fp8.recipe: a block's activations without checkpointing lose the second byte of the four block products' inputs,
     3 + f/d of its count (an OPT block 34 -> 27, llama-7b's gated MLP 37.5 -> 31.8125); op-level checkpointing keeps
     bf16 outputs and does not change; weights and optimizer state do not change."""
     from lmtrain.formats.presets import preset
@@ -274,7 +275,7 @@ def test_fp8_counts_the_products_inputs_in_one_byte(capsys):
     assert (block_activations(preset("opt-1.3b")), block_activations(preset("opt-1.3b"), fp8=True)) == (34, 27)
     assert (block_activations(preset("llama-7b")), block_activations(preset("llama-7b"), fp8=True)) == (37.5, 31.8125)
     args = ["model=llama-7b", "data.seq_len=4096", "data.batch_size=2", "cluster.gpus=2"]
-    bf16, fp8 = (_plan(capsys, *args, *extra) for extra in ([], ["module.fp8=tensorwise"]))
+    bf16, fp8 = (_plan(capsys, *args, *extra) for extra in ([], ["module.fp8.recipe=tensorwise"]))
     b, f = bf16["memory_gb_per_gpu"]["fsdp"], fp8["memory_gb_per_gpu"]["fsdp"]
     assert f["none"]["activations"] == pytest.approx(b["none"]["activations"] * 31.8125 / 37.5)
     assert f["selective"]["activations"] < b["selective"]["activations"] and f["op"]["activations"] < b["op"]["activations"]
@@ -282,28 +283,8 @@ def test_fp8_counts_the_products_inputs_in_one_byte(capsys):
     assert fp8["fp8"] == "tensorwise" and bf16["fp8"] is None
 
 
-def test_the_output_head_in_fp8_counts_the_float8_copy_of_the_logits_gradient(capsys):
-    """module.fp8_layers: with the head in float8 the logits count 8 bytes each instead of 6 (measured: +6.0 GiB at
-    65,536 x 50,304 on an H200, the loss gradient's float8 copy and what casting it holds); the blocks' activations
-    shrink only when the blocks are converted."""
-    args = [
-        "model=opt-1.3b",
-        "model.vocab_size=50304",
-        "data.seq_len=1024",
-        "data.batch_size=32",
-        "cluster.gpus=1",
-        "module.fp8=tensorwise",
-    ]
-    plans = {layers: _plan(capsys, *args, f"module.fp8_layers={layers}") for layers in ("blocks", "all", "head")}
-    mem = {k: p["memory_gb_per_gpu"]["ddp"]["none"] for k, p in plans.items()}
-    assert mem["blocks"]["logits"] * 1e9 == 6 * 32 * 1024 * 50304
-    assert mem["all"]["logits"] * 1e9 == mem["head"]["logits"] * 1e9 == 8 * 32 * 1024 * 50304
-    assert mem["all"]["activations"] == mem["blocks"]["activations"] < mem["head"]["activations"]
-    assert [p["fp8_layers"] for p in plans.values()] == ["blocks", "all", "head"]
-
-
 def test_fsdp_gathers_the_blocks_weights_in_float8_with_tensorwise_scaling(capsys):
-    """Under fsdp/hsdp with module.fp8=tensorwise the blocks' linear weights are all-gathered in float8 (one byte
+    """Under fsdp/hsdp with module.fp8.recipe=tensorwise the blocks' linear weights are all-gathered in float8 (one byte
     each; lmtrain.training.fp8.gathers_in_float8): the gathered parameters count 1 B for them and 2 B for the rest.
     Rowwise scaling, the head alone in float8, and ddp (nothing gathered) keep the bf16 count."""
     args = ["model=opt-1.3b", "data.batch_size=8", "cluster.gpus=2", "strategy=fsdp", "strategy.reshard_after_forward=false"]
@@ -311,9 +292,9 @@ def test_fsdp_gathers_the_blocks_weights_in_float8_with_tensorwise_scaling(capsy
         name: _plan(capsys, *args, *extra)
         for name, extra in {
             "bf16": [],
-            "tensorwise": ["module.fp8=tensorwise"],
-            "rowwise": ["module.fp8=rowwise"],
-            "head": ["module.fp8=tensorwise", "module.fp8_layers=head"],
+            "tensorwise": ["module.fp8.recipe=tensorwise"],
+            "rowwise": ["module.fp8.recipe=rowwise"],
+            "head": ["module.head.kind=float8"],
         }.items()
     }
     nums = plans["bf16"]
@@ -323,7 +304,7 @@ def test_fsdp_gathers_the_blocks_weights_in_float8_with_tensorwise_scaling(capsy
     assert gathered["tensorwise"] == 2 * nums["params"] - nums["block_linear_params"]
     assert "gathered" not in plans["tensorwise"]["memory_gb_per_gpu"]["ddp"]["none"]
     # resharded after the forward pass: two blocks' worth, in the same proportion
-    one = _plan(capsys, *args[:-1], "module.fp8=tensorwise")["memory_gb_per_gpu"]["hsdp"]["none"]["gathered"] * 1e9
+    one = _plan(capsys, *args[:-1], "module.fp8.recipe=tensorwise")["memory_gb_per_gpu"]["hsdp"]["none"]["gathered"] * 1e9
     assert one == pytest.approx(2 * (2 * nums["params"] - nums["block_linear_params"]) / 24)
 
 
@@ -332,7 +313,7 @@ def test_keeping_the_gathered_parameters_costs_what_was_measured(capsys, fp8):
     """What strategy.reshard_after_forward=false adds to the peak, against the same run resharded (one H200, fsdp on
     one rank, opt-1.3b batch 16): +2.2 GiB in bf16, +1.1 GiB in fp8 tensorwise, whose blocks' weights arrive in float8
     (the count at 2 B/param said +2.25 for both)."""
-    args = [*B13, *G13, "model.vocab_size=50304", "data.seq_len=1024", "data.batch_size=16", f"module.fp8={fp8}"]
+    args = [*B13, *G13, "model.vocab_size=50304", "data.seq_len=1024", "data.batch_size=16", f"module.fp8.recipe={fp8}"]
     kept, resharded = (
         _plan(capsys, *args, f"strategy.reshard_after_forward={nr}")["memory_gb_per_gpu"]["fsdp"]["none"]["total"]
         for nr in ("false", "true")

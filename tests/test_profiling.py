@@ -35,10 +35,10 @@ def test_math_attention_trains_like_the_default(tmp_path, dataset_dir):
 
 
 def test_chunked_loss_trains_like_the_default(tmp_path, dataset_dir):
-    """module.loss_chunk_tokens: the same per-step training losses and validation loss, in chunks that do not
+    """module.head.kind=chunked: the same per-step training losses and validation loss, in chunks that do not
     divide the batch's 256 tokens."""
     runs, vals = {}, {}
-    for name, extra in (("default", []), ("chunked", ["module.loss_chunk_tokens=37"])):
+    for name, extra in (("default", []), ("chunked", ["module.head.kind=chunked", "module.head.chunk_tokens=37"])):
         cfg = make_cfg(TINY + ["logger=csv", "trainer.max_steps=4", *extra], tmp_path / name, dataset_dir)
         metrics = train(cfg)
         runs[name] = [float(r["train/loss"]) for r in by_step(Path(cfg.run_dir)).values() if "train/loss" in r]
@@ -164,8 +164,9 @@ def test_throughput_bench_prints_its_table_row(tmp_path):
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     row = [c.strip() for c in res.stdout.strip().splitlines()[-1].strip("|").split("|")]
-    assert len(row) == 18 and row[1] == "1" and row[6] == "-" and row[9] == "-" and row[11] == "8 (5)", row  # no fp8, no document mask
-    trainer, raw, ratio = (float(row[i].replace(",", "")) for i in (12, 14, 15))
+    assert len(row) == 20 and row[1] == "1" and row[6:10] == ["default", "-", "plain", "False"], row  # speed=default: eager on the CPU
+    assert row[11] == "-" and row[12] == "4 x 64" and row[13] == "8 (5)", row  # no document mask
+    trainer, raw, ratio = (float(row[i].replace(",", "")) for i in (14, 16, 17))
     assert trainer > 0 and raw > 0 and ratio == pytest.approx(trainer / raw, abs=2e-3)
     series = next(line for line in res.stdout.splitlines() if line.startswith("trainer per-step tokens/s (thousands) from step 3:"))
     assert len(series.split(":")[1].split()) == 5, series  # one rate per timed step, in order

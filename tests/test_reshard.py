@@ -164,7 +164,7 @@ def test_one_run_through_six_layouts_matches_an_uninterrupted_run(tmp_path, shor
                    tmp_path, short_dataset))  # fmt: skip
     ref = _steps(tmp_path, "ref", 1)
     chain = [  # (strategy and ranks, micro-batch, until step, what the strategy says); two 4-rank launches of six
-        (["strategy=fsdp", "trainer.devices=2", "module.loss_chunk_tokens=100"], 2, 4,  # the head in chunks, sharded
+        (["strategy=fsdp", "trainer.devices=2", "module.head.kind=chunked", "module.head.chunk_tokens=100"], 2, 4,  # the head in chunks, sharded
          "FSDP2Strategy: fully_shard per block on mesh (2,) ('data_parallel',)"),
         (["strategy=fsdp", "trainer.devices=4"], 1, 8, "FSDP2Strategy: fully_shard per block on mesh (4,) ('data_parallel',)"),
         (["strategy=hsdp", "strategy.shard_size=2", "trainer.devices=4"], 1, 12,

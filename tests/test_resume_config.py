@@ -96,9 +96,9 @@ def test_lmtrain_classes_moved_between_versions_are_not_listed_as_config_changes
 
 
 def test_options_a_newer_lmtrain_added_at_their_defaults_are_not_listed_as_config_changes(tmp_path, dataset_dir, caplog):
-    """A run started before lmtrain had ``module.fp8_layers``, ``callbacks.checkpoint.keep_last`` and a few more (their
+    """A run started before lmtrain had ``module.fp8.fused_mlp``, ``callbacks.checkpoint.keep_last`` and a few more (their
     keys missing from its config.yaml), resumed now: the keys at their defaults are said once, apart, as options
-    lmtrain added; a new key set to another value than lmtrain's default (``module.loss_chunk_tokens=64``,
+    lmtrain added; a new key set to another value than lmtrain's default (``module.head.chunk_tokens=64``,
     ``callbacks.checkpoint.every_n_steps=10``), and a key the previous attempt had with another value, stay changes."""
     import logging
 
@@ -106,10 +106,11 @@ def test_options_a_newer_lmtrain_added_at_their_defaults_are_not_listed_as_confi
 
     from lmtrain.training.run import _config_changes
 
-    cfg = make_cfg([*BASE, "module.fp8_fast_accum=false", "module.loss_chunk_tokens=64"], tmp_path, dataset_dir)
+    cfg = make_cfg([*BASE, "module.fp8.fast_accum=false", "module.head.chunk_tokens=64"], tmp_path, dataset_dir)
     then = OmegaConf.to_container(cfg)
-    for key in ("fp8_layers", "fp8_fast_accum", "loss_chunk_tokens"):
-        del then["module"][key]
+    for key in ("fused_mlp", "fast_accum"):
+        del then["module"]["fp8"][key]
+    del then["module"]["head"]["chunk_tokens"]
     for key in ("keep_last", "every_n_steps"):
         del then["callbacks"]["checkpoint"][key]
     then["module"]["grad_clip"] = 0.5
@@ -120,9 +121,9 @@ def test_options_a_newer_lmtrain_added_at_their_defaults_are_not_listed_as_confi
         changes = _config_changes(run, cfg)
     assert changes == {
         "module/grad_clip": [0.5, cfg.module.grad_clip],
-        "module/loss_chunk_tokens": ["(unset)", 64],
+        "module/head/chunk_tokens": ["(unset)", 64],
         "callbacks/checkpoint/every_n_steps": ["(unset)", 10],
     }
     (said,) = [r.getMessage() for r in caplog.records if "lmtrain added" in r.getMessage()]
     assert said.startswith("lmtrain added 3 options since the run's previous attempt, at their defaults")
-    assert all(k in said for k in ("module/fp8_layers", "module/fp8_fast_accum", "callbacks/checkpoint/keep_last"))
+    assert all(k in said for k in ("module/fp8/fused_mlp", "module/fp8/fast_accum", "callbacks/checkpoint/keep_last"))

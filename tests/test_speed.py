@@ -22,13 +22,17 @@ def _adapted(tmp_path, *overrides):
     return cfg, off, speed.describe(cfg, off)
 
 
+def _float8(cfg):
+    return cfg.module.fp8.recipe, cfg.module.fp8.fast_accum, cfg.module.fp8.fused_mlp, cfg.module.head.kind
+
+
 def test_fp8_on_a_hopper_card_at_1_3b_keeps_the_whole_set(tmp_path, monkeypatch):
     _gpu(monkeypatch)
     cfg, off, line = _adapted(tmp_path, "speed=fp8", "model=opt-1.3b")
-    assert off == [] and (cfg.module.fp8, cfg.module.fp8_layers, cfg.module.fp8_fused_mlp) == ("tensorwise", "all", True)
+    assert off == [] and _float8(cfg) == ("tensorwise", True, True, "float8")
     assert line == (
-        "speed fp8: compiled, float8 tensorwise with fast accumulation in the blocks and the output head, the fused float8 MLP, "
-        "the output head chunked (8192 tokens)"
+        "speed fp8: compiled, float8 tensorwise with fast accumulation in the blocks, the fused float8 MLP, "
+        "the output head in float8, chunked (8192 tokens)"
     )
     validate_config(cfg)
 
@@ -36,8 +40,11 @@ def test_fp8_on_a_hopper_card_at_1_3b_keeps_the_whole_set(tmp_path, monkeypatch)
 def test_fp8_below_the_width_where_it_pays_puts_the_head_alone_in_float8(tmp_path, monkeypatch):
     _gpu(monkeypatch)
     cfg, off, line = _adapted(tmp_path, "speed=fp8", "model=opt-125m")
-    assert (cfg.module.fp8, cfg.module.fp8_layers, cfg.module.fp8_fused_mlp) == ("tensorwise", "head", False)
-    assert line.endswith("; not here: float8 in the blocks, as d_model 768 < 2048 (it did not pay there; the head alone is float8)")
+    assert _float8(cfg) == (None, True, False, "float8")
+    assert line == (
+        "speed fp8: compiled, the output head in float8 with fast accumulation, chunked (16384 tokens); not here: float8 in "
+        "the blocks, as d_model 768 < 2048 (it did not pay there; the head alone is float8)"
+    )
     validate_config(cfg)
 
 
@@ -51,23 +58,31 @@ def test_fp8_below_the_width_where_it_pays_puts_the_head_alone_in_float8(tmp_pat
 def test_fp8_where_float8_cannot_run_keeps_bf16_matmuls_and_says_why(tmp_path, monkeypatch, capability, extra, reason):
     _gpu(monkeypatch, capability)
     cfg, off, line = _adapted(tmp_path, "speed=fp8", "model=opt-1.3b", *extra)
-    assert cfg.module.fp8 is None and cfg.module.fp8_fused_mlp is False and cfg.module.fp8_layers == "blocks"
-    assert cfg.module.compile is True and cfg.module.loss_chunk_tokens == 8192  # what still pays
+    assert _float8(cfg) == (None, False, False, "chunked")
+    assert cfg.module.compile is True and cfg.module.head.chunk_tokens == 8192  # what still pays
     assert f"; not here: float8, as {reason}" in line, line
     validate_config(cfg)
 
 
 def test_a_key_the_command_line_gives_is_never_changed(tmp_path, monkeypatch):
     _gpu(monkeypatch)
-    cfg, off, _ = _adapted(tmp_path, "speed=fp8", "model=opt-125m", "module.fp8_layers=all", "module.fp8_fused_mlp=true")
-    assert off == [] and (cfg.module.fp8_layers, cfg.module.fp8_fused_mlp) == ("all", True)
+    cfg, off, _ = _adapted(tmp_path, "speed=fp8", "model=opt-125m", "module.fp8.recipe=tensorwise", "module.fp8.fused_mlp=true")
+    assert off == [] and _float8(cfg) == ("tensorwise", True, True, "float8")
+    cfg, off, _ = _adapted(tmp_path, "speed=fp8", "model=opt-1.3b", "module.head.kind=chunked")
+    assert off == [] and _float8(cfg) == ("tensorwise", True, True, "chunked")
+    cfg, off, _ = _adapted(tmp_path, "speed=fp8", "model=opt-125m", "module.head.chunk_tokens=4096")
+    assert _float8(cfg) == (None, True, False, "float8") and cfg.module.head.chunk_tokens == 4096
 
 
-def test_default_and_eager_describe_the_config_as_written(tmp_path):
-    assert _adapted(tmp_path)[2] == "speed default: eager"
-    assert _adapted(tmp_path, "module.compile=true")[2] == "speed default: compiled"
+def test_compile_auto_is_compiled_on_a_gpu_and_eager_on_the_cpu(tmp_path):
+    """speed=default: module.compile=auto, resolved for the run's device; a value given on the command line stays."""
+    assert _adapted(tmp_path)[2] == "speed default: compiled"  # trainer=gpu
+    cpu = make_cfg([], tmp_path)
+    assert speed.adapt(cpu, []) == [] and cpu.module.compile is False and speed.describe(cpu, []) == "speed default: eager"
+    assert _adapted(tmp_path, "module.compile=false")[2] == "speed default: eager"
     assert (
-        _adapted(tmp_path, "speed=eager", "module.loss_chunk_tokens=4096")[2] == "speed eager: eager, the output head chunked (4096 tokens)"
+        _adapted(tmp_path, "speed=eager", "module.head.kind=chunked", "module.head.chunk_tokens=4096")[2]
+        == "speed eager: eager, the output head chunked (4096 tokens)"
     )
 
 

@@ -96,7 +96,8 @@ def test_what_used_to_escape_is_one_config_error(tmp_path, overrides, message):
 
 def test_command_line_typos_get_one_line_with_a_did_you_mean(tmp_path):
     """A misspelled key or option on the command line: Hydra's own text suggested `+optimizer.lrr=`, which adds the
-    typo to the config; now one line with the key it meant and exit status 2, like a misspelled YAML key."""
+    typo to the config; now one line with the key it meant and exit status 2, like a misspelled YAML key. A key that
+    was replaced names its replacement."""
     import subprocess
     import sys
 
@@ -106,6 +107,10 @@ def test_command_line_typos_get_one_line_with_a_did_you_mean(tmp_path):
         "optimizer.lrr=1e-3": "error: unknown key 'optimizer.lrr' on the command line (did you mean 'optimizer.lr'?); "
         "to add a new key on purpose: +optimizer.lrr=...",
         "model=tinyy": "error: model=tinyy: no such option (did you mean 'tiny'?); available: llama-7b, mini,",
+        # a key a newer lmtrain replaced: what replaced it, not a did-you-mean
+        "module.loss_chunk_tokens=4096": "error: module.loss_chunk_tokens was replaced: use module.head.kind=chunked "
+        "module.head.chunk_tokens=N",
+        "module.fp8_layers=all": "error: module.fp8_layers was replaced: use module.head.kind=float8",
     }
     for override, message in cases.items():  # composition fails before anything is imported for training: a second each
         res = subprocess.run([sys.executable, str(ROOT / "train.py"), override], capture_output=True, text=True, cwd=tmp_path, timeout=120)

@@ -125,8 +125,8 @@ def test_experiment(experiment, tmp_path, dataset_dir):
         "scheduler.total_steps=4",
         "debug=fdr",
     ]
-    if cfg.strategy.get("compile"):  # compiled blocks run in the FSDP options test (tests/test_fsdp.py); here they cost 24 s
-        shrink.append("strategy.compile=false")
+    if cfg.module.get("compile") is True:  # compiled blocks run in the FSDP options test (tests/test_fsdp.py); here they cost 24 s
+        shrink.append("module.compile=false")
     train(make_cfg(shrink, tmp_path, dataset_dir))
 
 

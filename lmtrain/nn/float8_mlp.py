@@ -24,7 +24,7 @@ activation is recomputed from ``h`` (saving it too took 9 GiB more at opt-1.3b, 
 The passes are the operators ``lmtrain::act_float8`` and ``lmtrain::act_grad_float8``: here as PyTorch code
 (:func:`act_float8_reference`, :func:`act_grad_float8_reference`, what runs on the CPU), and on a GPU as Triton
 kernels that lmtrain.training.kernels registers for them (this layer imports PyTorch alone), which match the PyTorch
-passes on a GPU (tests/test_fp8.py). Selected with ``module.fp8=tensorwise module.fp8_fused_mlp=true``
+passes on a GPU (tests/test_fp8.py). Selected with ``module.fp8.recipe=tensorwise module.fp8.fused_mlp=true``
 (lmtrain.training.fp8)."""
 
 from __future__ import annotations

@@ -6,17 +6,17 @@ tokens ``chunk`` at a time: the chunk's logits, its loss terms (fp32), and at on
 the chunk's hidden states and its share of the weight's gradient (softmax minus one-hot, over the number of
 counted tokens); the backward only scales them by the incoming gradient. The same FLOPs (the backward's two
 matmuls move into the forward); the logits take one chunk's memory instead of the batch's. Enabled with
-``module.loss_chunk_tokens=N`` (lmtrain.training.module). Under ``module.compile=true`` the saving is small, as the
+``module.head.kind=chunked`` (``module.head.chunk_tokens=N``; lmtrain.training.fastpaths). Under ``module.compile=true`` the saving is small, as the
 compiled plain loss already holds far less than a whole fp32 copy of the logits (docs/BENCHMARKS.md).
 
-With ``float8=True`` (``module.fp8=tensorwise`` with ``module.fp8_layers=all|head`` and ``module.loss_chunk_tokens``)
+With ``float8=True`` (``module.head.kind=float8``)
 the chunk's three products run in float8 (``torch._scaled_mm``), as torchao's tensorwise recipe computes a float8
 head's: the hidden states and the weight cast to e4m3 with one scale each from their largest magnitude, the logits'
 gradient to e5m2. That gradient's largest magnitude needs no pass of its own: softmax minus one-hot lies in [-1, 1],
 so its scale is fixed at e5m2's largest value, and the 1/count of the mean goes into the product's scale. The
 chunk's gradient is written in e5m2 at once, in both layouts the two backward products read, so the only
 vocabulary-sized tensors are one chunk's logits (bf16) and their float8 gradient (two bytes per logit of the chunk);
-the plain float8 head keeps the batch's bf16 logits, their bf16 gradient and two float8 copies of it.
+a whole-batch float8 head (torchao's ``Float8Linear``) would keep the batch's bf16 logits, their bf16 gradient and two float8 copies of it.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lmtrain import data_cache_dir
 from lmtrain.errors import InputError
-from lmtrain.training import compat
+from lmtrain.training import compat, fastpaths
+from lmtrain.training.fastpaths import replaced
 
 # The root config's keys (conf/train.yaml and its groups); anything else at the top is a typo (`+run_nam=x`).
 TOP_LEVEL = {
@@ -121,6 +122,8 @@ def explain_hydra_error(exc: Exception) -> str:
     cause: BaseException | None = exc
     while cause is not None:
         if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key and isinstance(cause.parent_node, DictConfig):
+            if line := replaced(str(cause.full_key)):
+                return line
             known = {str(k) for k in cause.parent_node.keys() if not str(k).startswith("_") and k != "hydra"}
             prefix = cause.full_key[: -len(str(cause.key))] if cause.full_key.endswith(str(cause.key)) else ""
             return (
@@ -220,7 +223,9 @@ def validate_config(cfg: DictConfig) -> None:
         for key in node.keys():
             if str(key).startswith("_"):
                 continue
-            if key not in allowed:
+            if key not in allowed and (line := replaced(f"{path}.{key}")):
+                problems.append(line)
+            elif key not in allowed:
                 problems.append(f"unknown key '{path}.{key}' for {node._target_}{_suggest(str(key), allowed)}; allowed: {sorted(allowed)}")
 
     model_cfg = None
@@ -239,8 +244,10 @@ def validate_config(cfg: DictConfig) -> None:
     data, trainer = cfg.get("data"), cfg.get("trainer")
     if data is not None:
         for key in ("seq_len", "batch_size"):
+            if key == "batch_size" and data.get(key) == "auto":  # sized to the GPU's memory (lmtrain.training.batch)
+                continue
             if key in data and (not isinstance(data[key], int) or data[key] <= 0):
-                problems.append(f"data.{key}={data[key]!r} must be a positive integer")
+                problems.append(f"data.{key}={data[key]!r} must be a positive integer" + (" or auto" if key == "batch_size" else ""))
         if model_cfg is not None and isinstance(data.get("seq_len"), int) and data.seq_len > model_cfg.max_seq_len:
             problems.append(
                 f"data.seq_len={data.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}; allowed: 1..{model_cfg.max_seq_len}"
@@ -295,24 +302,13 @@ def validate_config(cfg: DictConfig) -> None:
 
     problems += _strategy_problems(cfg)
     module = cfg.get("module")
-    fp8_keys = (("fp8", None), ("fp8_fast_accum", False), ("fp8_layers", "blocks"), ("fp8_fused_mlp", False))
-    if module is not None and any(module.get(key, unset) != unset for key, unset in fp8_keys):
-        from lmtrain.training import fp8
-
+    if module is not None and "_target_" in module:
         precision = str(trainer.get("precision", "32-true")) if trainer is not None else "32-true"
-        problems += fp8.config_problems(
-            module.get("fp8"),
-            model_cfg=model_cfg,
-            precision=precision,
-            fast_accum=module.get("fp8_fast_accum", False),
-            layers=module.get("fp8_layers", "blocks"),
-            loss_kernel=module.get("loss_kernel"),
-            loss_chunk_tokens=module.get("loss_chunk_tokens"),
-            fused_mlp=module.get("fp8_fused_mlp", False),
-        )
-    if module is not None and module.get("loss_kernel") == "liger" and trainer is not None:
-        if device_type(trainer.get("accelerator", "auto")) == "cpu":
-            problems.append("module.loss_kernel=liger runs Triton kernels on a GPU; on the CPU use module.loss_chunk_tokens=N instead")
+        device = device_type(trainer.get("accelerator", "auto")) if trainer is not None else None
+        if module.get("compile", False) not in (True, False, "auto"):
+            problems.append(f"module.compile={module.get('compile')!r} must be true, false or auto")
+        head, fp8, form = fastpaths.read(module.get("head"), module.get("fp8"))
+        problems += form or fastpaths.problems(head, fp8, model_cfg=model_cfg, precision=precision, device=device)
 
     ckpt = cfg.get("ckpt_path")
     if ckpt is not None and not os.path.exists(str(ckpt)):
@@ -353,15 +349,16 @@ def check_machine(cfg: DictConfig) -> None:
         from lmtrain.training import fp8
 
         module = cfg.get("module") or {}
-        problem = fp8.device_problem(module.get("fp8"), torch.device("cuda", torch.cuda.current_device()))
+        head, float8, _ = fastpaths.read(module.get("head"), module.get("fp8"))
+        problem = fp8.device_problem(float8.recipe, torch.device("cuda", torch.cuda.current_device()), head.kind == "float8")
         if problem:
             raise ConfigError(problem)
-        if module.get("loss_kernel") == "liger":
+        if head.kind == "liger":
             try:
                 import liger_kernel.transformers.functional  # noqa: F401
             except ImportError as exc:
                 raise ConfigError(
-                    f"module.loss_kernel=liger needs liger-kernel ({exc}): pip install -r requirements-gpu.txt (liger-kernel==0.8.5)"
+                    f"module.head.kind=liger needs liger-kernel ({exc}): pip install -r requirements-gpu.txt (liger-kernel==0.8.5)"
                 ) from exc
 
 

@@ -1,44 +1,33 @@
-"""FP8 matmuls in the decoder's linear layers: torchao's float8 training, selected by ``module.fp8``.
+"""FP8 matmuls in the decoder's linear layers: torchao's float8 training, selected by ``module.fp8.recipe``
+(the node and its rules: lmtrain.training.fastpaths).
 
-    module.fp8=tensorwise    one scale per tensor (the fastest on Hopper; under fsdp/hsdp the weights are also
-                             all-gathered in float8, half the bytes of bf16)
-    module.fp8=rowwise       one scale per row (finer, more robust to outliers, slower kernels)
-    module.fp8=null          bf16 / fp32 matmuls (the default)
-    module.fp8_fast_accum=true   with either recipe: the backward float8 products also accumulate in Hopper's fast mode
-                             (torchao's recipes do so for the forward product only; its speed and its loss against
-                             bf16's: docs/BENCHMARKS.md)
-    module.fp8_layers=blocks     which products: the transformer blocks' linear layers (the default, as torchtitan's
-                   =all          and torchao's recipes leave the output layer out), the blocks and the output head,
-                   =head         or the output head alone (where the blocks are too narrow for FP8 to pay); with
-                                 module.loss_chunk_tokens the head is chunked and never holds the batch's logits
-                                 (what each choice measured: docs/BENCHMARKS.md)
+    module.fp8.recipe=tensorwise    one scale per tensor (the fastest on Hopper; under fsdp/hsdp the weights are also
+                                    all-gathered in float8, half the bytes of bf16)
+    module.fp8.recipe=rowwise       one scale per row (finer, more robust to outliers, slower kernels)
+    module.fp8.fast_accum=true      the backward float8 products also accumulate in Hopper's fast mode (torchao's
+                                    recipes do so for the forward product only)
+    module.fp8.fused_mlp=true       with tensorwise, a block's MLP (OPT: up, GELU or ReLU, down; Llama: gate_up,
+                                    SwiGLU, down) as one float8 function of ours instead of two torchao layers
+                                    (lmtrain.nn.float8_mlp): the activation and its float8 casts in two Triton passes
+                                    each way (lmtrain.training.kernels), the same numbers as torchao's layers
+                                    (tests/test_fp8.py); its weights all-gathered in float8 under fsdp/hsdp as theirs
+    module.head.kind=float8         the output head in float8, chunked (lmtrain.nn.loss computes its three products
+                                    with torch._scaled_mm, tensorwise, with or without float8 blocks)
 
-    module.fp8_fused_mlp=true    with tensorwise, a block's MLP (OPT: up, GELU or ReLU, down; Llama: gate_up, SwiGLU,
-                                 down) as one float8 function of ours instead of two torchao layers
-                                 (lmtrain.nn.float8_mlp): the activation and its float8 casts in two Triton passes each
-                                 way (lmtrain.training.kernels), where the compiler's kernels for them ran at a third of
-                                 the bandwidth; the same numbers as torchao's layers (tests/test_fp8.py). Its weights
-                                 are all-gathered in float8 under fsdp/hsdp, as torchao's layers' are (its speed
-                                 against theirs: docs/BENCHMARKS.md)
-
-Each converted ``nn.Linear`` becomes torchao's ``Float8Linear``: the same parameters under the same names
-(checkpoints load either way), its forward and backward matmuls in float8 with dynamic scales. The output head is a
-product as wide as the vocabulary (at opt-125m's width a quarter of the model's FLOPs) whose logits feed the loss
-directly. In float8 it stays tied to the embedding (the same parameter), the loss's gradient is cast to float8 e5m2
-as every other layer's output gradient is, and it costs one more logits-sized buffer (that gradient's float8 copy).
-With ``module.loss_chunk_tokens`` the head stays a plain layer and the chunked loss computes its three products in
-float8 itself (lmtrain.nn.loss, tensorwise only): the same casts, without the whole batch's logits and their gradient's
-float8 copies. liger-kernel's fused head (``module.loss_kernel``) computes in bf16 and is refused with a float8 head. Under FSDP the head's weight is never all-gathered in float8 (the
-embedding lookup reads the same parameter). The optional embedding projections of OPT-350m stay in the training
-precision. The master weights, optimizer state and every other op keep their precision: FP8 is a matmul format
-here, not a storage format.
+Each converted ``nn.Linear`` of the blocks becomes torchao's ``Float8Linear``: the same parameters under the same
+names (checkpoints load either way), its forward and backward matmuls in float8 with dynamic scales, as torchtitan's
+and torchao's recipes leave the output layer out. The output head (at opt-125m's width a quarter of the model's FLOPs)
+stays a plain layer tied to the embedding; in float8 its chunked loss casts the loss's gradient to e5m2 as every
+other layer's output gradient is, without the whole batch's logits. Under FSDP the head's weight is never all-gathered
+in float8 (the embedding lookup reads the same parameter). The optional embedding projections of OPT-350m stay in the
+training precision. The master weights, optimizer state and every other op keep their precision: FP8 is a matmul
+format here, not a storage format.
 
 Where it runs: a GPU of compute capability 8.9 or later (Ada, Hopper: the float8 tensor cores), and the CPU, where
 PyTorch's float8 matmul computes the same numbers with no speed-up (the tests check the numerics there; in fp32 the
-run keeps it in PyTorch's emulation, :func:`emulate_cpu_matmuls`). Refused, before
-any model is built: another GPU, ``trainer.precision`` in fp16 (torchao's recipes scale from bf16/fp32), a block's
-linear dimension (or, with the head, the vocabulary) not divisible by 16 (the float8 matmul's alignment), and a missing ``torchao``. Measured figures and
-where FP8 pays: docs/BENCHMARKS.md.
+run keeps it in PyTorch's emulation, :func:`emulate_cpu_matmuls`). Refused before any model is built: another GPU,
+fp16, sizes not divisible by 16 and a missing ``torchao`` (lmtrain.training.fastpaths). Measured figures and where
+FP8 pays: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -54,8 +43,6 @@ from torch import nn
 
 from lmtrain.errors import InputError
 
-RECIPES = ("tensorwise", "rowwise")
-LAYERS = ("blocks", "all", "head")
 _TORCHAO = "torchao==0.18.0"
 
 
@@ -66,7 +53,7 @@ _TORCHAO = "torchao==0.18.0"
 _IMPORT_NOISE = ("torchao", "torch.utils._pytree")
 
 
-def _torchao_missing() -> str | None:
+def torchao_missing() -> str | None:
     logs = [logging.getLogger(name) for name in _IMPORT_NOISE]
     levels = [log.level for log in logs]
     for log in logs:
@@ -76,95 +63,24 @@ def _torchao_missing() -> str | None:
             warnings.simplefilter("ignore", SyntaxWarning)
             import torchao.float8  # noqa: F401
     except ImportError as exc:
-        return f"module.fp8 needs torchao ({exc}): pip install {_TORCHAO} (in requirements.txt)"
+        return f"module.fp8.recipe needs torchao ({exc}): pip install {_TORCHAO} (in requirements.txt)"
     finally:
         for log, level in zip(logs, levels):
             log.setLevel(level)
     return None
 
 
-def _linear_dims(model_cfg, layers: str) -> dict[str, int]:
-    """The in/out sizes of the linear layers ``layers`` converts, named for messages."""
-    dims = {}
-    if layers != "head":
-        dims = {"model.d_model": model_cfg.d_model, "model.ffn_dim": model_cfg.hidden_dim}
-        dims["qkv width (n_heads + 2 x n_kv_heads) x head size"] = (model_cfg.n_heads + 2 * model_cfg.kv_heads) * model_cfg.head_dim
-    if layers != "blocks":
-        dims |= {"model.vocab_size": model_cfg.vocab_size, "the head's input width (model.emb_dim or d_model)": model_cfg.emb_dim}
-    return dims
-
-
-def config_problems(
-    recipe,
-    *,
-    model_cfg=None,
-    precision: str = "bf16-mixed",
-    fast_accum=False,
-    layers="blocks",
-    loss_kernel=None,
-    loss_chunk_tokens=None,
-    fused_mlp=False,
-) -> list[str]:
-    """What in the config forbids ``module.fp8=recipe`` with ``module.fp8_fast_accum=fast_accum``,
-    ``module.fp8_layers=layers`` and ``module.fp8_fused_mlp=fused_mlp`` (empty when it can run, or when all are
-    unset); ``loss_kernel`` and ``loss_chunk_tokens`` are the module's: the first bypasses a float8 head, the second
-    makes it chunked."""
-    for key, value in (("fp8_fast_accum", fast_accum), ("fp8_fused_mlp", fused_mlp)):
-        if not isinstance(value, bool):
-            return [f"module.{key}={value!r} must be true or false"]
-    if layers not in LAYERS:
-        return [f"module.fp8_layers={layers!r} is not one of {list(LAYERS)}"]
-    if recipe is None:
-        unused = [f"module.fp8_fast_accum={str(fast_accum).lower()}"] if fast_accum else []
-        unused += [f"module.fp8_layers={layers}"] if layers != "blocks" else []
-        unused += ["module.fp8_fused_mlp=true"] if fused_mlp else []
-        verb = "changes" if len(unused) == 1 else "change"
-        return (
-            [f"{' and '.join(unused)} {verb} the float8 matmuls, and module.fp8 is null: set module.fp8=tensorwise or rowwise"]
-            if unused
-            else []
-        )
-    if recipe not in RECIPES:
-        return [f"module.fp8={recipe!r} is not one of {list(RECIPES)} or null"]
-    out = []
-    if precision.startswith("16"):
-        out.append(f"module.fp8={recipe} with trainer.precision={precision}: FP8 scales from bf16 or fp32; use bf16-mixed")
-    if layers != "blocks" and loss_kernel is not None:
-        out.append(
-            f"module.fp8_layers={layers} puts the output head in float8, and module.loss_kernel={loss_kernel} computes the head "
-            "in bf16 inside its own kernel: choose one (module.fp8_layers=blocks keeps the fused head; module.loss_chunk_tokens "
-            "gives a float8 head that never holds the whole batch's logits)"
-        )
-    elif layers != "blocks" and loss_chunk_tokens is not None and recipe != "tensorwise":
-        out.append(
-            f"module.fp8={recipe} with module.fp8_layers={layers} and module.loss_chunk_tokens={loss_chunk_tokens}: the chunked "
-            "float8 head scales per tensor; use module.fp8=tensorwise, or module.fp8_layers=blocks"
-        )
-    if fused_mlp and recipe != "tensorwise":
-        out.append(f"module.fp8_fused_mlp=true scales per tensor; with module.fp8={recipe} use module.fp8_fused_mlp=false")
-    elif fused_mlp and layers == "head":
-        out.append("module.fp8_fused_mlp=true computes the blocks' MLPs in float8, and module.fp8_layers=head leaves the blocks out")
-    if model_cfg is not None:
-        bad = [f"{k}={v}" for k, v in _linear_dims(model_cfg, layers).items() if v % 16]
-        if bad:
-            out.append(f"module.fp8={recipe}: float8 matmuls need linear sizes divisible by 16, not {', '.join(bad)}")
-    missing = _torchao_missing()
-    if missing:
-        out.append(missing)
-    return out
-
-
-def device_problem(recipe: str | None, device: torch.device) -> str | None:
-    """Why this device cannot run FP8 matmuls, or None."""
-    if recipe is None or device.type != "cuda":
+def device_problem(recipe: str | None, device: torch.device, float8_head: bool = False) -> str | None:
+    """Why this device cannot run the float8 matmuls asked for (``recipe`` in the blocks, a float8 head), or None."""
+    if (recipe is None and not float8_head) or device.type != "cuda":
         return None
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
         name = torch.cuda.get_device_name(device)
-        return (
-            f"module.fp8={recipe}: {name} (compute capability {major}.{minor}) has no float8 tensor cores; "
-            "FP8 needs 8.9 or later (Ada, Hopper): set module.fp8=null"
+        what, off = (
+            (f"module.fp8.recipe={recipe}", "module.fp8.recipe=null") if recipe else ("module.head.kind=float8", "module.head.kind=chunked")
         )
+        return f"{what}: {name} (compute capability {major}.{minor}) has no float8 tensor cores; FP8 needs 8.9 or later (Ada, Hopper): set {off}"
     return None
 
 
@@ -182,7 +98,7 @@ def float8_config(recipe: str, *, sharded: bool, device: torch.device, fast_accu
     config = Float8LinearConfig.from_recipe_name(recipe)
     if fast_accum:
         # torchao's recipes accumulate the forward product in Hopper's fast mode and the two backward products with
-        # periodic promotion to fp32; this makes all three fast (module.fp8_fast_accum)
+        # periodic promotion to fp32; this makes all three fast (module.fp8.fast_accum)
         fast = Float8GemmConfig(use_fast_accum=True)
         config = dataclasses.replace(config, gemm_config_output=fast, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
     if gathers_in_float8(recipe, sharded=sharded):
@@ -192,38 +108,32 @@ def float8_config(recipe: str, *, sharded: bool, device: torch.device, fast_accu
 
 def convert(
     model: nn.Module,
-    recipe: str,
+    recipe: str | None,
     *,
     sharded: bool,
     device: torch.device,
     fast_accum: bool = False,
-    layers: str = "blocks",
-    chunked_head: bool = False,
+    float8_head: bool = False,
     fused_mlp: bool = False,
 ) -> nn.Module:
-    """Swap the linear layers inside ``model.blocks`` (``layers`` blocks or all) and the output head ``model.lm_head``
-    (all or head) for float8 ones in place (before sharding and compiling; works on the meta device). Attributes our
-    initialisation reads (``residual_out``) carry over; a tied head keeps the embedding's parameter. With
-    ``chunked_head`` the head stays an ``nn.Linear``: the chunked loss (``module.loss_chunk_tokens``) computes its
-    products in float8 from the weight (``model.loss_float8``). torchao's presence was checked with the config
-    (:func:`config_problems`, from LMModule)."""
-    from torchao.float8 import convert_to_float8_training
-    from torchao.float8.float8_linear import Float8Linear
-
-    problem = device_problem(recipe, device)
+    """Swap the linear layers inside ``model.blocks`` for torchao's float8 ones (``recipe``; None leaves them) in place,
+    before sharding and compiling (works on the meta device); with ``float8_head`` the chunked head computes its
+    products in float8 from the weight (``model.loss_float8``, lmtrain.nn.loss). Attributes our initialisation reads
+    (``residual_out``) carry over. The config was checked by lmtrain.training.fastpaths (torchao's presence too)."""
+    problem = device_problem(recipe, device, float8_head)
     if problem:
         raise InputError(problem)
     # every part checked before any is converted: a refused model is left as it was
-    blocks, head = getattr(model, "blocks", None), getattr(model, "lm_head", None)
-    if layers != "head" and blocks is None:
-        raise InputError(f"module.fp8: the model {type(model).__name__} has no transformer blocks (lmtrain.nn.model.Decoder has)")
-    if layers != "blocks" and chunked_head and not hasattr(model, "loss_float8"):
-        raise InputError(f"module.fp8_layers={layers} with module.loss_chunk_tokens: the model {type(model).__name__} has no chunked head")
-    if layers != "blocks" and not chunked_head and type(head) is not nn.Linear:
-        raise InputError(f"module.fp8_layers={layers}: the model {type(model).__name__} has no linear output head lm_head")
+    blocks = getattr(model, "blocks", None)
+    if recipe is not None and blocks is None:
+        raise InputError(f"module.fp8.recipe: the model {type(model).__name__} has no transformer blocks (lmtrain.nn.model.Decoder has)")
+    if float8_head and not hasattr(model, "loss_float8"):
+        raise InputError(f"module.head.kind=float8: the model {type(model).__name__} has no chunked head (lmtrain.nn.model.Decoder has)")
     mlps = _fusable_mlps(model, blocks) if fused_mlp else []
-    config = float8_config(recipe, sharded=sharded, device=device, fast_accum=fast_accum)
-    if layers != "head":
+    if recipe is not None:
+        from torchao.float8 import convert_to_float8_training
+
+        config = float8_config(recipe, sharded=sharded, device=device, fast_accum=fast_accum)
         marked = {name for name, m in blocks.named_modules() if getattr(m, "residual_out", False)}
         fused = {id(m) for mlp in mlps for m in (mlp.first, mlp.down)}
         convert_to_float8_training(blocks, module_filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and id(m) not in fused, config=config)
@@ -244,11 +154,8 @@ def convert(
             if config.enable_fsdp_float8_all_gather:
                 for layer in (mlp.first, mlp.down):
                     layer.weight = _gathered_in_float8(layer.weight, config)
-    if layers != "blocks" and chunked_head:
+    if float8_head:
         model.loss_float8, model.loss_float8_fast_accum = True, fast_accum
-    elif layers != "blocks":
-        # never all-gathered in float8: a tied head's parameter is also the embedding table the lookup reads
-        model.lm_head = Float8Linear.from_float(head, config=dataclasses.replace(config, enable_fsdp_float8_all_gather=False))
     return model
 
 
@@ -295,29 +202,25 @@ def _fusable_mlps(model: nn.Module, blocks) -> list[nn.Module]:
     mlps = [getattr(b, "mlp", None) for b in (blocks if blocks is not None else [])]
     if not mlps or not all(fusable(m) for m in mlps):
         raise InputError(
-            f"module.fp8_fused_mlp=true: the model {type(model).__name__} has blocks without an MLP it fuses (an OPT one: "
+            f"module.fp8.fused_mlp=true: the model {type(model).__name__} has blocks without an MLP it fuses (an OPT one: "
             f"linear up and down with biases, activation one of {list(ACTIVATIONS['opt'])}; or a SwiGLU one: gate_up and down "
-            "without biases; lmtrain.nn.model's opt and llama families have them): use module.fp8_fused_mlp=false"
+            "without biases; lmtrain.nn.model's opt and llama families have them): use module.fp8.fused_mlp=false"
         )
     return mlps
 
 
-def describe(model: nn.Module, layers: str) -> str:
+def describe(model: nn.Module) -> str:
     """What :func:`convert` made float8, for the console."""
-    from torchao.float8.float8_linear import Float8Linear
-
-    chunked = bool(getattr(model, "loss_float8", False))
-    head = isinstance(getattr(model, "lm_head", None), Float8Linear)
-    n = converted(model) - head
+    parts = []
+    if "torchao.float8" in sys.modules:
+        n = converted(model)
+        parts += [f"{n} linear layers of the transformer blocks"] if n else []
     fused = sum(getattr(m, "float8", None) is not None for m in model.modules())
-    parts = [f"{n} linear layers of the transformer blocks"] if layers != "head" else []
     if fused:
         parts.append(f"{fused} fused MLPs (lmtrain.nn.float8_mlp)")
-    if head:
-        parts.append("the output head")
-    elif chunked:
+    if getattr(model, "loss_float8", False):
         parts.append(f"the chunked output head ({model.loss_chunk_tokens} tokens at a time)")
-    return " and ".join(parts) + (" computes" if parts == ["the output head"] else " compute")
+    return " and ".join(parts) + (" computes" if len(parts) == 1 and parts[0].startswith("the ") else " compute")
 
 
 # The width from which FP8 in the blocks paid on an H100 (bench/fast_paths_gpu.sh; the figures: docs/BENCHMARKS.md):
@@ -325,15 +228,15 @@ def describe(model: nn.Module, layers: str) -> str:
 PAYS_FROM_D_MODEL = 2048
 
 
-def width_warning(model: nn.Module, recipe: str, layers: str = "blocks") -> str | None:
+def width_warning(model: nn.Module, recipe: str | None) -> str | None:
     """What to tell a user whose model's blocks are too narrow for FP8 to be faster, or None."""
     d = getattr(getattr(model, "cfg", None), "d_model", None)
-    if d is None or d >= PAYS_FROM_D_MODEL or layers == "head":
+    if d is None or d >= PAYS_FROM_D_MODEL or recipe is None:
         return None
     return (
-        f"module.fp8={recipe} at d_model={d}: on an H100, FP8 was slower than bf16 below d_model {PAYS_FROM_D_MODEL} "
-        "(docs/BENCHMARKS.md); it saves memory, not time, here. module.fp8_layers=head puts the output head alone in "
-        "float8, which paid at opt-125m's width (with module.loss_chunk_tokens, chunked)"
+        f"module.fp8.recipe={recipe} at d_model={d}: FP8 in the blocks was slower than bf16 below d_model "
+        f"{PAYS_FROM_D_MODEL} (docs/BENCHMARKS.md); it saves memory, not time, here. module.head.kind=float8 with "
+        "module.fp8.recipe=null puts the output head alone in float8, which paid at opt-125m's width"
     )
 
 
@@ -397,7 +300,7 @@ def precompute_scales(model: nn.Module) -> None:
         shard._precomputed_scale = scale
 
 
-def emulate_cpu_matmuls(recipe: str | None, device: torch.device, precision) -> bool:
+def emulate_cpu_matmuls(float8: bool, device: torch.device, precision) -> bool:
     """Turn oneDNN off for an FP8 run on the CPU in full precision, so that its float8 matmuls run in PyTorch's own
     emulation (both operands to fp32, one fp32 product: the same numbers); True if it was turned off (give it back
     with :func:`restore_onednn` when the run ends).
@@ -409,7 +312,7 @@ def emulate_cpu_matmuls(recipe: str | None, device: torch.device, precision) -> 
     2-6 ms either way (docs/BENCHMARKS.md).
     Not under bf16-mixed, where the CPU's bf16 matmuls need oneDNN (167 ms against 2.9 ms for a (4096, 512) layer
     without it); fp32 matmuls go to MKL either way (15-17 ms)."""
-    if recipe is None or device.type != "cpu" or str(precision) not in ("32", "32-true") or not torch.backends.mkldnn.enabled:
+    if not float8 or device.type != "cpu" or str(precision) not in ("32", "32-true") or not torch.backends.mkldnn.enabled:
         return False
     torch.backends.mkldnn.enabled = False
     return True

@@ -12,7 +12,7 @@ LOSS_KERNELS = ("liger",)
 @torch.compiler.disable
 def liger_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` through liger-kernel's fused linear cross-entropy (Triton, GPU
-    only; ``module.loss_kernel=liger``): like lmtrain.nn.loss's chunked loss, chunks of tokens whose logits and their
+    only; ``module.head.kind=liger``): like lmtrain.nn.loss's chunked loss, chunks of tokens whose logits and their
     gradient live only inside the kernel, the weight's gradient accumulated in fp32. Inputs are cast to the autocast
     dtype first (under bf16-mixed the final norm's output is fp32; the head's matmul runs in bf16 as the plain head's
     does). Kept out of compiled graphs: its own kernels are already fused."""
@@ -24,11 +24,11 @@ def liger_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 
 
 def loss_kernel(name: str):
-    """The ``(hidden (N, E), weight (V, E), targets (N,)) -> mean loss`` function named by ``module.loss_kernel``."""
+    """The ``(hidden (N, E), weight (V, E), targets (N,)) -> mean loss`` function of ``module.head.kind=liger``."""
     return {"liger": liger_linear_cross_entropy}[name]
 
 
-# -- module.fp8_fused_mlp: the Triton passes of lmtrain.nn.float8_mlp's operator on a GPU -----------------------------
+# -- module.fp8.fused_mlp: the Triton passes of lmtrain.nn.float8_mlp's operator on a GPU -----------------------------
 
 try:
     import triton

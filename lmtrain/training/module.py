@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import lightning as L
@@ -14,11 +14,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from lmtrain.errors import InputError
 from lmtrain.nn.loss import cross_entropy
 from lmtrain.nn.optim import build_optimizer
-from lmtrain.training import compat, precision
+from lmtrain.training import compat, fastpaths, precision
 from lmtrain.training import fp8 as fp8_module
 from lmtrain.training.checkpoint.position import adapt_to_layout
 from lmtrain.training.contracts import StepChecker
-from lmtrain.training.kernels import LOSS_KERNELS, loss_kernel
+from lmtrain.training.kernels import loss_kernel
 from lmtrain.training.logs import log_direct
 
 
@@ -97,28 +97,17 @@ class LMModule(L.LightningModule):
         scheduler: a partial LR scheduler taking the optimizer, stepped once per optimizer step, or None.
         grad_clip: clip the global gradient norm to this value (None or 0: measure only). Done here rather than
             with the Trainer's ``gradient_clip_val``, which Lightning refuses with fused AdamW under mixed precision.
-        compile: ``torch.compile`` the forward pass and loss together (single device and DDP); under a sharded
+        compile: ``torch.compile`` the forward pass and loss together (single device and DDP; ``auto``: on a GPU, not on
+            the CPU); under a sharded
             strategy it turns on the strategy's own ``compile`` (per block, and the head with the loss:
             lmtrain.training.run). Parameter names do not change.
         sdpa_backend: attention kernel(s) for ``scaled_dot_product_attention``, in priority order: ``flash``,
             ``cudnn`` (cuDNN's fused attention, the fastest on Hopper GPUs in our measurements, see docs/BENCHMARKS.md),
             ``efficient`` or ``math``; a name or a list. None: PyTorch's own choice.
-        loss_chunk_tokens: compute the output head and loss this many tokens at a time (lmtrain.nn.loss): the batch's
-            logits (3.3 GB in bf16 per 32k tokens of a 50k vocabulary, and as much again for their gradient) are never
-            held whole; under ``compile`` the saving is small (docs/BENCHMARKS.md). None: all at once.
-        loss_kernel: ``liger``: the output head and loss by liger-kernel's fused linear cross-entropy (Triton, GPU
-            only; ``pip install -r requirements-gpu.txt``), which never holds the batch's logits; None: the plain head
-            (or ``loss_chunk_tokens``). Measured against both: docs/BENCHMARKS.md.
-        fp8: ``tensorwise`` or ``rowwise``: the transformer blocks' linear layers compute in float8 (torchao; see
-            lmtrain.training.fp8 for where it runs and what it refuses); None: in the training precision.
-        fp8_fast_accum: the backward float8 matmuls also accumulate in Hopper's fast mode, as torchao's recipes do
-            for the forward one only (faster, less exact; measured in docs/BENCHMARKS.md). Needs ``fp8``.
-        fp8_layers: which products ``fp8`` converts: ``blocks`` (the default), ``all`` (the blocks and the output
-            head) or ``head`` (the output head alone). A float8 head excludes ``loss_kernel``; with ``loss_chunk_tokens``
-            the chunked head computes in float8 (tensorwise).
-        fp8_fused_mlp: with ``fp8=tensorwise``, each block's MLP (OPT: up, GELU or ReLU, down; Llama: gate_up, SwiGLU,
-            down) as one float8 function whose activation and casts are two Triton passes each way
-            (lmtrain.nn.float8_mlp, lmtrain.training.kernels) instead of two torchao layers; the same numbers.
+        head: ``module.head``, how the output head and its loss are computed: ``kind`` plain (the default),
+            chunked, liger or float8, and ``chunk_tokens`` (lmtrain.training.fastpaths).
+        fp8: ``module.fp8``, float8 matmuls in the transformer blocks: ``recipe`` (tensorwise, rowwise or None),
+            ``fast_accum`` and ``fused_mlp`` (lmtrain.training.fastpaths, lmtrain.training.fp8).
         seed: if set, torch's RNG (dropout) is re-seeded before every training batch from (seed, batch number,
             rank): the masks of a batch then do not depend on what else drew random numbers before it
             (validation, loader start-up), so a resumed or rolled-back run draws exactly the same ones.
@@ -131,38 +120,17 @@ class LMModule(L.LightningModule):
         scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None,
         grad_clip: float | None = 1.0,
         seed: int | None = None,
-        compile: bool = False,
+        compile: bool | str = False,
         sdpa_backend: str | list[str] | None = None,
-        loss_chunk_tokens: int | None = None,
-        loss_kernel: str | None = None,
-        fp8: str | None = None,
-        fp8_fast_accum: bool = False,
-        fp8_layers: str = "blocks",
-        fp8_fused_mlp: bool = False,
+        head: Mapping | fastpaths.Head | None = None,
+        fp8: Mapping | fastpaths.Float8 | None = None,
     ) -> None:
         super().__init__()
         self._sdpa = sdpa_backends(sdpa_backend)
-        problems = fp8_module.config_problems(
-            fp8,
-            fast_accum=fp8_fast_accum,
-            layers=fp8_layers,
-            loss_kernel=loss_kernel,
-            loss_chunk_tokens=loss_chunk_tokens,
-            fused_mlp=fp8_fused_mlp,
-        )
+        self.head, self.fp8, problems = fastpaths.read(head, fp8)
+        problems = problems or fastpaths.problems(self.head, self.fp8)
         if problems:
             raise InputError("; ".join(problems))
-        self.fp8, self.fp8_fast_accum, self.fp8_layers, self.fp8_fused_mlp = fp8, fp8_fast_accum, fp8_layers, fp8_fused_mlp
-        if loss_chunk_tokens is not None and (
-            not isinstance(loss_chunk_tokens, int) or isinstance(loss_chunk_tokens, bool) or loss_chunk_tokens < 1
-        ):
-            raise InputError(f"module.loss_chunk_tokens={loss_chunk_tokens!r}: give a positive number of tokens, or null")
-        self.loss_chunk_tokens = loss_chunk_tokens
-        if loss_kernel is not None and loss_kernel not in LOSS_KERNELS:
-            raise InputError(f"module.loss_kernel={loss_kernel!r}: use one of {list(LOSS_KERNELS)} or null")
-        if loss_kernel is not None and loss_chunk_tokens is not None:
-            raise InputError(f"module.loss_kernel={loss_kernel} and module.loss_chunk_tokens={loss_chunk_tokens}: choose one")
-        self.loss_kernel = loss_kernel
         if isinstance(model, nn.Module):
             self.model: nn.Module | None = model
             self._model_factory = None
@@ -173,6 +141,8 @@ class LMModule(L.LightningModule):
         self.scheduler_factory = scheduler
         self.grad_clip = grad_clip
         self.seed = seed
+        if compile not in (True, False, "auto"):
+            raise InputError(f"module.compile={compile!r} must be true, false or auto")
         self.compile = compile
         self._loss_fn = lm_loss
         self._val_sums = torch.zeros(1, 2)  # per validation set: (sum of loss x tokens, tokens)
@@ -199,47 +169,49 @@ class LMModule(L.LightningModule):
                     self.model = self._model_factory()
             else:
                 self.model = self._model_factory()
-        if self.loss_chunk_tokens is not None:
+        if self.head.chunk is not None:
             if not hasattr(self.model, "loss_chunk_tokens"):
                 raise InputError(
-                    f"module.loss_chunk_tokens: the model {type(self.model).__name__} has no chunked loss (lmtrain.nn.model.Decoder has)"
+                    f"module.head.kind={self.head.kind}: the model {type(self.model).__name__} has no chunked loss (lmtrain.nn.model.Decoder has)"
                 )
-            self.model.loss_chunk_tokens = self.loss_chunk_tokens  # before a strategy compiles head_loss
-        if self.fp8 is not None and not getattr(self, "_fp8_converted", False):  # before sharding and compiling
+            self.model.loss_chunk_tokens = self.head.chunk  # before a strategy compiles head_loss
+        float8_head = self.head.kind == "float8"
+        if (self.fp8.recipe is not None or float8_head) and not getattr(self, "_fp8_converted", False):  # before sharding and compiling
             device = strategy.root_device if strategy is not None else self.device
             fp8_module.convert(
                 self.model,
-                self.fp8,
+                self.fp8.recipe,
                 sharded=parallelize is not None,
                 device=device,
-                fast_accum=self.fp8_fast_accum,
-                layers=self.fp8_layers,
-                chunked_head=self.loss_chunk_tokens is not None,
-                fused_mlp=self.fp8_fused_mlp,
+                fast_accum=self.fp8.fast_accum,
+                float8_head=float8_head,
+                fused_mlp=self.fp8.fused_mlp,
             )
             self._fp8_converted = True
             if self.global_rank == 0:
                 print(
-                    f"[lmtrain] module.fp8={self.fp8}: {fp8_module.describe(self.model, self.fp8_layers)} in float8 on {device.type}"
+                    f"[lmtrain] float8: {fp8_module.describe(self.model)} in float8 on {device.type}"
                     + (" (float8 all-gather)" if fp8_module.uses_float8_all_gather(self.model) else "")
-                    + (", every product accumulated in fast mode" if self.fp8_fast_accum else ""),
+                    + (", every product accumulated in fast mode" if self.fp8.fast_accum else ""),
                     flush=True,
                 )
-                warning = fp8_module.width_warning(self.model, self.fp8, self.fp8_layers)
+                warning = fp8_module.width_warning(self.model, self.fp8.recipe)
                 if warning and device.type == "cuda":
                     print(f"[lmtrain] warning: {warning}", flush=True)
-        if self.loss_kernel is not None:
+        if self.head.kind == "liger":
             if not hasattr(self.model, "loss_kernel"):
                 raise InputError(
-                    f"module.loss_kernel: the model {type(self.model).__name__} has no fused head (lmtrain.nn.model.Decoder has)"
+                    f"module.head.kind=liger: the model {type(self.model).__name__} has no fused head (lmtrain.nn.model.Decoder has)"
                 )
-            self.model.loss_kernel = loss_kernel(self.loss_kernel)
+            self.model.loss_kernel = loss_kernel("liger")
         if parallelize is not None and not getattr(self, "_parallelized", False):
             self.model = parallelize(self.model)
             self._parallelized = True
         final_norm = getattr(self.model, "norm", None)
         if self._act_hook is None and isinstance(final_norm, nn.Module):
             self._act_hook = final_norm.register_forward_pre_hook(self._record_activation)
+        if self.compile == "auto":  # built without the config (lmtrain.training.speed resolves it there)
+            self.compile = (strategy.root_device if strategy is not None else self.device).type == "cuda"
         if self.compile and parallelize is None and self._loss_fn is lm_loss:
             self._loss_fn = torch.compile(lm_loss)
 
@@ -255,7 +227,8 @@ class LMModule(L.LightningModule):
     # -- training ---------------------------------------------------------------------------------
     def on_fit_start(self) -> None:
         # FP8 on the CPU in fp32: the float8 products in PyTorch's emulation, not oneDNN's slow path (fp8.emulate_cpu_matmuls)
-        self._onednn_off = fp8_module.emulate_cpu_matmuls(self.fp8, self.device, self.trainer.precision)
+        float8 = self.fp8.recipe is not None or self.head.kind == "float8"
+        self._onednn_off = fp8_module.emulate_cpu_matmuls(float8, self.device, self.trainer.precision)
 
     def teardown(self, stage: str) -> None:
         torch.compiler.set_stance("default")  # a validation that raised leaves no stance behind

@@ -24,7 +24,7 @@ from lmtrain.formats import corrections, logbook, runlock
 from lmtrain.formats import metrics as metrics_record
 from lmtrain.formats.checkpoint import CheckpointError, check_compatible, config_hash
 from lmtrain.formats.rundir import CONFIG, write_text_atomic
-from lmtrain.training import compat, restarts, speed
+from lmtrain.training import batch, compat, restarts, speed
 from lmtrain.training.checkpoint.resume import checked_here, resume_identity, resume_point
 from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data
 from lmtrain.training.contracts import CheckpointStore, Preempts, RequestsRollback, SaveGuard, StopsTraining
@@ -190,8 +190,12 @@ def _take_run(cfg: DictConfig, created: list[Path], said: list[str]) -> runlock.
     restarts.budget(cfg)
     check_machine(cfg)
     restarts.check_launcher()
+    sized = batch.resolve(cfg)  # data.batch_size=auto: from this GPU's memory
+    if sized:
+        validate_config(cfg)  # the chosen size against global_batch_size and the rest
     apply_global_batch_size(cfg)
     said.append(speed.describe(cfg, turned_off))
+    said += [sized] if sized else []
     run_dir = Path(cfg.run_dir)
     created += [d for d in reversed([run_dir, *run_dir.parents]) if not d.exists()]
     try:

@@ -15,7 +15,7 @@ sharded checkpoints (PyTorch distributed checkpoint, one file per rank). Options
 * ``activation_checkpointing``: ``none``, ``selective`` (every other block), ``full`` (every block) or ``op``
   (every block, by operator: the matrix products' and attention's outputs are kept and only the cheap rest, the
   norms, activation functions, rotary embedding and dropout, is recomputed; torchtitan's op-level selective mode);
-* ``compile``: ``torch.compile`` each block, and the output head with the loss;
+* compiled by ``module.compile``: ``torch.compile`` each block, and the output head with the loss;
 * ``cpu_offload``: keep sharded parameters, gradients and optimizer state in host memory;
 * ``reshard_after_forward``: free gathered parameters after forward (less memory, one more all-gather); the
   last block keeps them either way, as its backward comes right after;
@@ -72,7 +72,6 @@ class FSDP2Strategy(ModelParallelStrategy):
         self,
         mixed_precision: bool = True,
         activation_checkpointing: str = "none",
-        compile: bool = False,
         cpu_offload: bool = False,
         reshard_after_forward: bool = True,
         init_device: str = "cpu",
@@ -94,7 +93,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             timeout=timedelta(seconds=timeout_s),
         )
         self.mixed_precision, self.activation_checkpointing = mixed_precision, activation_checkpointing
-        self.compile_blocks, self.cpu_offload = compile, cpu_offload
+        self.compile_blocks, self.cpu_offload = False, cpu_offload  # compile_blocks: module.compile (lmtrain.training.run)
         self.reshard_after_forward, self.init_device = reshard_after_forward, init_device
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
 
@@ -208,7 +207,6 @@ class HSDPStrategy(FSDP2Strategy):
         shard_size: int | None = None,
         mixed_precision: bool = True,
         activation_checkpointing: str = "none",
-        compile: bool = False,
         cpu_offload: bool = False,
         reshard_after_forward: bool = True,
         init_device: str = "cpu",
@@ -219,7 +217,6 @@ class HSDPStrategy(FSDP2Strategy):
         super().__init__(  # by name: the parent's arguments are this one's, listed again so that config keys are checked
             mixed_precision=mixed_precision,
             activation_checkpointing=activation_checkpointing,
-            compile=compile,
             cpu_offload=cpu_offload,
             reshard_after_forward=reshard_after_forward,
             init_device=init_device,

@@ -43,7 +43,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _memory(t: torch.Tensor) -> tuple:
     """What identifies the memory ``t`` shows: two tensors with equal keys are one (a tied weight). A wrapper
     subclass holds no storage of its own (its ``data_ptr()`` is 0 for every instance): it is keyed by the tensors it
-    wraps. Keyed by 0, torchao's float8-gathered weights (fsdp/hsdp with ``module.fp8=tensorwise``) of one shape were
+    wraps. Keyed by 0, torchao's float8-gathered weights (fsdp/hsdp with ``module.fp8.recipe=tensorwise``) of one shape were
     all saved with the first one's values (an asynchronous fp8 save under fsdp that did not resume exactly). The
     strategy now hands those weights over as the plain tensors they wrap (lmtrain.training.fp8.plain_state), so the
     trainer's states hold no wrapper today; this keeps the copy right for any state that does

@@ -1,0 +1,191 @@
+"""Memory per GPU of a training run, counted: what lmtrain.plan tabulates for a cluster and what
+``data.batch_size=auto`` (lmtrain.training.batch) fills a card with.
+
+Memory per GPU, bf16 mixed precision with fp32 master weights and AdamW: weights 4 B/param, gradients 4 B/param,
+optimizer state 8 B/param, each divided by the shard group (ddp: 1, fsdp: all GPUs, hsdp: one node); activations
+per micro-batch from Korthikanti et al. (2022) with flash attention: 34 x seq x batch x d_model bytes per layer
+without recomputation for an OPT block, 37.5 for llama-7b's gated MLP (:func:`block_activations`), 2 x seq x batch x d_model per layer (the saved block inputs) plus one layer's full set with
+full activation checkpointing, half of the layers each way with selective (every other block), and with ``op`` (every
+block keeps its products' and attention's outputs) 22 x seq x batch x d_model per layer (of the 34: the block input 2,
+q, k and v 6, attention's output 2, the output projection's 2, the MLP's first product 8 and second 2; the norms,
+activation and dropout masks recomputed) plus one layer's full set; with ``module.fp8.recipe`` the full set is 3 + f/d less
+(27 for an OPT block), the four products' inputs kept in float8 (one byte instead of two; measured: 3.0 GiB less for
+llama-7b at batch 2 under fsdp x 2 with selective checkpointing, counted 2.8; the compiled 1.3B saved twice what is
+counted); against llama-7b's ten measured peaks (bf16 and fp8, every checkpointing setting) the count is within 2.5%; plus the logits,
+batch x seq x vocab x 6 bytes (bf16 and the fp32 copy the loss takes); with a chunked head (``module.head.kind=chunked``
+or ``float8``, ``module.head.chunk_tokens=C``), C x vocab x 6 bytes plus the gradients the chunked head keeps: hidden
+states and head weight in fp32; with ``module.compile`` the bf16 chunked head is counted as whole-batch logits, since
+under compile it saved a tenth to a seventh of that, the float8 one as chunked; under ddp on more than one GPU, DDP's
+gradient buckets, 4 B/param. The total is the larger of two peaks: at the end of the forward pass (weights,
+optimizer state, activations, logits; gradients only when ``trainer.accumulate_grad_batches`` or
+``global_batch_size`` makes several micro-batches per step, since the trainer frees them after each optimizer step)
+and at the end of the backward pass (weights, gradients, optimizer state; under fsdp/hsdp one block's unsharded
+gradients in bf16 and fp32 for the reduce-scatter; the DDP buckets in both). Under fsdp/hsdp the forward peak also
+holds two blocks' gathered bf16 parameters, or all of them, 2 B/param, with ``strategy.reshard_after_forward=false``
+(measured +2.2 GiB at 1.3B on 2 GPUs); with ``module.fp8.recipe=tensorwise`` the blocks' linear weights are gathered in float8,
+1 B/param (lmtrain.training.fp8.gathers_in_float8). Measured against both in
+docs/BENCHMARKS.md. A 10% margin is kept free.
+"""
+
+from __future__ import annotations
+
+import math
+
+AC = ("none", "op", "selective", "full")  # every strategy.activation_checkpointing (strategies.AC_MODES), most memory first
+GB = 1e9
+MARGIN = 0.9
+
+
+def model_numbers(model_cfg, seq_len: int) -> dict:
+    """Parameters and FLOPs of a model config (a meta-device build: no memory; each shape built once per process,
+    since a plan's search over the presets builds every one of them)."""
+    key = (repr(model_cfg), seq_len)  # (ModelConfig is a plain dataclass: its repr names every field)
+    if key not in _NUMBERS:
+        _NUMBERS[key] = _build_numbers(model_cfg, seq_len)
+    return dict(_NUMBERS[key])
+
+
+_NUMBERS: dict[tuple[str, int], dict] = {}
+
+
+def _build_numbers(model_cfg, seq_len: int) -> dict:
+    import torch
+
+    from lmtrain.nn.model import Decoder, flops_per_token, matmul_params, num_params
+
+    with torch.device("meta"):
+        model = Decoder(model_cfg)
+    total = num_params(model)
+    embedding = model.tok_emb.weight.numel() + (model.pos_emb.weight.numel() if model.pos_emb is not None else 0)
+    if not model_cfg.tie_embeddings:
+        embedding += model.lm_head.weight.numel()
+    return {
+        "params": total,
+        "non_embedding_params": total - embedding,
+        "matmul_params": matmul_params(model),
+        # the weights FSDP gathers in float8 with module.fp8.recipe=tensorwise (every linear layer inside the blocks)
+        "block_linear_params": sum(m.weight.numel() for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)),
+        "flops_per_token": flops_per_token(model, seq_len),
+    }
+
+
+def block_activations(cfg, fp8: bool = False) -> float:
+    """What one block keeps for its backward pass without recomputation, in bytes per token per unit of d_model
+    (Korthikanti et al. 2022 with flash attention, counted for each family's MLP of width f): the two norms' inputs
+    4, attention's input, q, k, v and output 10, the MLP's input 2, then GPT's MLP 4 f/d (its activation's input and
+    output) plus 2 (dropout masks; 34 at f = 4d, the count the OPT rows were measured against) or llama's gated MLP
+    8 f/d (the gate and up products, silu's output and their product: 37.5 for llama-7b, whose rows the 34 undercounted
+    by up to 5%). ``module.fp8.recipe``: the four products keep their inputs in float8, one byte instead of two, 3 + f/d less
+    (7 at f = 4d). Checkpointing by operator keeps the products' bf16 outputs and recomputes the casts, so its 22 stay."""
+    f = cfg.hidden_dim / cfg.d_model
+    full = 16 + (8 * f if cfg.family == "llama" else 4 * f + 2)
+    return full - (3 + f if fp8 else 0)
+
+
+def memory(
+    cfg,
+    params: int,
+    seq: int,
+    batch: int,
+    strategy: str,
+    world: int,
+    node: int,
+    ac: str,
+    loss_chunk: int | None = None,
+    accumulate: int = 1,
+    fp8: bool = False,
+    reshard: bool = True,
+    float8_gathered: int = 0,
+) -> dict:
+    """Bytes per GPU (see the module docstring): each term, and ``total``, the larger of the two peaks."""
+    shard = {"ddp": 1, "fsdp": world, "hsdp": min(node, world)}[strategy]
+    L, d, V = cfg.n_layers, cfg.d_model, cfg.vocab_size
+    per_layer_full = block_activations(cfg, fp8) * seq * batch * d
+    per_layer_saved = 2 * seq * batch * d
+    if ac == "none":
+        act = L * per_layer_full
+    elif ac == "full":
+        act = L * per_layer_saved + per_layer_full
+    elif ac == "op":
+        act = L * 22 * seq * batch * d + per_layer_full
+    else:
+        act = math.ceil(L / 2) * per_layer_full + (L // 2) * per_layer_saved
+    out = {
+        "weights": 4 * params / shard,
+        "gradients": 4 * params / shard,
+        "optimizer": 8 * params / shard,
+        "activations": act,
+        "logits": 6 * batch * seq * V if not loss_chunk else 6 * min(loss_chunk, batch * seq) * V + 4 * (batch * seq + V) * cfg.emb_dim,
+    }
+    always = out["weights"] + out["optimizer"]
+    if strategy != "ddp":  # parameters gathered for compute: one block and the prefetched next one, or, with
+        # strategy.reshard_after_forward=false, all of them from the forward pass to the backward (+2.2 GiB at 1.3B);
+        # bf16, but the ``float8_gathered`` parameters (the blocks' linear weights under float8 all-gather) in float8
+        every = 2 * params - float8_gathered
+        out["gathered"] = 2 * every / max(L, 1) if reshard else every
+        always += out["gathered"]
+    elif world > 1:  # DDP's gradient buckets: a second fp32 copy of the gradients (gradient_as_bucket_view off)
+        out["buckets"] = 4 * params
+        always += out["buckets"]
+    # The gradients are freed right after each optimizer step (LMModule.optimizer_step), so at the end of the forward
+    # pass they exist only when accumulating over micro-batches; the end of the backward pass holds them with no activations.
+    out["forward_peak"] = always + act + out["logits"] + (out["gradients"] if accumulate > 1 else 0)
+    out["backward_peak"] = always + out["gradients"]
+    if strategy != "ddp":  # the last block's unsharded gradients, bf16 and the fp32 copy reduce-scattered
+        out["backward_peak"] += 6 * (params / max(L, 1))
+    out["total"] = max(out["forward_peak"], out["backward_peak"])
+    return out
+
+
+def counted(cfg, gpus: int, node: int) -> dict:
+    """What :func:`memory` needs from a composed training config (model, data, module, strategy, trainer,
+    global_batch_size) on ``gpus`` GPUs of ``node`` per node, besides the strategy and checkpointing mode."""
+    from lmtrain.nn.model import ModelConfig
+    from lmtrain.training import fastpaths
+    from lmtrain.training.fp8 import gathers_in_float8
+
+    fields = {k: v for k, v in cfg.model.items() if not str(k).startswith("_")}
+    mcfg = ModelConfig(**fields)
+    if cfg.data.get("batch_size") == "auto":
+        from lmtrain.training.config import ConfigError
+
+        raise ConfigError(
+            "data.batch_size=auto is chosen on the GPU when training starts (lmtrain.training.batch, from this count): "
+            "give the planner a number, data.batch_size=N"
+        )
+    seq, batch = int(cfg.data.seq_len), int(cfg.data.batch_size)
+    module_cfg, strategy_cfg = cfg.get("module") or {}, cfg.get("strategy") or {}
+    head_cfg, fp8_cfg, _ = fastpaths.read(module_cfg.get("head"), module_cfg.get("fp8"))
+    chunk = head_cfg.chunk
+    # Under torch.compile the chunked loss saved 0.8 of the 8.1 GiB of logits counted at 1.3B batch 28 and 1.3 of 9.2
+    # at batch 32 (one H100, docs/BENCHMARKS.md): the compiled whole-batch loss keeps less than counted. Counted as
+    # no saving there. The float8 head holds one chunk's: counted.
+    fp8 = fp8_cfg.recipe is not None
+    fp8_head = head_cfg.kind == "float8"
+    chunk_uncounted = bool(chunk) and bool(module_cfg.get("compile")) and not fp8_head
+    chunk = None if chunk_uncounted else chunk
+    reshard = strategy_cfg.get("reshard_after_forward", True) is not False
+    gbs = cfg.get("global_batch_size")
+    if gbs and gbs % (batch * gpus):
+        from lmtrain.training.config import ConfigError
+
+        raise ConfigError(
+            f"global_batch_size={gbs} is not a multiple of data.batch_size ({batch}) x cluster.gpus ({gpus}) = {batch * gpus}"
+        )
+    accum = gbs // (batch * gpus) if gbs else int(cfg.trainer.accumulate_grad_batches)
+    nums = model_numbers(mcfg, seq)
+    # the blocks' weights fsdp/hsdp gather in float8 (counted only where parameters are gathered: not under ddp)
+    float8_gathered = nums["block_linear_params"] if fp8 and gathers_in_float8(fp8_cfg.recipe, sharded=True) else 0
+    return {
+        "mcfg": mcfg, "nums": nums, "seq": seq, "batch": batch, "chunk": chunk, "accum": accum, "fp8": fp8, "reshard": reshard,
+        "float8_gathered": float8_gathered, "chunk_uncounted": chunk_uncounted, "fp8_recipe": fp8_cfg.recipe, "head": head_cfg.kind,
+    }  # fmt: skip
+
+
+def peak(cfg, gpus: int, node: int, strategy: str, ac: str) -> float:
+    """The counted peak in bytes per GPU of ``cfg`` under ``strategy`` (ddp, fsdp, hsdp) and checkpointing ``ac``."""
+    c = counted(cfg, gpus, node)
+    return memory(
+        c["mcfg"], c["nums"]["params"], c["seq"], c["batch"], strategy, gpus, node, ac, c["chunk"], c["accum"], c["fp8"], c["reshard"],
+        c["float8_gathered"],
+    )["total"]  # fmt: skip
