@@ -3,7 +3,10 @@
 Kinds, each firing once per run directory (a marker under ``RUN_DIR/.faults/`` is written first, so the
 resumed run goes on):
 
-* ``crash``: the process is killed (SIGKILL, as by a node failure) at the start of optimizer step ``step``;
+* ``crash``: the process is killed (SIGKILL, as by a node failure) at the start of optimizer step ``step``, once
+  the checkpoint writes in flight are complete: a crash between saves, the same whatever the machine's load (an
+  asynchronous save still being written when the kill came left the test's expected checkpoint incomplete under
+  the full suite's load); a crash during a save is ``crash_mid_save``;
 * ``crash_mid_save``: killed while writing the first checkpoint at or after ``step``, after its files and
   before its completion (``meta.json``, rename);
 * ``enospc``: the first save at or after ``step`` fails with ENOSPC (no space left on device);
@@ -35,7 +38,7 @@ import torch
 
 from lmtrain.console import log
 from lmtrain.errors import InputError
-from lmtrain.training.contracts import SaveGuard
+from lmtrain.training.contracts import CheckpointStore, SaveGuard
 
 KINDS = ("crash", "crash_mid_save", "enospc", "truncate", "loss_spike", "nan_loss", "act_growth", "grad_overflow", "hang", "slow_rank")
 
@@ -95,6 +98,8 @@ class FaultInjector(L.Callback, SaveGuard):
         step = trainer.global_step
         self._batch_started = time.perf_counter()
         if self.kind == "crash" and step >= self.step and self._arm():
+            for store in (cb for cb in trainer.callbacks if isinstance(cb, CheckpointStore)):
+                store.wait(raise_errors=False)  # between saves: the one in flight finished first
             self._kill(f"crash at step {step}")
         if self.kind == "hang" and step >= self.step and self._arm():
             log.info(f"FAULT: rank {trainer.global_rank} hangs at step {step}")
