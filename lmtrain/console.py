@@ -124,7 +124,8 @@ _installed = False
 # MLflow line names both).
 BANNERS = (
     "GPU available:", "TPU available:", "HPU available:", "LOCAL_RANK:", "You are using a CUDA device",
-    "Initializing distributed:", "`Trainer.fit` stopped:", "Experiment with name",
+    "Initializing distributed:", "`Trainer.fit` stopped:", "Experiment with name", "Using bfloat16 Automatic Mixed Precision",
+    "Using 16bit Automatic Mixed Precision",
 )  # fmt: skip
 
 

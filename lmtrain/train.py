@@ -9,7 +9,6 @@ python train.py -m optimizer.lr=1e-3,3e-4         # a sweep: one run directory p
 from __future__ import annotations
 
 import sys
-import warnings
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -19,14 +18,6 @@ from omegaconf import DictConfig, open_dict
 from lmtrain import config_dir
 from lmtrain.errors import PREEMPTED_EXIT, STOPPED_EXIT, InputError, Preempted, RunStopped
 from lmtrain.training.config import explain_hydra_error  # (importing lmtrain.training.config registers the run-name resolver)
-
-warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # lightning 2.6.6 on torch 2.13, harmless
-warnings.filterwarnings("ignore", message=".*'set_vital' is deprecated.*")  # torchdata 0.11 on torch 2.13, harmless, every run
-# fp16: when the gradient scaler skips an overflowing update, torch warns that the scheduler stepped before the optimizer;
-# the schedule is a function of the step count (lmtrain.nn.optim), so nothing is skipped
-warnings.filterwarnings("ignore", message=r".*lr_scheduler.step\(\)` before `optimizer.step\(\)`.*")
-# val/loss is reduced over ranks by the module itself and logged from rank zero
-warnings.filterwarnings("ignore", message=r".*self.log\('val/.*sync_dist=True.*")
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")

@@ -95,13 +95,14 @@ def test_a_train_log_that_cannot_be_written_is_one_line_and_the_run_goes_on(caps
 def test_a_two_rank_run_says_each_line_once_and_no_library_banners(tmp_path, dataset_dir):
     """2 ranks (ddp, gloo, Lightning's launcher) logging to MLflow in a fresh SQLite store: the console holds the run's
     own lines, once each (rank 1 shows warnings and errors only), and the progress lines; none of Lightning's or
-    MLflow's banners (accelerators, the distributed banner, "max_steps reached", MLflow creating its tables and
-    experiment), which train.log keeps."""
+    MLflow's banners (accelerators, the distributed banner, mixed precision, "max_steps reached", MLflow creating its
+    tables and experiment), which train.log keeps. In bf16-mixed: Lightning's AMP line was the one library line left
+    on an H200 run's console."""
     from lmtrain.console import BANNERS
     from tests.conftest import run_train_cli
 
     args = [a for a in TINY if not a.startswith(("trainer.devices", "logger=", "callbacks="))] + [
-        "strategy=ddp", "trainer.devices=2", "logger=mlflow", f"logger.mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}",
+        "strategy=ddp", "trainer.devices=2", "trainer.precision=bf16-mixed", "logger=mlflow", f"logger.mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}",
         f"paths.runs={tmp_path / 'runs'}", f"data.path={dataset_dir}", "data.prepare=null", "run_name=quiet",
     ]  # fmt: skip
     done = run_train_cli(args, tmp_path)
@@ -112,5 +113,6 @@ def test_a_two_rank_run_says_each_line_once_and_no_library_banners(tmp_path, dat
     assert len(set(lines)) == len(lines), [line for line in lines if lines.count(line) > 1]
     assert sum(line.startswith("[lmtrain] run quiet: ") for line in lines) == 1
     kept = (tmp_path / "runs" / "quiet" / "train.log").read_text()
-    assert "GPU available: False" in kept and "Initializing distributed" not in done.stderr
+    assert "GPU available: False" in kept and "Using bfloat16 Automatic Mixed Precision" in kept  # on a GPU run's console too
+    assert "Initializing distributed" not in done.stderr
     assert all(b not in done.stderr for b in BANNERS)

@@ -6,6 +6,7 @@ import functools
 import inspect
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,15 @@ from lmtrain.training.config import ConfigError, apply_global_batch_size, check_
 from lmtrain.training.contracts import CheckpointStore, Preempts, RequestsRollback, SaveGuard, StopsTraining
 from lmtrain.training.goodput import Goodput
 from lmtrain.training.precision import build as build_precision
+
+# Library warnings that are not the user's to act on, for every way in (train.py, the bench, the Python API)
+warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # lightning 2.6.6 on torch 2.13, harmless
+warnings.filterwarnings("ignore", message=".*'set_vital' is deprecated.*")  # torchdata 0.11 on torch 2.13, harmless, every run
+# fp16: when the gradient scaler skips an overflowing update, torch warns that the scheduler stepped before the optimizer;
+# the schedule is a function of the step count (lmtrain.nn.optim), so nothing is skipped
+warnings.filterwarnings("ignore", message=r".*lr_scheduler.step\(\)` before `optimizer.step\(\)`.*")
+# val/loss is reduced over ranks by the module itself and logged from rank zero
+warnings.filterwarnings("ignore", message=r".*self.log\('val/.*sync_dist=True.*")
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
