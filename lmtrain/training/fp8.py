@@ -70,18 +70,25 @@ def torchao_missing() -> str | None:
     return None
 
 
+def no_tensor_cores(device: torch.device) -> str | None:
+    """Why the CUDA ``device`` has no float8 tensor cores (the GPUs before compute capability 8.9), or None."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) has no float8 tensor cores"
+    return None
+
+
 def device_problem(recipe: str | None, device: torch.device, float8_head: bool = False) -> str | None:
     """Why this device cannot run the float8 matmuls asked for (``recipe`` in the blocks, a float8 head), or None."""
     if (recipe is None and not float8_head) or device.type != "cuda":
         return None
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        name = torch.cuda.get_device_name(device)
-        what, off = (
-            (f"module.fp8.recipe={recipe}", "module.fp8.recipe=null") if recipe else ("module.head.kind=float8", "module.head.kind=chunked")
-        )
-        return f"{what}: {name} (compute capability {major}.{minor}) has no float8 tensor cores; FP8 needs 8.9 or later (Ada, Hopper): set {off}"
-    return None
+    why = no_tensor_cores(device)
+    if why is None:
+        return None
+    what, off = (
+        (f"module.fp8.recipe={recipe}", "module.fp8.recipe=null") if recipe else ("module.head.kind=float8", "module.head.kind=chunked")
+    )
+    return f"{what}: {why}; FP8 needs 8.9 or later (Ada, Hopper): set {off}"
 
 
 def gathers_in_float8(recipe: str | None, *, sharded: bool) -> bool:

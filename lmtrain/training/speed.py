@@ -32,14 +32,12 @@ def _float8_device_problem(cfg: DictConfig) -> str | None:
     """Why this run's device has no float8 tensor cores, or None."""
     import torch
 
+    from lmtrain.training import fp8
     from lmtrain.training.config import device_type
 
     if device_type(str(cfg.trainer.get("accelerator", "auto"))) != "cuda" or not torch.cuda.is_available():
         return "the CPU has no float8 tensor cores (its float8 products are emulated, slower than bf16's)"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < (8, 9):
-        return f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has no float8 tensor cores"
-    return None
+    return fp8.no_tensor_cores(torch.device("cuda"))
 
 
 def _given(key: str, given: list[str]) -> bool:
