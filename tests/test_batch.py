@@ -46,6 +46,36 @@ def test_auto_keeps_the_global_batch_by_choosing_a_size_that_divides_it(tmp_path
     assert not any(48 % b == 0 for b in range(size + 1, free + 1))  # no larger divisor of 96 / 2 ranks fits
 
 
+def test_the_line_says_the_size_set_and_the_peak_counted_for_it(tmp_path, monkeypatch):
+    """resolve() on a GPU (its memory faked as the H200's): the size in the line is the one the config now holds, the
+    GiB counted is memory.peak at that size, and the card's total and the margin are the ones searched with."""
+    import types
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(total_memory=H200))
+    cfg = make_cfg(["trainer=gpu", "trainer.devices=1", "model=opt-1.3b", "data.seq_len=1024", "global_batch_size=96"], tmp_path)
+    cfg.module.compile = True
+    line = batch.resolve(cfg)
+    size = cfg.data.batch_size
+    counted = memory.peak(cfg, 1, 1, "ddp", "none")
+    assert isinstance(size, int) and 96 % size == 0
+    assert line == (
+        f"data.batch_size=auto: {size} sequences of 1024 tokens per GPU, {counted / 2**30:.1f} GiB counted of "
+        f"{H200 / 2**30:.1f} (lmtrain.plan, {1 - memory.MARGIN:.0%} kept free); {96 // size} micro-batch(es) per step "
+        "for global_batch_size=96"
+    )
+    assert batch.resolve(cfg) is None  # a number now: nothing more to choose
+
+
+def test_a_global_batch_that_does_not_divide_over_the_ranks_is_one_line(tmp_path):
+    cfg = make_cfg(["trainer=gpu", "model=opt-125m", "data.seq_len=1024", "model.max_seq_len=1024", "global_batch_size=12"], tmp_path)
+    with pytest.raises(
+        InputError, match=r"data.batch_size=auto with global_batch_size=12: the global batch does not divide over the world size 8"
+    ):
+        batch.largest(cfg, memory_bytes=H200, world=8, node=8)
+
+
 def test_a_model_that_fits_no_sequence_is_one_line(tmp_path):
     cfg = make_cfg(["trainer=gpu", "model=opt-175b", "data.seq_len=2048"], tmp_path)
     with pytest.raises(

@@ -38,25 +38,33 @@ def largest(cfg: DictConfig, *, memory_bytes: float, world: int, node: int) -> t
 
     strategy, ac = _strategy(cfg)
     gbs = cfg.get("global_batch_size")
-    sizes = [b for b in range(1, LIMIT + 1) if not gbs or (gbs % world == 0 and (gbs // world) % b == 0)]
+    if gbs and gbs % world:
+        raise InputError(
+            f"data.batch_size=auto with global_batch_size={gbs}: the global batch does not divide over the world size "
+            f"{world} (trainer.devices x trainer.num_nodes); give a multiple of {world}"
+        )
+    sizes = [b for b in range(1, LIMIT + 1) if not gbs or (gbs // world) % b == 0]
     base = OmegaConf.to_container(cfg, resolve=True)
+    peaks: dict[int, float] = {}
 
     def peak(b: int) -> float:
-        trial = OmegaConf.create(base)
-        trial.data.batch_size = b
-        return memory.peak(trial, world, node, strategy, ac)
+        if b not in peaks:
+            trial = OmegaConf.create(base)
+            trial.data.batch_size = b
+            peaks[b] = memory.peak(trial, world, node, strategy, ac)
+        return peaks[b]
 
-    lo, hi = 0, len(sizes) - 1  # the counted peak grows with the batch: bisect for the last size that fits
-    if not sizes or peak(sizes[0]) > memory.MARGIN * memory_bytes:
-        first = peak(sizes[0]) if sizes else 0.0
+    budget = memory.MARGIN * memory_bytes
+    if peak(sizes[0]) > budget:
         raise InputError(
             f"data.batch_size=auto: not even one sequence of data.seq_len={cfg.data.seq_len} fits "
-            f"{memory_bytes / 2**30:.1f} GiB for model {cfg.model.get('name')} under {strategy} ({first / 2**30:.1f} GiB counted): "
+            f"{memory_bytes / 2**30:.1f} GiB for model {cfg.model.get('name')} under {strategy} ({peak(sizes[0]) / 2**30:.1f} GiB counted): "
             "shard it (strategy=fsdp), checkpoint activations (strategy.activation_checkpointing=full) or shorten data.seq_len"
         )
+    lo, hi = 0, len(sizes) - 1  # the counted peak grows with the batch: bisect for the last size that fits
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if peak(sizes[mid]) <= memory.MARGIN * memory_bytes:
+        if peak(sizes[mid]) <= budget:
             lo = mid
         else:
             hi = mid - 1
@@ -71,6 +79,7 @@ def resolve(cfg: DictConfig) -> str | None:
         return None
     import torch
 
+    from lmtrain.training import memory
     from lmtrain.training.config import device_type, world_size
 
     if device_type(cfg.trainer.get("accelerator", "auto")) != "cuda" or not torch.cuda.is_available():
@@ -80,14 +89,13 @@ def resolve(cfg: DictConfig) -> str | None:
         )
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     world = world_size(cfg)
-    devices = cfg.trainer.get("devices", "auto")
-    node = int(devices) if isinstance(devices, int) or str(devices).isdigit() else max(torch.cuda.device_count(), 1)
-    size, peak = largest(cfg, memory_bytes=total, world=world, node=min(node, world))
+    node = max(1, world // int(cfg.trainer.get("num_nodes", 1) or 1))  # ranks per node
+    size, peak = largest(cfg, memory_bytes=total, world=world, node=node)
     with open_dict(cfg):
         data.batch_size = size
     gbs = cfg.get("global_batch_size")
     steps = f"{gbs // (size * world)} micro-batch(es) per step for global_batch_size={gbs}" if gbs else "the global batch follows"
     return (
         f"data.batch_size=auto: {size} sequences of {cfg.data.seq_len} tokens per GPU, {peak / 2**30:.1f} GiB counted of "
-        f"{total / 2**30:.1f} (lmtrain.plan, 10% kept free); {steps}"
+        f"{total / 2**30:.1f} (lmtrain.plan, {1 - memory.MARGIN:.0%} kept free); {steps}"
     )
