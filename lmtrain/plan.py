@@ -26,7 +26,7 @@ import sys
 
 from lmtrain import config_dir
 from lmtrain.training.config import ConfigError, validate_config
-from lmtrain.training.memory import AC, GB, MARGIN, block_activations, counted, memory, model_numbers  # noqa: F401 (block_activations: its API)
+from lmtrain.training.memory import AC, GB, MARGIN, block_activations, breakdown, counted, memory, model_numbers  # noqa: F401 (block_activations: its API)
 
 STRATEGIES = ("ddp", "fsdp", "hsdp")
 DEFAULT_TFLOPS = 0.5 * 989.0
@@ -51,16 +51,15 @@ def fewest_gpus(cfg, params: int, seq: int, batch: int, node: int, mem_bytes: fl
 
 def plan(cfg, cluster: dict, budget: dict) -> dict:
     c = counted(cfg, gpus=int(cluster["gpus"]), node=int(cluster["gpus_per_node"]))
-    mcfg, nums, seq, batch, chunk, accum = c["mcfg"], c["nums"], c["seq"], c["batch"], c["chunk"], c["accum"]
-    fp8, reshard, float8_gathered, chunk_uncounted = c["fp8"], c["reshard"], c["float8_gathered"], c["chunk_uncounted"]
+    mcfg, nums, seq, batch, accum = c["mcfg"], c["nums"], c["seq"], c["batch"], c["accum"]
     gpus, node = int(cluster["gpus"]), int(cluster["gpus_per_node"])
     mem_bytes = float(cluster["memory_gb"]) * GB
     out: dict = {"model": mcfg.name, **nums, "fp16_weights_gb": 2 * nums["params"] / GB, "seq_len": seq, "micro_batch": batch}
     out["accumulate_grad_batches"] = accum
-    out["loss_chunk_counted"] = not chunk_uncounted
+    out["loss_chunk_counted"] = not c["chunk_uncounted"]
     out["fp8"] = c["fp8_recipe"]
     out["head"] = c["head"]
-    out["reshard_after_forward"] = reshard
+    out["reshard_after_forward"] = c["reshard"]
     out["cluster"] = {"gpus": gpus, "gpus_per_node": node, "memory_gb": cluster["memory_gb"]}
     if cluster.get("tokens_per_sec_per_gpu"):
         rate_flops = float(cluster["tokens_per_sec_per_gpu"]) * nums["flops_per_token"]
@@ -73,16 +72,7 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
         tokens = float(budget["tokens"]) if budget.get("tokens") else flops / nums["flops_per_token"]
         seconds = flops / (gpus * rate_flops)
         out["run"] = {"flops": flops, "tokens": tokens, "days": seconds / 86400, "gpu_hours": gpus * seconds / 3600}
-    out["memory_gb_per_gpu"] = {
-        s: {
-            ac: {
-                k: v / GB
-                for k, v in memory(mcfg, nums["params"], seq, batch, s, gpus, node, ac, chunk, accum, fp8, reshard, float8_gathered).items()
-            }
-            for ac in AC
-        }
-        for s in STRATEGIES
-    }
+    out["memory_gb_per_gpu"] = {s: {ac: {k: v / GB for k, v in breakdown(c, s, gpus, node, ac).items()} for ac in AC} for s in STRATEGIES}
     ckpt = checkpoint_bytes(nums["params"], gpus, node)
     out["checkpoint_gb"] = ckpt["size"] / GB
     out["async_host_copy_gb_per_node"] = {s: v / GB for s, v in ckpt["host_copy_per_node"].items()}

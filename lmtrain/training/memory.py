@@ -182,10 +182,14 @@ def counted(cfg, gpus: int, node: int) -> dict:
     }  # fmt: skip
 
 
-def peak(cfg, gpus: int, node: int, strategy: str, ac: str) -> float:
-    """The counted peak in bytes per GPU of ``cfg`` under ``strategy`` (ddp, fsdp, hsdp) and checkpointing ``ac``."""
-    c = counted(cfg, gpus, node)
+def breakdown(c: dict, strategy: str, gpus: int, node: int, ac: str) -> dict:
+    """:func:`memory`'s terms and peaks (bytes per GPU) for what :func:`counted` read from a config."""
     return memory(
         c["mcfg"], c["nums"]["params"], c["seq"], c["batch"], strategy, gpus, node, ac, c["chunk"], c["accum"], c["fp8"], c["reshard"],
         c["float8_gathered"],
-    )["total"]  # fmt: skip
+    )  # fmt: skip
+
+
+def peak(cfg, gpus: int, node: int, strategy: str, ac: str) -> float:
+    """The counted peak in bytes per GPU of ``cfg`` under ``strategy`` (ddp, fsdp, hsdp) and checkpointing ``ac``."""
+    return breakdown(counted(cfg, gpus, node), strategy, gpus, node, ac)["total"]
