@@ -70,6 +70,11 @@ class Float8:
     fused_mlp: bool = False
 
 
+def uses_float8(head: Head, fp8: Float8) -> bool:
+    """Whether any product is in float8: the blocks' (a recipe) or the output head's."""
+    return fp8.recipe is not None or head.kind == "float8"
+
+
 def _read(cls, node: Any, path: str) -> tuple[Any, list[str]]:
     """``cls`` from a config node (a mapping, an instance or None: the defaults), with one line per unknown key or a
     scalar given where the node belongs."""
@@ -127,19 +132,19 @@ def problems(head: Head, fp8: Float8, *, model_cfg=None, precision: str = "bf16-
     if out:
         return out
     float8_head = head.kind == "float8"
-    if fp8.recipe is None and not float8_head and fp8.fast_accum:
+    if not uses_float8(head, fp8) and fp8.fast_accum:
         out.append(
             "module.fp8.fast_accum=true changes the float8 products, and there are none (module.fp8.recipe=null and "
             "module.head.kind is not float8): set module.fp8.recipe=tensorwise or module.head.kind=float8"
         )
     if fp8.fused_mlp and fp8.recipe != "tensorwise":
         out.append(f"module.fp8.fused_mlp=true scales per tensor: it needs module.fp8.recipe=tensorwise, not {fp8.recipe}")
-    if (fp8.recipe is not None or float8_head) and precision.startswith("16"):
+    if uses_float8(head, fp8) and precision.startswith("16"):
         what = f"module.fp8.recipe={fp8.recipe}" if fp8.recipe else "module.head.kind=float8"
         out.append(f"{what} with trainer.precision={precision}: float8 scales from bf16 or fp32; use bf16-mixed")
     if head.kind == "liger" and device == "cpu":
         out.append("module.head.kind=liger runs Triton kernels on a GPU; on the CPU use module.head.kind=chunked")
-    if model_cfg is not None and (fp8.recipe is not None or float8_head):
+    if model_cfg is not None and uses_float8(head, fp8):
         bad = [f"{k}={v}" for k, v in _linear_dims(model_cfg, fp8.recipe is not None, float8_head).items() if v % 16]
         if bad:
             out.append(f"float8 matmuls need sizes divisible by 16, not {', '.join(bad)}")

@@ -175,8 +175,7 @@ class LMModule(L.LightningModule):
                     f"module.head.kind={self.head.kind}: the model {type(self.model).__name__} has no chunked loss (lmtrain.nn.model.Decoder has)"
                 )
             self.model.loss_chunk_tokens = self.head.chunk  # before a strategy compiles head_loss
-        float8_head = self.head.kind == "float8"
-        if (self.fp8.recipe is not None or float8_head) and not getattr(self, "_fp8_converted", False):  # before sharding and compiling
+        if fastpaths.uses_float8(self.head, self.fp8) and not getattr(self, "_fp8_converted", False):  # before sharding and compiling
             device = strategy.root_device if strategy is not None else self.device
             fp8_module.convert(
                 self.model,
@@ -184,7 +183,7 @@ class LMModule(L.LightningModule):
                 sharded=parallelize is not None,
                 device=device,
                 fast_accum=self.fp8.fast_accum,
-                float8_head=float8_head,
+                float8_head=self.head.kind == "float8",
                 fused_mlp=self.fp8.fused_mlp,
             )
             self._fp8_converted = True
@@ -227,8 +226,7 @@ class LMModule(L.LightningModule):
     # -- training ---------------------------------------------------------------------------------
     def on_fit_start(self) -> None:
         # FP8 on the CPU in fp32: the float8 products in PyTorch's emulation, not oneDNN's slow path (fp8.emulate_cpu_matmuls)
-        float8 = self.fp8.recipe is not None or self.head.kind == "float8"
-        self._onednn_off = fp8_module.emulate_cpu_matmuls(float8, self.device, self.trainer.precision)
+        self._onednn_off = fp8_module.emulate_cpu_matmuls(fastpaths.uses_float8(self.head, self.fp8), self.device, self.trainer.precision)
 
     def teardown(self, stage: str) -> None:
         torch.compiler.set_stance("default")  # a validation that raised leaves no stance behind
