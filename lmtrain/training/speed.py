@@ -23,8 +23,8 @@ from lmtrain.training import fastpaths
 
 # the keys speed=fp8 sets and may take back, with the values that take them back
 PLAIN = {"fp8.recipe": None, "fp8.fast_accum": False, "fp8.fused_mlp": False, "head.kind": "chunked"}
-# the head alone in float8 (narrow blocks) measured fastest in chunks of this many tokens (opt-125m on an H200:
-# 1.051x raw PyTorch, against 1.022x at the 8,192 of the whole set, which measured best at 1.3B; docs/BENCHMARKS.md)
+# the head alone in float8 (narrow blocks) measured fastest in chunks of this many tokens, the whole set at 1.3B in
+# the preset's 8,192 (docs/BENCHMARKS.md)
 HEAD_ALONE_CHUNK = 16384
 
 
