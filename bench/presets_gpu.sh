@@ -4,6 +4,7 @@
 #
 #   RAW=path/to/raw_gpt_baseline.py bash bench/presets_gpu.sh default    # speed=default (trainer=gpu, nothing else) at 1.3B and 125M, beside raw compiled bf16
 #   RAW=... bash bench/presets_gpu.sh fp8                                 # speed=fp8 at 1.3B and 125M (the head's chunk 8,192 and 16,384), beside raw
+#   RAW=... bash bench/presets_gpu.sh typed                               # opt-1.3b as typed at batch 32 and auto, then without its dropout, then with 16 heads
 #   bash bench/presets_gpu.sh loss                                        # opt-1.3b, 1,000 steps in speed=default and in speed=fp8 at once: the loss curves
 #   bash bench/presets_gpu.sh goodput                                     # opt-1.3b, 1,000 steps with validation every 250 (3 batches) and the default checkpointing
 #   bash bench/presets_gpu.sh fsdp                                        # 2 GPUs: opt-1.3b speed=fp8 under fsdp against one GPU
@@ -52,6 +53,14 @@ default)
   raw raw-124m-b64 124m --compile --batch 64 --steps 40
   bench default-125m-raw-shape --steps 30 --warmup 10 $M125 data.seq_len=1024
   bench default-125m-raw-shape-b64 --steps 40 --warmup 10 $M125 data.seq_len=1024 data.batch_size=64
+  ;;
+typed)  # what each of the preset's differences from the raw model costs, at the raw baseline's batch
+  A="trainer=gpu logger=csv model=opt-1.3b data.seq_len=1024 scheduler.warmup_steps=5 data.batch_size=32"
+  raw raw-1.3b-b32 1.3b --compile --batch 32 --steps 25
+  bench typed-b32 --steps 25 --warmup 8 $A
+  bench typed-auto --steps 20 --warmup 8 ${A% data.batch_size=32}
+  bench typed-dropout0 --steps 25 --warmup 8 $A model.dropout=0
+  bench typed-heads16 --steps 25 --warmup 8 $A model.n_heads=16
   ;;
 fp8)
   raw raw-1.3b-b32 1.3b --compile --batch 32 --steps 25

@@ -318,7 +318,7 @@ def test_flex_attention_block_mask_trains_like_the_dense_document_mask(name):
     assert len(results[True][1]) == (len(list(model.parameters())) if device.type == "cuda" else 0)
     for n, g in results[False][1].items():
         torch.testing.assert_close(results[True][1][n], g, atol=1e-5, rtol=1e-3, msg=n)
-    model.flex_attention, model.cfg.dropout = True, 0.1
+    model.flex_attention, model.cfg.attention_dropout = True, 0.1
     with pytest.raises(ValueError, match="no attention dropout"):
         model(idx, idx, doc)
 
@@ -349,3 +349,26 @@ def test_the_liger_fused_head_equals_the_plain_head_under_bf16(name):
     errors = {n: float((results["liger"][1][n] - g).norm() / g.norm()) for n, g in results[None][1].items()}
     print("relative gradient differences, liger vs plain head:", {n: f"{e:.1e}" for n, e in errors.items()})
     assert max(errors.values()) < 3e-2, errors  # bf16's rounding, through different summation orders
+
+
+def test_dropout_is_where_opt_put_it_residual_branches_only():
+    """model.dropout acts on the blocks' residual branches and nowhere else: the first block sees the embeddings
+    undropped, and attention is deterministic while model.attention_dropout is 0 (OPT's released configs); with
+    attention_dropout > 0 the attention probabilities are dropped. A bad value is one line naming the key."""
+    torch.manual_seed(0)
+    model = Decoder(preset("tiny"), dropout=0.5).train()
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 16))
+    seen = {}
+    model.blocks[0].register_forward_pre_hook(lambda mod, args: seen.setdefault("x", args[0].detach().clone()))
+    model(idx)
+    embedded = model.tok_emb(idx) + model.pos_emb(torch.arange(16))
+    torch.testing.assert_close(seen["x"], embedded)
+    attn, x = model.blocks[0].attn, torch.randn(2, 16, model.cfg.d_model)
+    train_out = attn(x, None)
+    torch.testing.assert_close(attn.eval()(x, None), train_out)
+    dropped = Decoder(preset("tiny"), attention_dropout=0.5).blocks[0].attn.train()
+    dropped.load_state_dict(attn.state_dict())
+    assert not torch.allclose(dropped(x, None), train_out)
+    for key in ("dropout", "attention_dropout"):
+        with pytest.raises(ValueError, match=rf"model\.{key}=1\.0 must be in \[0, 1\)"):
+            ModelConfig.from_dict(dict(preset("tiny").to_dict()), **{key: 1.0})

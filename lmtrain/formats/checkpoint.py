@@ -41,7 +41,7 @@ LATEST = "latest"
 SINGLE_FILE = "checkpoint.pt"
 FORMAT_VERSION = 1
 # model fields a resumed run may change (learned position tables still refuse a new max_seq_len by shape)
-RESUMABLE_MODEL_CHANGES = ("name", "dropout", "init_std", "max_seq_len")
+RESUMABLE_MODEL_CHANGES = ("name", "dropout", "attention_dropout", "init_std", "max_seq_len")
 
 
 class CheckpointError(InputError):

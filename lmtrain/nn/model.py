@@ -49,7 +49,8 @@ class ModelConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    dropout: float = 0.0
+    dropout: float = 0.0  # on each block's two residual branches (OPT's `dropout`); never on the embeddings
+    attention_dropout: float = 0.0  # on the attention probabilities (OPT's `attention_dropout`: 0.0 in its released configs)
     init_std: float = 0.02
     activation: str | None = None  # None: the family's (opt: gelu, llama: silu); opt also: gelu_tanh, relu
 
@@ -102,8 +103,9 @@ class ModelConfig:
                 out.append(f"model.{key}={val!r} must be a positive integer or null")
         if self.activation is not None and self.activation not in ACTIVATIONS[self.family]:
             out.append(f"model.activation={self.activation!r} is not one of {list(ACTIVATIONS[self.family])} for the {self.family} family")
-        if not 0.0 <= self.dropout < 1.0:
-            out.append(f"model.dropout={self.dropout} must be in [0, 1)")
+        for key in ("dropout", "attention_dropout"):
+            if not isinstance(getattr(self, key), (int, float)) or not 0.0 <= getattr(self, key) < 1.0:
+                out.append(f"model.{key}={getattr(self, key)!r} must be in [0, 1)")
         return out
 
     @classmethod
@@ -213,7 +215,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=bias)
         self.proj.residual_out = True  # scaled init
-        self.dropout = cfg.dropout
+        self.dropout = cfg.attention_dropout
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | BlockMask | None = None
@@ -315,7 +317,6 @@ class Decoder(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.family == "opt" else None
         self.proj_in = nn.Linear(cfg.emb_dim, cfg.d_model, bias=False) if cfg.emb_dim != cfg.d_model else None
-        self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = make_norm(cfg)
         self.proj_out = nn.Linear(cfg.d_model, cfg.emb_dim, bias=False) if cfg.emb_dim != cfg.d_model else None
@@ -359,9 +360,11 @@ class Decoder(nn.Module):
         under attention dropout (which FlexAttention lacks). ``flex_attention`` (True/False) overrides the choice."""
         flex = self.flex_attention
         if flex is None:
-            flex = doc.is_cuda and not (self.training and self.cfg.dropout > 0)
-        elif flex and self.training and self.cfg.dropout > 0:
-            raise ValueError(f"FlexAttention has no attention dropout: model.dropout={self.cfg.dropout} needs the SDPA mask")
+            flex = doc.is_cuda and not (self.training and self.cfg.attention_dropout > 0)
+        elif flex and self.training and self.cfg.attention_dropout > 0:
+            raise ValueError(
+                f"FlexAttention has no attention dropout: model.attention_dropout={self.cfg.attention_dropout} needs the SDPA mask"
+            )
         return document_block_mask(doc) if flex else document_mask(doc)
 
     def hidden_states(self, idx: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
@@ -378,7 +381,6 @@ class Decoder(nn.Module):
             x = self.proj_in(x)  # (B, T, C)
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions)
-        x = self.drop(x)
         rope = None
         if self.cfg.family == "llama":
             rope = (
