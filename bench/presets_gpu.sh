@@ -80,7 +80,8 @@ goodput)  # the run as a user runs it (train.py, the default callbacks and check
     scheduler.warmup_steps=100 trainer.val_check_interval=250 trainer.limit_val_batches=3 trainer.enable_progress_bar=false \
     paths.runs="$OUT/runs" run_name=goodput > "$OUT/goodput.log" 2>&1 || { echo "goodput FAILED"; tail -30 "$OUT/goodput.log"; }
   grep -h "goodput\|finished run" "$OUT/goodput.log" || tail -20 "$OUT/goodput.log"
-  rm -rf "$OUT/runs/goodput/checkpoints"
+  cp "$OUT/runs/goodput/logbook.jsonl" "$OUT/runs/goodput/metrics.jsonl" "$OUT/" 2>/dev/null || true  # each save's figures (ckpt/*)
+  rm -rf "$OUT/runs"  # the device tool brings back few files: the two above and the log are the record
   ;;
 loss)  # both runs at once (the curves do not depend on speed; their timings are not figures)
   L="trainer=gpu logger=csv model=opt-1.3b data.seq_len=1024 data.batch_size=8 optimizer.lr=2e-4 scheduler.warmup_steps=100 trainer.max_steps=1000 trainer.val_check_interval=500 trainer.limit_val_batches=20 trainer.enable_progress_bar=false callbacks.checkpoint.every_n_steps=0 callbacks.disk_guard.margin_gb=0 paths.runs=$OUT/runs"

@@ -37,5 +37,8 @@ def test_goodput_puts_known_time_in_its_part_and_the_parts_add_up(tmp_path, data
     parts = ("train_s", "first_steps_s", "startup_s", "validation_s", "checkpoint_s", "other_s")
     assert sum(g[k] for k in parts) == pytest.approx(g["wall_s"], rel=1e-9)
     assert g["fraction"] == pytest.approx(g["train_s"] / g["wall_s"])
+    assert g["steady"] == pytest.approx(g["train_s"] / (g["wall_s"] - g["startup_s"] - g["first_steps_s"]))
+    assert g["fraction"] < g["steady"] < 1
     line = next(r.getMessage() for r in caplog.records if r.getMessage().lstrip().startswith("goodput"))
     assert f"{g['fraction']:.1%} of {g['wall_s']:.1f} s in training steps" in line and "checkpoint saves" in line
+    assert f"{g['steady']:.1%} after the first steps" in line

@@ -14,6 +14,9 @@ start of ``lmtrain.training.run.train`` to the end of the last attempt's trainin
   asynchronous save counts only its copy to host memory);
 * other: the rest (waiting for data, logging, callbacks between steps, rollbacks' hand-over).
 
+``steady`` is the training steps' share of the time after start-up and the first steps (the run as it goes on once
+compiled: validation, saves and the rest still count against it), the figure a longer run approaches.
+
 At the end of training the figures are logged to the run's loggers (``goodput/*``, MLflow included) at the last step
 and the end-of-run summary has one line of them.
 """
@@ -83,7 +86,8 @@ class Goodput(L.Callback):
                 lg.log_metrics(figures, step=trainer.global_step)
 
     def figures(self) -> dict[str, float]:
-        """Seconds per part, the wall time, and ``fraction``: training steps over the wall time."""
+        """Seconds per part, the wall time, ``fraction`` (training steps over the wall time) and ``steady`` (training
+        steps over the wall time less start-up and the first steps)."""
         wall = (self.ended if self.ended is not None else time.monotonic()) - self.started
         parts = {
             "train_s": self.train_s,
@@ -92,8 +96,10 @@ class Goodput(L.Callback):
             "validation_s": self.val_s,
             "checkpoint_s": self.saves_s,
         }
+        steady = wall - self.startup_s - self.first_s
         return {
             "fraction": self.train_s / wall if wall > 0 else 0.0,
+            "steady": self.train_s / steady if steady > 0 else 0.0,
             "wall_s": wall,
             **parts,
             "other_s": max(wall - sum(parts.values()), 0.0),
@@ -102,7 +108,8 @@ class Goodput(L.Callback):
     def line(self) -> str:
         f = self.figures()
         return (
-            f"{f['fraction']:.1%} of {f['wall_s']:.1f} s in training steps ({f['train_s']:.1f} s); start-up {f['startup_s']:.1f} s, "
+            f"{f['fraction']:.1%} of {f['wall_s']:.1f} s in training steps ({f['train_s']:.1f} s), {f['steady']:.1%} after the first "
+            f"steps; start-up {f['startup_s']:.1f} s, "
             f"first steps {f['first_steps_s']:.1f} s (compilation, warm-up), validation {f['validation_s']:.1f} s, "
             f"checkpoint saves {f['checkpoint_s']:.1f} s, other {f['other_s']:.1f} s"
         )
