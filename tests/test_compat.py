@@ -121,7 +121,7 @@ def test_checkpoint_wrapper_recomputes_the_same_block():
     assert torch.equal(g, x.grad) and type(wrapped).__name__ == "CheckpointWrapper"
 
 
-# CPU attention: PyTorch's fused kernel without dropout, the math path's products with it; fp8: torchao's float8 products
+# CPU attention: PyTorch's fused kernel without attention dropout, the math path's products with it; fp8: torchao's float8 products
 @pytest.mark.parametrize("dropout,fp8", [(0.0, False), (0.1, False), (0.0, True)], ids=["fused-attention", "dropout", "fp8"])
 def test_op_level_checkpointing_keeps_the_products_and_recomputes_the_rest(dropout, fp8):
     """``checkpoint_wrapper(keep_products=True)`` (``strategy.activation_checkpointing=op``) on a real Llama-style
@@ -145,7 +145,9 @@ def test_op_level_checkpointing_keeps_the_products_and_recomputes_the_rest(dropo
 
     def run(mode):
         torch.manual_seed(0)
-        model = Decoder(family="llama", vocab_size=96, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, dropout=dropout)
+        model = Decoder(
+            family="llama", vocab_size=96, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, dropout=dropout, attention_dropout=dropout
+        )
         if fp8:
             from lmtrain.training import fp8 as fp8_module
 
@@ -217,7 +219,8 @@ def test_op_level_checkpointing_writes_nothing_it_keeps_and_its_compile_advice_i
     for family in ("opt", "llama"):
         for dropout, fp8 in ((0.0, False), (0.1, False), (0.1, True)):
             torch.manual_seed(0)
-            model = Decoder(family=family, vocab_size=96, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, dropout=dropout)
+            model = Decoder(family=family, vocab_size=96, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, dropout=dropout,
+                            attention_dropout=dropout)
             if fp8:
                 fp8_module.convert(model, "tensorwise", sharded=False, device=torch.device("cpu"))
             for i, block in enumerate(model.blocks):
