@@ -20,6 +20,7 @@ def test_default_config_is_valid(tmp_path):
     [
         (["data.seq_len=4096"], r"data.seq_len=4096 exceeds model.max_seq_len=256; allowed: 1..256"),
         (["model.n_heads=3"], r"model.n_heads=3 does not divide model.d_model=256"),
+        (["model.attention_dropout=1.5"], r"model.attention_dropout=1.5 must be in \[0, 1\)"),
         (["model.family=gpt"], r"model.family='gpt' is not one of \['opt', 'llama'\]"),
         (["trainer.precision=fp8"], r"trainer.precision='fp8' is not one of"),
         (["trainer.gradient_clip_val=1.0"], r"trainer.gradient_clip_val must stay null.*module.grad_clip"),

@@ -104,8 +104,9 @@ class ModelConfig:
         if self.activation is not None and self.activation not in ACTIVATIONS[self.family]:
             out.append(f"model.activation={self.activation!r} is not one of {list(ACTIVATIONS[self.family])} for the {self.family} family")
         for key in ("dropout", "attention_dropout"):
-            if not isinstance(getattr(self, key), (int, float)) or not 0.0 <= getattr(self, key) < 1.0:
-                out.append(f"model.{key}={getattr(self, key)!r} must be in [0, 1)")
+            val = getattr(self, key)
+            if not isinstance(val, (int, float)) or not 0.0 <= val < 1.0:
+                out.append(f"model.{key}={val!r} must be in [0, 1)")
         return out
 
     @classmethod
