@@ -7,12 +7,24 @@ the RNG states of every rank, which Lightning itself does not save; they are res
 batch after a resume (restoring them earlier is undone by the loader's own setup). The next save (and the end of
 training) waits for the previous one first, so the disk guard measures the disk with every earlier checkpoint fully
 written.
+
+``every_n_steps=auto`` (the default) spaces the saves by what they cost: the first at step 100, each next one at
+least 100 steps on and, in hundreds of steps, far enough that the save's stall (its copy to host memory) is at most 1%
+of the steps between saves and that the previous save's background write (1.25x its measured time) is done before
+the next save starts, so that no save waits for the one before (once a write has been timed: the second save is
+planned before the first write ends); a periodic save less than one interval before the
+end of training (``max_steps``) is left to the end's save. The figures are the largest over the ranks, so every rank
+saves at the same steps; a multiple of ``keep_every`` is always saved. An asynchronous save's host buffers are
+pinned after the attempt's first step (with the first steps' compilation), not at its first save.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
+
+import torch
 
 from lightning.pytorch.callbacks import Checkpoint
 
@@ -25,12 +37,17 @@ from lmtrain.training.checkpoint.writer import CheckpointWriter, SaveEvents, sta
 from lmtrain.training.contracts import CheckpointStore, SaveGuard, WatchesProgress
 
 
+AUTO_STEPS = 100  # every_n_steps=auto: the first save's step, the shortest interval, and the unit of the others
+AUTO_STALL_SHARE = 0.01  # every_n_steps=auto: a save's stall is at most this share of the steps between saves
+
+
 class Checkpointer(Checkpoint, CheckpointStore, SaveEvents):
     """Save ``step-NNNNNNN`` checkpoints under ``dirpath`` every ``every_n_steps`` optimizer steps and at the end.
 
     Args:
         dirpath: the checkpoint root (default config: ``RUN_DIR/checkpoints``).
-        every_n_steps: save interval in optimizer steps (0: only at the end).
+        every_n_steps: save interval in optimizer steps (0: only at the end; ``auto``: from the saves' measured cost,
+            see the module).
         keep_last: complete checkpoints kept (at least 2: the newest may still be in flight).
         keep_every: also keep every checkpoint whose step is a multiple of this, permanently (None: none).
         async_save: ``auto`` (asynchronous when the host has at least twice the copy's size available, else
@@ -42,7 +59,7 @@ class Checkpointer(Checkpoint, CheckpointStore, SaveEvents):
     def __init__(
         self,
         dirpath: str,
-        every_n_steps: int = 500,
+        every_n_steps: int | str = "auto",
         keep_last: int = 3,
         keep_every: int | None = None,
         async_save: bool | str = "auto",
@@ -52,15 +69,22 @@ class Checkpointer(Checkpoint, CheckpointStore, SaveEvents):
     ) -> None:
         if keep_last < 2:
             raise CheckpointError(f"callbacks.checkpoint.keep_last={keep_last}: keep at least 2 (the newest may be in flight)")
-        if every_n_steps < 0 or (keep_every is not None and keep_every <= 0) or max_consecutive_failures < 1:
+        auto = every_n_steps == "auto"
+        numeric = isinstance(every_n_steps, int) and not isinstance(every_n_steps, bool) and every_n_steps >= 0
+        if not (auto or numeric) or (keep_every is not None and keep_every <= 0) or max_consecutive_failures < 1:
             raise CheckpointError(
-                f"callbacks.checkpoint: every_n_steps={every_n_steps} must be >= 0, keep_every={keep_every} null or > 0, "
+                f"callbacks.checkpoint: every_n_steps={every_n_steps} must be auto or >= 0, keep_every={keep_every} null or > 0, "
                 f"max_consecutive_failures={max_consecutive_failures} >= 1"
             )
         if async_save not in (True, False, "auto"):
             raise CheckpointError(f"callbacks.checkpoint.async_save={async_save!r}: use auto, true or false")
         self.root = Path(dirpath)
-        self.every_n_steps, self.keep_last, self.keep_every = every_n_steps, keep_last, keep_every
+        self.auto = auto  # every_n_steps is then the current interval, from AUTO_STEPS on
+        self.every_n_steps = AUTO_STEPS if auto else every_n_steps
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.next_auto_step = AUTO_STEPS  # auto: the step of the next periodic save
+        self._since: tuple | None = None  # auto: (time.monotonic(), step, stall_seconds) after the last periodic save
+        self._prepared = False
         self.save_on_train_end = save_on_train_end
         self.writer = CheckpointWriter(self.root, async_save, checksums, max_consecutive_failures, events=self)
         self._run_info: dict = {}  # describe_run (lmtrain.training.run): config hash, model config, parameter shapes, MLflow run id
@@ -70,6 +94,7 @@ class Checkpointer(Checkpoint, CheckpointStore, SaveEvents):
         self._watchers: list[WatchesProgress] = []
         self.last_saved_step: int | None = None
         self.stall_seconds = 0.0
+        self.prepare_seconds = 0.0  # the first step's host-buffer pinning (lmtrain.training.goodput: first steps)
         self._rng_to_restore: list | None = None
         self._wall_before = 0.0  # wall-clock seconds of earlier segments of this run
         self._t_start = time.time()
@@ -102,12 +127,52 @@ class Checkpointer(Checkpoint, CheckpointStore, SaveEvents):
         # The final save happens here too, not in on_train_end: by then Lightning has marked the epoch finished,
         # and a run extended from that checkpoint would start a new epoch instead of continuing this one.
         step = trainer.global_step
+        if not self._prepared and step > 0:  # the attempt's first step: an asynchronous save's host buffers pinned now
+            self._prepared = True
+            t0 = time.perf_counter()
+            self.writer.prepare(trainer, self.estimate_bytes(trainer))
+            self.prepare_seconds += time.perf_counter() - t0
+            self._since = (time.monotonic(), step, self.stall_seconds)  # auto: steps are timed from here (compiled)
         if step == 0 or step == self.last_saved_step or self.final_save_suppressed:
             return
-        periodic = self.every_n_steps and step % self.every_n_steps == 0
+        if self.auto:
+            periodic = step >= self.next_auto_step
+        else:
+            periodic = bool(self.every_n_steps) and step % self.every_n_steps == 0
+        periodic = periodic or bool(self.keep_every and step % self.keep_every == 0)
         last = self.save_on_train_end and (trainer.should_stop or (trainer.max_steps > 0 and step >= trainer.max_steps))
         if periodic or last:
             self._judge_and_save(trainer)
+            if periodic and self.auto:
+                self._plan_next(trainer, step)
+
+    def _plan_next(self, trainer, step: int) -> None:
+        """``every_n_steps=auto``: the step of the next periodic save (see the module), the same on every rank."""
+        now = time.monotonic()
+        since, self._since = self._since, (now, step, self.stall_seconds)
+        figures = self.writer.figures()  # this save's stall; the write time of the save before it (waited for)
+        stall = max(figures["stall_s"] - self.writer.last_pin_s, 0.0)
+        # a step's time: the wall time since, less what training waited on saves (a wait is not a step's cost)
+        per_step = (now - since[0] - (self.stall_seconds - since[2])) / max(step - since[1], 1) if since is not None else None
+        wanted = torch.tensor([stall, figures["write_s"], 1.0 / per_step if per_step else 0.0], dtype=torch.float64)
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and trainer.world_size > 1:
+            wanted = wanted.to(trainer.strategy.root_device)
+            torch.distributed.all_reduce(wanted, op=torch.distributed.ReduceOp.MAX)  # the slowest rank's figures
+        stall, write, rate = wanted.tolist()
+        if rate <= 0:  # no step timed yet (a save at the attempt's first step): the shortest interval
+            self.next_auto_step = step + AUTO_STEPS
+            return
+        per_step = 1.0 / rate  # the fastest rank's step: the fewest steps in which the write and the stall fit
+        need = max(write * 1.25 / per_step, stall / (AUTO_STALL_SHARE * per_step), AUTO_STEPS)
+        interval = AUTO_STEPS * math.ceil(need / AUTO_STEPS)
+        if interval != self.every_n_steps and trainer.is_global_zero:
+            log.info(
+                f"checkpoints: every {interval:,} steps from step {step:,} (callbacks.checkpoint.every_n_steps=auto: a save "
+                f"stalls training {stall:.1f} s, its background write takes {write:.1f} s, a step {per_step:.3f} s)"
+            )
+        self.every_n_steps, self.next_auto_step = interval, step + interval
+        if self.save_on_train_end and trainer.max_steps > 0 and trainer.max_steps - self.next_auto_step < interval:
+            self.next_auto_step = trainer.max_steps  # the end's save is nearer than one interval after it: that one is it
 
     def _judge_and_save(self, trainer) -> None:
         flush = getattr(trainer.lightning_module, "flush_step_stats", None)
@@ -150,16 +215,28 @@ class Checkpointer(Checkpoint, CheckpointStore, SaveEvents):
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"rng": every_rank_rng_state(), "wall_time": self._wall_before + time.time() - self._t_start}
+        state = {"rng": every_rank_rng_state(), "wall_time": self._wall_before + time.time() - self._t_start}
+        if self.auto:  # a resume keeps the plan (saved as the periodic save of the plan's step, so: the next one)
+            state["auto_interval"] = self.every_n_steps
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self._rng_to_restore = state.get("rng")
         self._wall_before = float(state.get("wall_time", 0.0))
+        if self.auto and isinstance(state.get("auto_interval"), int):
+            self.every_n_steps = state["auto_interval"]
+        self._replan()
+
+    def _replan(self) -> None:
+        """auto, after a resume: the next save one interval (the plan the checkpoint kept) after the resumed step."""
+        if self.auto and isinstance(self.last_saved_step, int):
+            self.next_auto_step = self.last_saved_step + self.every_n_steps
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         # the resumed step is saved already: with accumulation, the micro-batches of the next step end at that same
         # global step, and must not save it again (mid-accumulation, over the good checkpoint)
         self.last_saved_step = checkpoint.get("global_step")
+        self._replan()
 
     # -- what other components ask (lmtrain.training.contracts.CheckpointStore) ---------------
     def describe_run(self, info: dict) -> None:

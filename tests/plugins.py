@@ -368,3 +368,28 @@ class SlowSteps(L.Callback):
         import time
 
         time.sleep(self.seconds)
+
+
+class SlowWriteSteps(L.Callback, SaveGuard):
+    """Each save's write (in its background thread, once its partial folder exists) takes ``steps`` times the mean
+    training step this callback has timed so far: a write as slow against the steps whatever the machine's load."""
+
+    def __init__(self, steps: float) -> None:
+        self.steps, self._times, self._start = steps, [], None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import time
+
+        self._start = time.monotonic()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import time
+
+        if self._start is not None and trainer.global_step > 1:
+            self._times.append(time.monotonic() - self._start)
+
+    def at_save_stage(self, stage: str, step: int, path) -> None:
+        import time
+
+        if stage == "save_start" and self._times:
+            time.sleep(self.steps * sum(self._times) / len(self._times))

@@ -337,6 +337,12 @@ def check_machine(cfg: DictConfig) -> None:
                 "logger=tensorboard needs a TensorBoard writer, which lmtrain does not install for every run: "
                 "pip install tensorboardX==2.6.5 (or tensorboard, which also shows the runs)"
             )
+    for node in loggers.values():
+        if str((node or {}).get("_target_", "")).endswith(".WandbLogger"):
+            from lmtrain.training.loggers import check_wandb
+
+            if (problem := check_wandb(str(node.get("mode")))) is not None:
+                raise ConfigError(problem)
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     if device_type(accelerator) == "cuda":
         import torch

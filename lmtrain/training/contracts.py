@@ -73,6 +73,7 @@ class CheckpointStore:
 
     root: Path
     stall_seconds: float = 0.0
+    prepare_seconds: float = 0.0  # set up at an attempt's first step (pinned host buffers): counted with the first steps
 
     def describe_run(self, info: dict) -> None:
         """What every checkpoint records about the run from now on (lmtrain.training.run: the model's identity, config

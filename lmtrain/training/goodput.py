@@ -4,9 +4,13 @@ The run adds one :class:`Goodput` to every attempt's Trainer, first among the ca
 wall-clock time, from the
 start of ``lmtrain.training.run.train`` to the end of the last attempt's training:
 
-* training steps: each micro-batch from its ``on_train_batch_start`` to its ``on_train_batch_end`` (forward,
-  backward, optimizer step), except each attempt's first, which is
-* first steps: compilation and warm-up (a rollback's attempt builds and compiles again);
+* training steps: each micro-batch from its ``on_train_batch_start`` (this callback is first) to the end of the
+  other callbacks' ``on_train_batch_end`` (:attr:`Goodput.step_end` is last but the checkpointer): forward, backward,
+  optimizer step and the step's statistics, whose host syncs wait for the step's GPU work (where a step ends for the
+  host: timed only to the first callback's hook, the GPU's remaining work showed as "other"); except each attempt's
+  first, which is
+* first steps: compilation and warm-up (a rollback's attempt builds and compiles again), and the checkpointer's
+  pinning of its host buffers at that step (``CheckpointStore.prepare_seconds``);
 * start-up: from each attempt's start to its ``on_train_start`` (config, data preparation, model, strategy,
   checkpoint restore);
 * validation: ``on_validation_start`` to ``on_validation_end``;
@@ -41,6 +45,7 @@ class Goodput(L.Callback):
         self._saves_before = 0.0  # earlier attempts' checkpointers
         self._checkpointer: CheckpointStore | None = None
         self.ended: float | None = None
+        self.step_end = _StepEnd(self)  # placed last among the callbacks (the checkpointer still after it)
 
     def begin_attempt(self) -> None:
         """Called by the run as each attempt starts."""
@@ -56,7 +61,8 @@ class Goodput(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._batch_start = time.monotonic()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def batch_ended(self) -> None:
+        """The step's callbacks are done (:class:`_StepEnd`)."""
         if self._batch_start is None:
             return
         dt, self._batch_start = time.monotonic() - self._batch_start, None
@@ -78,6 +84,7 @@ class Goodput(L.Callback):
         self.ended = time.monotonic()
         if self._checkpointer is not None:
             self._saves_before += self._checkpointer.stall_seconds
+            self.first_s += self._checkpointer.prepare_seconds
             self._checkpointer = None
         self.saves_s = self._saves_before
         if trainer.is_global_zero:
@@ -113,3 +120,13 @@ class Goodput(L.Callback):
             f"first steps {f['first_steps_s']:.1f} s (compilation, warm-up), validation {f['validation_s']:.1f} s, "
             f"checkpoint saves {f['checkpoint_s']:.1f} s, other {f['other_s']:.1f} s"
         )
+
+
+class _StepEnd(L.Callback):
+    """Where a training step ends for :class:`Goodput`: after every other callback's ``on_train_batch_end``."""
+
+    def __init__(self, clock: Goodput) -> None:
+        self.clock = clock
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.clock.batch_ended()

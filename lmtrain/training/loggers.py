@@ -8,6 +8,8 @@
 * :class:`TensorBoardLogger` (``logger=tensorboard``): ``RUN_DIR/tensorboard``, one folder across attempts; an attempt
   that resumes from step S purges the events of steps S and later that an earlier attempt wrote (TensorBoard's
   ``purge_step``), so the board shows the timeline the run kept.
+* :class:`WandbLogger` (``logger=wandb``): one Weights & Biases run across the attempts of a run (its id is in every
+  checkpoint), files in ``RUN_DIR/wandb``; offline unless ``mode=online`` (``wandb sync`` uploads an offline run).
 * :class:`MLFlowLogger` continues the same MLflow run (``run_id`` from the checkpoint), marks it running again,
   and drops each value whose key the run already has at that step (MLflow cannot delete logged values). Params already logged
   keep their values; ones that changed since are recorded as a ``config_changed_at_step_N`` tag.
@@ -26,6 +28,7 @@ from typing import Any
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.loggers import MLFlowLogger as _MLFlowLogger
 from lightning.pytorch.loggers import TensorBoardLogger as _TensorBoardLogger
+from lightning.pytorch.loggers import WandbLogger as _WandbLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -95,6 +98,146 @@ class TensorBoardLogger(_TensorBoardLogger):
         """The events written out (before every checkpoint: the writer's own interval is 2 minutes)."""
         if self._experiment is not None:
             self._experiment.flush()
+
+
+WANDB_MODES = ("offline", "online")
+
+
+class WandbLogger(_WandbLogger):
+    """Lightning's Weights & Biases logger, one W&B run per lmtrain run: the first attempt creates it, each checkpoint
+    records its id (``wandb_run_id``) and a resume continues it (``id``, set by lmtrain.training.run). Files go to
+    ``save_dir/wandb`` (the run directory). ``mode=offline`` (the default) needs no account and no network; each attempt
+    writes a folder ``offline-run-DATE-ID`` (``-N`` added when one of that name exists) that ``wandb sync`` uploads into the one run. Values are plotted against
+    ``trainer/global_step``.
+
+    A kill loses what W&B's writer had not yet put in its file (it writes every 15 s, or when a 32 KiB block fills). So a
+    resumed offline attempt reads what the earlier attempts' files hold (:func:`wandb_steps`) and logs, from the run's
+    record, each value of the kept timeline before the checkpoint that they lack; after that it leaves out the values
+    they hold (the resume is exact: the same values). Each value of the run is then in W&B once. A rollback's new
+    timeline is logged again, as MLflow's is; an online attempt logs again from its checkpoint's step."""
+
+    def __init__(self, save_dir: str, project: str = "lmtrain", name: str | None = None, id: str | None = None,
+                 mode: str = "offline", **kwargs: Any) -> None:  # fmt: skip
+        import wandb
+
+        if mode not in WANDB_MODES:  # checked before the run starts (check_machine); this is for Python construction
+            raise ValueError(f"logger.wandb.mode={mode!r} must be one of {', '.join(WANDB_MODES)}")
+        kwargs.setdefault("settings", wandb.Settings(silent=True))  # the run's own lines say where it is (where())
+        super().__init__(name=name, save_dir=save_dir, id=id, project=project, offline=mode == "offline", **kwargs)
+        self._wandb_init.pop("anonymous", None)  # wandb 0.31 warns on it, set or not
+        self._wandb_init["mode"] = mode  # Lightning sets WANDB_MODE only for offline: online is not left to the environment
+        self._run_dir = Path(save_dir)
+        self._held: dict[str, int] = {}  # per key, the last step the run's earlier files hold
+        self._backfill: list[tuple[int, dict]] = []  # (step, values) the earlier files lack, logged first
+        self._finished = False
+
+    def resume_at(self, step: int, relog: bool = False) -> None:
+        """This attempt continues from ``step`` (see the class): what to log first, and what not to log again."""
+        self._held, self._backfill = {}, []
+        if relog or self._wandb_init["mode"] != "offline" or not self._id:
+            return
+        self._held = wandb_steps(self._run_dir / "wandb", self._id)
+        for row in record.record_rows(self._run_dir):
+            if not row["abandoned"] and row["step"] < step:
+                lacking = {k: v for k, v in row["values"].items() if row["step"] > self._held.get(k, -1)}
+                if lacking:
+                    self._backfill.append((row["step"], lacking))
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if self._finished:  # a value after finalize would start a new W&B run
+            return
+        backfill, self._backfill = self._backfill, []
+        for at, values in backfill:
+            super().log_metrics(values, at)
+        if step is not None and self._held:
+            metrics = {k: v for k, v in metrics.items() if step > self._held.get(k, -1)}
+            if not metrics:
+                return
+        super().log_metrics(metrics, step)
+
+    @property
+    def run_id(self) -> str | None:
+        return self.experiment.id if rank_zero_only.rank == 0 else None
+
+    def where(self) -> str:
+        """Where this run is, as a user finds it again."""
+        run = self.experiment
+        if self._wandb_init["mode"] == "offline":
+            home = self._run_dir.resolve() / "wandb"
+            return f"offline run {run.id} in {home} (upload: wandb sync {home}/offline-run-*-{run.id}*)"
+        return f"run {run.id}: {run.url}"
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        """The W&B run marked finished (exit code 0) or failed (1) and its files written out."""
+        super().finalize(status)
+        if self._experiment is not None:
+            self._experiment.finish(exit_code=0 if status == "success" else 1)
+            self._experiment, self._finished = None, True
+
+
+def wandb_steps(folder: Path, run_id: str) -> dict[str, int]:
+    """Per key, the last ``trainer/global_step`` that the offline files of W&B run ``run_id`` in ``folder`` hold (every
+    attempt's ``offline-run-DATE-ID[-N]/run-ID.wandb``). The file: a 7-byte header (``:W&B``, magic, version), then 32 KiB
+    blocks of records, each a 7-byte header (CRC-32 of kind and payload, length, kind: full, first, middle, last) and
+    a payload, wandb's ``Record`` message. A record cut by a kill, or one whose CRC does not match, ends the file."""
+    import json
+    import struct
+    import zlib
+
+    from wandb.proto import wandb_internal_pb2
+
+    held: dict[str, int] = {}
+    block = 32768
+    for path in sorted(folder.glob(f"offline-run-*/run-{run_id}.wandb")):
+        data = path.read_bytes()
+        at, part = 7, b""
+        while data[:4] == b":W&B" and at + 7 <= len(data):
+            if block - at % block < 7:  # a block's tail too short for a record header is padding
+                at += block - at % block
+                continue
+            crc, length, kind = struct.unpack_from("<IHB", data, at)
+            body = data[at + 7 : at + 7 + length]
+            if kind not in (1, 2, 3, 4) or len(body) < length or zlib.crc32(bytes([kind]) + body) != crc:
+                break
+            at += 7 + length
+            part = body if kind in (1, 2) else part + body
+            if kind not in (1, 4):
+                continue
+            rec = wandb_internal_pb2.Record.FromString(part)
+            if rec.WhichOneof("record_type") != "history":
+                continue
+            items = {i.key or "/".join(i.nested_key): i.value_json for i in rec.history.item}
+            if "trainer/global_step" in items:
+                step = int(json.loads(items["trainer/global_step"]))
+                for key in items:
+                    if not key.startswith("_") and key != "trainer/global_step":
+                        held[key] = max(held.get(key, -1), step)
+    return held
+
+
+def check_wandb(mode: str) -> str | None:
+    """What stops ``logger=wandb`` in ``mode`` on this machine, in one line (None: nothing): wandb not installed, an
+    unknown mode, online without credentials (an API key, an identity token file, or a netrc entry for the host)."""
+    import importlib.util
+    import netrc
+    from urllib.parse import urlparse
+
+    if importlib.util.find_spec("wandb") is None:
+        return "logger=wandb needs wandb, which lmtrain does not install for every run: pip install wandb==0.31.0"
+    if mode not in WANDB_MODES:
+        return f"logger.wandb.mode={mode} must be one of: {', '.join(WANDB_MODES)}"
+    if mode == "online" and not (os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE")):
+        host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
+        try:
+            known = netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+        except (OSError, netrc.NetrcParseError):
+            known = False
+        if not known:
+            return (f"logger.wandb.mode=online needs W&B credentials for {host}: run `wandb login` or set WANDB_API_KEY; "
+                    "logger.wandb.mode=offline (the default) needs none and `wandb sync` uploads the run later")  # fmt: skip
+    return None
 
 
 class CSVLogger(Logger):

@@ -269,7 +269,7 @@ class _Attempt:
     trainer: Any = None
     identity: dict | None = None
     mirrors: list = field(default_factory=list)
-    mlflow: list = field(default_factory=list)  # where each MLflow run is (rank zero): said at the start and the end
+    trackers: list = field(default_factory=list)  # (name, where) of each tracker's run (rank zero): said at the start and the end
     branch: dict | None = None  # started from another run's checkpoint: the parent (run, MLflow run id, step, checkpoint)
 
 
@@ -281,6 +281,7 @@ def _attempt(cfg: DictConfig, rollback: dict | None, clock: Goodput, accepted: l
     clock.begin_attempt()
     att = _decide(cfg, rollback, said)
     att.callbacks.insert(0, clock)  # first: its start hooks run before the other callbacks'
+    att.callbacks.append(clock.step_end)  # last (Lightning puts the checkpointer after it): a step's end
     _build(att)
     _accept(att)
     accepted.append(att.trainer)
@@ -372,6 +373,9 @@ def _build(att: _Attempt) -> None:
         log.info(f"resuming from {resume.path} (step {resume.step})")
     if (cfg.get("logger") or {}).get("mlflow"):
         _mlflow_lineage(att)
+    if (cfg.get("logger") or {}).get("wandb") and _own_resume(att) and att.resume.meta.get("wandb_run_id"):
+        with open_dict(cfg):  # the W&B run the checkpoint records goes on (a branch is a new one)
+            cfg.logger.wandb.id = cfg.logger.wandb.get("id") or att.resume.meta["wandb_run_id"]
     callbacks = att.callbacks
     if not cfg.trainer.get("enable_progress_bar", True):  # `trainer.enable_progress_bar=false` wins over the bar callback
         from lightning.pytorch.callbacks import ProgressBar
@@ -431,9 +435,7 @@ def _mlflow_lineage(att: _Attempt) -> None:
     from lmtrain.training.loggers import check_tracker
 
     cfg, resume, mlflow_cfg = att.cfg, att.resume, att.cfg.logger.mlflow
-    homes = [Path(cfg.run_dir).resolve()] + ([att.checkpointer.root.resolve()] if att.checkpointer is not None else [])
-    own = resume is not None and (not cfg.get("ckpt_path") or any(h in resume.path.resolve().parents for h in homes))
-    if resume is not None and not own:
+    if resume is not None and not _own_resume(att):
         att.branch = {
             "lmtrain.parent_run": resume.meta.get("run_name"),
             "lmtrain.parent_mlflow_run_id": resume.meta.get("mlflow_run_id"),
@@ -450,6 +452,13 @@ def _mlflow_lineage(att: _Attempt) -> None:
         check_tracker(mlflow_cfg.get("tracking_uri"), mlflow_cfg.get("run_id"))
 
 
+def _own_resume(att: _Attempt) -> bool:
+    """The attempt resumes a checkpoint of this run (not another run's, given by ``ckpt_path``: a branch)."""
+    cfg, resume = att.cfg, att.resume
+    homes = [Path(cfg.run_dir).resolve()] + ([att.checkpointer.root.resolve()] if att.checkpointer is not None else [])
+    return resume is not None and (not cfg.get("ckpt_path") or any(h in resume.path.resolve().parents for h in homes))
+
+
 def _accept(att: _Attempt) -> None:
     """The attempt is accepted: config.yaml, overrides.yaml and train.log written, the checkpointer and MLflow wired,
     the logbook told how the attempt starts."""
@@ -462,10 +471,10 @@ def _accept(att: _Attempt) -> None:
         except OSError as exc:
             raise InputError(f"cannot write {run_dir / CONFIG}: {exc.strerror or exc}") from exc
     console.start_file(run_dir, f"run {cfg.run_name}: {' '.join(_overrides()) or '(no overrides)'}", trainer.is_global_zero)
-    att.mlflow = _mlflow_locations(trainer)
+    att.trackers = _tracker_locations(trainer)
     if rollback is None:
-        for where in att.mlflow:
-            log.info(f"MLflow: {where}")
+        for name, where in att.trackers:
+            log.info(f"{name}: {where}")
     _log_config(trainer, cfg, run_dir, att.branch)
     if att.checkpointer is not None:
         info = {
@@ -473,6 +482,7 @@ def _accept(att: _Attempt) -> None:
             "run_name": cfg.run_name,
             "config_hash": config_hash(OmegaConf.to_container(cfg, resolve=True)),
             **_mlflow_record(trainer),
+            **_wandb_record(trainer),
         }
         if hasattr(att.datamodule, "stream_identity"):
             info["data_stream"] = att.datamodule.stream_identity()
@@ -574,7 +584,7 @@ def _layout_change(resume: ck.Checkpoint, trainer, cfg: DictConfig) -> str:
 
 
 # keys that differ between attempts of one run by design: not a change of the run's config
-_ATTEMPT_KEYS = ("ckpt_path", "resume", "overwrite", "logger/mlflow/run_id")
+_ATTEMPT_KEYS = ("ckpt_path", "resume", "overwrite", "logger/mlflow/run_id", "logger/wandb/id")
 
 
 def _config_changes(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
@@ -666,9 +676,12 @@ def val_check_batches(trainer_cfg: DictConfig) -> dict:
     return {}
 
 
-def _mlflow_locations(trainer) -> list[str]:
-    """Where each MLflow run of this attempt is (rank zero; empty elsewhere)."""
-    return [lg.where() for lg in trainer.loggers if hasattr(lg, "where") and trainer.is_global_zero]
+def _tracker_locations(trainer) -> list[tuple[str, str]]:
+    """Where each tracker's run of this attempt is, as (name, where) (rank zero; empty elsewhere)."""
+    from lmtrain.training.loggers import WandbLogger
+
+    return [("W&B" if isinstance(lg, WandbLogger) else "MLflow", lg.where()) for lg in trainer.loggers
+            if hasattr(lg, "where") and trainer.is_global_zero]  # fmt: skip
 
 
 def _summary(cfg: DictConfig, trainer, module, att: _Attempt, tokens: int, clock: Goodput) -> None:
@@ -699,8 +712,8 @@ def _summary(cfg: DictConfig, trainer, module, att: _Attempt, tokens: int, clock
             kept = checkpointer.root / ck.step_name(at)
             where = f"checkpoint {kept.resolve()}" if kept.is_dir() else "no checkpoint kept at that step"
             lines.append(f"  best val loss  {value:.4f} at step {at} ({where})")
-    for where in att.mlflow:
-        lines.append(f"  MLflow         {where}")
+    for name, where in att.trackers:
+        lines.append(f"  {name:<14} {where}")
     for line in lines:
         log.info(line)
 
@@ -712,6 +725,14 @@ def _mlflow_record(trainer) -> dict:
 
     lg = next((lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)), None) if trainer.is_global_zero else None
     return {"mlflow_run_id": lg.run_id if lg else None, "mlflow_tracking_uri": resolved_uri(lg._tracking_uri) if lg else None}
+
+
+def _wandb_record(trainer) -> dict:
+    """What each checkpoint records of the attempt's W&B run (rank zero's; None elsewhere or without one): its id."""
+    from lmtrain.training.loggers import WandbLogger
+
+    lg = next((lg for lg in trainer.loggers if isinstance(lg, WandbLogger)), None) if trainer.is_global_zero else None
+    return {"wandb_run_id": lg.run_id} if lg is not None else {}
 
 
 def _mlflow_logbook_mirror(lg):
@@ -739,7 +760,9 @@ def _safe_finalize(logger, status: str) -> None:
 
 
 def _log_config(trainer, cfg: DictConfig, run_dir: Path, branch: dict | None = None) -> None:
-    """Resolved config as MLflow params and as an artifact (rank zero only)."""
+    """Resolved config as MLflow params and as an artifact, and as the W&B run's config (rank zero only)."""
+    from lmtrain.training.loggers import WandbLogger
+
     if not trainer.is_global_zero:
         return
     for lg in trainer.loggers:
@@ -750,3 +773,5 @@ def _log_config(trainer, cfg: DictConfig, run_dir: Path, branch: dict | None = N
             lg.experiment.set_tag(lg.run_id, "run_dir", str(run_dir.resolve()))
             for key, value in (branch or {}).items():  # a branch names its parent
                 lg.experiment.set_tag(lg.run_id, key, str(value))
+        elif isinstance(lg, WandbLogger):  # the resolved config, nested as written, with where the run is and its parent
+            lg.log_hyperparams({**OmegaConf.to_container(cfg, resolve=True), "run_dir": str(run_dir.resolve()), **(branch or {})})

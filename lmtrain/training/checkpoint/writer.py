@@ -83,6 +83,30 @@ class CheckpointWriter:
         return {"write_s": self.last_write_s, "stall_s": self.last_stall_s, "collect_s": self.last_collect_s}
 
     # -- one save ----------------------------------------------------------------------------
+    @property
+    def last_pin_s(self) -> float:
+        """Seconds the newest host copy spent pinning new buffers (0 when it reused the kept ones)."""
+        return self._host_copy.last_pin_s
+
+    def prepare(self, trainer, estimate: int) -> None:
+        """Every rank, at an attempt's first step: where saves are asynchronous, the host buffers of the copy are
+        allocated and pinned now (seconds for tens of GB), beside the first steps' compilation, rather than at the
+        first save; the copy itself is the first save's again. Nothing is written."""
+        if not self._asynchronous(trainer, estimate):
+            return
+        checkpoint = compat.dump_checkpoint(trainer)  # collective: every rank
+        if self._sharded:
+            from lmtrain.training.checkpoint.reshard import sharded_layout
+
+            staged = self._copy_to_host(sharded_layout(checkpoint)[0])
+            if not trainer.strategy.reduce_boolean_decision(staged is not None, all=True):  # as at a save: all or none
+                self._async = False
+                self._host_copy.release()
+                if trainer.is_global_zero:
+                    log.warning("checkpoints: saves are synchronous on every rank (a rank could not copy its shards)")
+        elif trainer.is_global_zero:
+            self._copy_to_host(checkpoint)
+
     def write(self, trainer, meta: dict, estimate: int) -> bool:
         """Save the current state as ``meta["step"]`` (every rank; after :meth:`wait` and :meth:`settle`); False when
         it failed (training goes on; too many failures in a row raise CheckpointError). ``estimate``: the bytes it
