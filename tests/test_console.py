@@ -93,20 +93,24 @@ def test_a_train_log_that_cannot_be_written_is_one_line_and_the_run_goes_on(caps
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_two_rank_run_says_each_line_once_and_no_library_banners(tmp_path, dataset_dir):
-    """2 ranks (ddp, gloo, Lightning's launcher) logging to MLflow in a fresh SQLite store: the console holds the run's
-    own lines, once each (rank 1 shows warnings and errors only), and the progress lines; none of Lightning's or
-    MLflow's banners (accelerators, the distributed banner, mixed precision, "max_steps reached", MLflow creating its
-    tables and experiment), which train.log keeps. In bf16-mixed: Lightning's AMP line was the one library line left
-    on an H200 run's console."""
+    """2 ranks (ddp, gloo, Lightning's launcher) logging to MLflow in a fresh SQLite store and to W&B offline: the
+    console holds the run's own lines, once each (rank 1 shows warnings and errors only), and the progress lines; none
+    of Lightning's, MLflow's or W&B's banners (accelerators, the distributed banner, mixed precision, "max_steps
+    reached", MLflow creating its tables and experiment, W&B's offline notice), which train.log keeps. In bf16-mixed:
+    Lightning's AMP line was the one library line left on an H200 run's console. W&B on rank zero only: its offline
+    mode was once exported to the environment, where rank 1 read it as a bad ``logger.wandb.mode`` and refused."""
     from lmtrain.console import BANNERS
-    from tests.conftest import run_train_cli
+    from tests.conftest import TEST_DEPS, run_train_cli
+    from tests.test_loggers import wandb_history
 
     args = [a for a in TINY if not a.startswith(("trainer.devices", "logger=", "callbacks="))] + [
-        "strategy=ddp", "trainer.devices=2", "trainer.precision=bf16-mixed", "logger=mlflow", f"logger.mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}",
+        "strategy=ddp", "trainer.devices=2", "trainer.precision=bf16-mixed", "logger=[mlflow,wandb]", f"logger.mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}",
         f"paths.runs={tmp_path / 'runs'}", f"data.path={dataset_dir}", "data.prepare=null", "run_name=quiet",
     ]  # fmt: skip
-    done = run_train_cli(args, tmp_path)
+    done = run_train_cli(args, tmp_path, extra_path=[TEST_DEPS])
     assert done.returncode == 0, done.stderr[-3000:]
+    (wandb_file,) = (tmp_path / "runs" / "quiet" / "wandb").glob("offline-run-*/run-*.wandb")  # one W&B run, rank zero's
+    assert [s for s, _ in wandb_history(wandb_file, "train/loss")] == [0, 1, 2, 3]
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
     strangers = [line for line in lines if not line.startswith(("[lmtrain] ", "step "))]
     assert not strangers, strangers

@@ -101,6 +101,7 @@ class TensorBoardLogger(_TensorBoardLogger):
 
 
 WANDB_MODES = ("offline", "online")
+WANDB_ALIASES = {"dryrun": "offline"}  # W&B's older name, still read from WANDB_MODE
 
 
 class WandbLogger(_WandbLogger):
@@ -120,12 +121,15 @@ class WandbLogger(_WandbLogger):
                  mode: str = "offline", **kwargs: Any) -> None:  # fmt: skip
         import wandb
 
+        mode = WANDB_ALIASES.get(mode, mode)
         if mode not in WANDB_MODES:  # checked before the run starts (check_machine); this is for Python construction
             raise ValueError(f"logger.wandb.mode={mode!r} must be one of {', '.join(WANDB_MODES)}")
         kwargs.setdefault("settings", wandb.Settings(silent=True))  # the run's own lines say where it is (where())
-        super().__init__(name=name, save_dir=save_dir, id=id, project=project, offline=mode == "offline", **kwargs)
+        # offline=False: Lightning would export WANDB_MODE=dryrun to this process's environment, which the ranks it
+        # starts read as their logger.wandb.mode; the mode goes to wandb.init itself
+        super().__init__(name=name, save_dir=save_dir, id=id, project=project, offline=False, **kwargs)
         self._wandb_init.pop("anonymous", None)  # wandb 0.31 warns on it, set or not
-        self._wandb_init["mode"] = mode  # Lightning sets WANDB_MODE only for offline: online is not left to the environment
+        self._wandb_init["mode"] = mode
         self._run_dir = Path(save_dir)
         self._held: dict[str, int] = {}  # per key, the last step the run's earlier files hold
         self._backfill: list[tuple[int, dict]] = []  # (step, values) the earlier files lack, logged first
@@ -226,7 +230,7 @@ def check_wandb(mode: str) -> str | None:
 
     if importlib.util.find_spec("wandb") is None:
         return "logger=wandb needs wandb, which lmtrain does not install for every run: pip install wandb==0.31.0"
-    if mode not in WANDB_MODES:
+    if WANDB_ALIASES.get(mode, mode) not in WANDB_MODES:
         return f"logger.wandb.mode={mode} must be one of: {', '.join(WANDB_MODES)}"
     if mode == "online" and not (os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE")):
         host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
