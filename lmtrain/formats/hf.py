@@ -148,3 +148,114 @@ def tokenizer_config(eos_text: str, bos_text: str | None = None) -> dict:
 
 def dumps(obj: dict) -> str:
     return json.dumps(obj, indent=2) + "\n"
+
+
+# -- reading: a transformers directory as an lmtrain model (issue 45's init_from) ---------------------------------------
+HF_OPT_ACTIVATIONS = {theirs: ours for ours, theirs in OPT_ACTIVATIONS.items()}
+
+
+def model_fields(cfg: dict, where: str = "config.json") -> dict:
+    """The lmtrain model fields (``conf/model`` keys) of a transformers ``config.json`` of ``OPTForCausalLM`` or
+    ``LlamaForCausalLM``; what lmtrain cannot express is refused in one line naming the field (InputError)."""
+
+    def need(key: str, want, default=None) -> None:
+        got = cfg.get(key, default)
+        if got != want:
+            raise InputError(f"{where}: {key}={json.dumps(got)} is not something lmtrain's decoder can express (it needs {json.dumps(want)})")
+
+    kind = cfg.get("model_type")
+    common = {
+        "vocab_size": cfg.get("vocab_size"), "d_model": cfg.get("hidden_size"), "n_layers": cfg.get("num_hidden_layers"),
+        "n_heads": cfg.get("num_attention_heads"), "max_seq_len": cfg.get("max_position_embeddings"),
+    }  # fmt: skip
+    missing = [k for k, v in (("vocab_size", common["vocab_size"]), ("hidden_size", common["d_model"]),
+                              ("num_hidden_layers", common["n_layers"]), ("num_attention_heads", common["n_heads"]),
+                              ("max_position_embeddings", common["max_seq_len"])) if v is None]  # fmt: skip
+    if kind not in ("opt", "llama"):
+        raise InputError(f"{where}: model_type={json.dumps(kind)}: lmtrain reads OPTForCausalLM (opt) and LlamaForCausalLM (llama)")
+    if missing:
+        raise InputError(f"{where}: {', '.join(missing)} missing")
+    if kind == "opt":
+        need("do_layer_norm_before", True, True)
+        need("_remove_final_layer_norm", False, False)
+        need("enable_bias", True, True)
+        need("layer_norm_elementwise_affine", True, True)
+        act = cfg.get("activation_function", "relu")
+        if act not in HF_OPT_ACTIVATIONS:
+            raise InputError(f"{where}: activation_function={json.dumps(act)} is not one of {sorted(HF_OPT_ACTIVATIONS)}")
+        proj = cfg.get("word_embed_proj_dim") or common["d_model"]
+        return {
+            **common, "family": "opt", "ffn_dim": cfg.get("ffn_dim") or 4 * common["d_model"],
+            "embed_dim": proj if proj != common["d_model"] else None, "tie_embeddings": cfg.get("tie_word_embeddings", True),
+            "norm_eps": 1e-5, "dropout": float(cfg.get("dropout", 0.1)), "attention_dropout": float(cfg.get("attention_dropout", 0.0)),
+            "init_std": float(cfg.get("init_std", 0.02)), "activation": HF_OPT_ACTIVATIONS[act], "n_kv_heads": None,
+        }  # fmt: skip
+    need("hidden_act", "silu", "silu")
+    need("attention_bias", False, False)
+    need("mlp_bias", False, False)
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise InputError(f"{where}: rope_type={json.dumps(rope.get('rope_type', rope.get('type')))}: lmtrain's rotary positions are the default kind only")
+    head_dim = cfg.get("head_dim") or common["d_model"] // common["n_heads"]
+    if head_dim * common["n_heads"] != common["d_model"]:
+        raise InputError(f"{where}: head_dim={head_dim} with num_attention_heads={common['n_heads']} is not hidden_size={common['d_model']}")
+    kv = cfg.get("num_key_value_heads") or common["n_heads"]
+    return {
+        **common, "family": "llama", "ffn_dim": cfg.get("intermediate_size"), "n_kv_heads": kv if kv != common["n_heads"] else None,
+        "embed_dim": None, "tie_embeddings": cfg.get("tie_word_embeddings", False), "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))), "dropout": 0.0,
+        "attention_dropout": float(cfg.get("attention_dropout", 0.0)), "init_std": float(cfg.get("initializer_range", 0.02)),
+        "activation": None,
+    }  # fmt: skip
+
+
+def our_state_dict(theirs: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
+    """``transformers``' names and layouts -> ours (the inverse of :func:`state_dict`): the separate projections fused,
+    OPT's two position rows of offset dropped, a tied head read from the embedding. A tensor missing is refused in one
+    line naming it (InputError); one left over, too."""
+    c = model_cfg
+    opt = c.family == "opt"
+    root = "model.decoder." if opt else "model."
+    left = dict(theirs)
+
+    def take(name: str) -> torch.Tensor:
+        if name not in left:
+            raise InputError(f"the weights have no tensor {name}" if name not in theirs else f"tensor {name} read twice")
+        return left.pop(name)
+
+    out = {"tok_emb.weight": take(f"{root}embed_tokens.weight")}
+    if opt:
+        out["pos_emb.weight"] = take(f"{root}embed_positions.weight")[2:]  # OPT's offset of 2
+        if c.emb_dim != c.d_model:
+            out["proj_in.weight"] = take(f"{root}project_in.weight")
+            out["proj_out.weight"] = take(f"{root}project_out.weight")
+    kinds = ("weight", "bias") if opt else ("weight",)
+    for i in range(c.n_layers):
+        b, h = f"blocks.{i}.", f"{root}layers.{i}."
+        for kind in kinds:
+            out[f"{b}attn.qkv.{kind}"] = torch.cat([take(f"{h}self_attn.{p}.{kind}") for p in ("q_proj", "k_proj", "v_proj")])
+            out[f"{b}attn.proj.{kind}"] = take(f"{h}self_attn.{'out_proj' if opt else 'o_proj'}.{kind}")
+        norms = (("attn_norm", "self_attn_layer_norm"), ("mlp_norm", "final_layer_norm")) if opt else (
+            ("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"))  # fmt: skip
+        for ours, theirs_name in norms:
+            for kind in kinds:
+                out[f"{b}{ours}.{kind}"] = take(f"{h}{theirs_name}.{kind}")
+        if opt:
+            for ours, theirs_name in (("up", "fc1"), ("down", "fc2")):
+                for kind in kinds:
+                    out[f"{b}mlp.{ours}.{kind}"] = take(f"{h}{theirs_name}.{kind}")
+        else:
+            out[f"{b}mlp.gate_up.weight"] = torch.cat([take(f"{h}mlp.gate_proj.weight"), take(f"{h}mlp.up_proj.weight")])
+            out[f"{b}mlp.down.weight"] = take(f"{h}mlp.down_proj.weight")
+    final = f"{root}final_layer_norm" if opt else f"{root}norm"
+    for kind in kinds:
+        out[f"norm.{kind}"] = take(f"{final}.{kind}")
+    if c.tie_embeddings:
+        left.pop("lm_head.weight", None)  # a tied head saved anyway is the embedding
+        out["lm_head.weight"] = out["tok_emb.weight"]
+    else:
+        out["lm_head.weight"] = take("lm_head.weight")
+    left = [k for k in left if not k.endswith("rotary_emb.inv_freq")]
+    if left:
+        raise InputError(f"the weights have tensors this model does not: {', '.join(sorted(left)[:5])}")
+    return out
