@@ -145,6 +145,7 @@ def _write_hf(tmp: Path, model, ranks_file: Path | None, enc, eos: int, dtype: s
 
     from lmtrain.formats import hf
     from lmtrain.formats.tokenizer import EOS_TEXT, GPT2_PATTERN, load_ranks
+    from lmtrain.training.init_from import kept_offset_rows
 
     if ranks_file is None:
         raise InputError(
@@ -153,7 +154,8 @@ def _write_hf(tmp: Path, model, ranks_file: Path | None, enc, eos: int, dtype: s
         )
 
     state = {k: v.detach() for k, v in model.state_dict().items() if not k.startswith("rope_")}
-    weights = {k: v.to(DTYPES[dtype]) for k, v in hf.state_dict(state, model.cfg).items()}
+    rows = kept_offset_rows(meta["source"]["run_dir"])  # a run started with init_from: its directory's OPT offset rows
+    weights = {k: v.to(DTYPES[dtype]) for k, v in hf.state_dict(state, model.cfg, rows).items()}
     save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(hf.dumps(hf_config))
     generation = {"bos_token_id": hf_config["bos_token_id"], "eos_token_id": eos, "pad_token_id": eos}

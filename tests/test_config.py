@@ -32,7 +32,7 @@ def test_default_config_is_valid(tmp_path):
         ),
         (["scheduler.warmup_steps=1000"], r"scheduler.warmup_steps=1000 must be in 0..scheduler.total_steps=250"),
         (["scheduler.decay=exponential"], r"scheduler.decay='exponential' is not one of"),
-        (["optimizer.lr=-1"], r"optimizer.lr=-1 must be a positive number"),
+        (["optimizer.lr=-1"], r"optimizer.lr=-1 must be a positive number \(or 0: the weights kept as they start\)"),
         (["module.head.kind=liger"], r"module.head.kind=liger runs Triton kernels on a GPU; on the CPU use module.head.kind=chunked"),
         (["module.head.kind=cce"], r"module.head.kind='cce' is not one of \['plain', 'chunked', 'liger', 'float8'\]"),
         (["module.head.chunk_tokens=0"], r"module.head.chunk_tokens=0: give a positive number of tokens"),

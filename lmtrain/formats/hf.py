@@ -15,6 +15,7 @@ pre-tokenization pattern, and the separator as a special token; it encodes text 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 
@@ -53,14 +54,25 @@ def config(model_cfg, eos: int, dtype: str, bos: int | None = None) -> dict:
         return {
             **common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "intermediate_size": c.hidden_dim,
             "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.norm_eps, "hidden_act": "silu",
-            "rope_theta": c.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+            "rope_theta": c.rope_theta, "rope_parameters": _rope_parameters(c),
             "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
         }  # fmt: skip
     raise InputError(f"--format hf: no transformers class for model family {c.family!r}")
 
 
-def state_dict(state: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
-    """Our parameter names and layouts -> ``transformers``' (a tied output head stored once, as the embedding)."""
+def _rope_parameters(c) -> dict:
+    """transformers' ``rope_parameters`` of a llama-family model (Llama 3's scaling, or the default kind)."""
+    if c.rope_scaling is None:
+        return {"rope_type": "default", "rope_theta": c.rope_theta}
+    s = c.rope_scaling
+    return {"rope_type": "llama3", "rope_theta": c.rope_theta, "factor": s["factor"], "low_freq_factor": s["low_freq_factor"],
+            "high_freq_factor": s["high_freq_factor"], "original_max_position_embeddings": s["original_max_seq_len"]}  # fmt: skip
+
+
+def state_dict(state: dict[str, torch.Tensor], model_cfg, offset_rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Our parameter names and layouts -> ``transformers``' (a tied output head stored once, as the embedding).
+    ``offset_rows``: OPT's two rows of position offset, which OPT never reads (zeros if None; a run started from a
+    transformers directory keeps that directory's: lmtrain.training.init_from)."""
     c = model_cfg
     q, kv = c.n_heads * c.head_dim, c.kv_heads * c.head_dim
     opt = c.family == "opt"
@@ -68,7 +80,7 @@ def state_dict(state: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Ten
     out = {f"{root}embed_tokens.weight": state["tok_emb.weight"]}
     if opt:
         pos = state["pos_emb.weight"]
-        out[f"{root}embed_positions.weight"] = torch.cat([torch.zeros(2, pos.shape[1], dtype=pos.dtype), pos])  # OPT's offset
+        out[f"{root}embed_positions.weight"] = torch.cat([pos.new_zeros(2, pos.shape[1]) if offset_rows is None else offset_rows.to(pos), pos])  # OPT's offset
         for ours, theirs in (("proj_in", "project_in"), ("proj_out", "project_out")):
             if f"{ours}.weight" in state:
                 out[f"{root}{theirs}.weight"] = state[f"{ours}.weight"]
@@ -194,8 +206,17 @@ def model_fields(cfg: dict, where: str = "config.json") -> dict:
     need("attention_bias", False, False)
     need("mlp_bias", False, False)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise InputError(f"{where}: rope_type={json.dumps(rope.get('rope_type', rope.get('type')))}: lmtrain's rotary positions are the default kind only")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise InputError(f"{where}: rope_type={json.dumps(kind)}: lmtrain's rotary positions are the default kind or Llama 3's (llama3)")
+    scaling = None
+    if kind == "llama3":
+        theirs = {"factor": "factor", "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
+                  "original_max_seq_len": "original_max_position_embeddings"}  # fmt: skip
+        lacking = [t for t in theirs.values() if t not in rope]
+        if lacking:
+            raise InputError(f"{where}: rope_type=\"llama3\" without {', '.join(lacking)}")
+        scaling = {"rope_type": "llama3", **{ours: rope[t] for ours, t in theirs.items()}}
     head_dim = cfg.get("head_dim") or common["d_model"] // common["n_heads"]
     if head_dim * common["n_heads"] != common["d_model"]:
         raise InputError(f"{where}: head_dim={head_dim} with num_attention_heads={common['n_heads']} is not hidden_size={common['d_model']}")
@@ -203,59 +224,170 @@ def model_fields(cfg: dict, where: str = "config.json") -> dict:
     return {
         **common, "family": "llama", "ffn_dim": cfg.get("intermediate_size"), "n_kv_heads": kv if kv != common["n_heads"] else None,
         "embed_dim": None, "tie_embeddings": cfg.get("tie_word_embeddings", False), "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
-        "rope_theta": float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))), "dropout": 0.0,
+        "rope_theta": float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))), "rope_scaling": scaling, "dropout": 0.0,
         "attention_dropout": float(cfg.get("attention_dropout", 0.0)), "init_std": float(cfg.get("initializer_range", 0.02)),
         "activation": None,
     }  # fmt: skip
 
 
-def our_state_dict(theirs: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
-    """``transformers``' names and layouts -> ours (the inverse of :func:`state_dict`): the separate projections fused,
-    OPT's two position rows of offset dropped, a tied head read from the embedding. A tensor missing is refused in one
-    line naming it (InputError); one left over, too."""
+def our_layout(names, model_cfg) -> dict[str, list[tuple[str, int, int | None]]]:
+    """Where each of our tensors lies in ``transformers``' (the inverse of :func:`state_dict`), without reading any:
+    ``{ours: [(theirs, first row, end row or None), ...]}``, the row ranges concatenated (the separate projections
+    fused; OPT's two position rows of offset left out; a tied head is the embedding). ``names``: their tensor names.
+    A tensor missing is refused in one line naming it (InputError); one left over, too."""
     c = model_cfg
     opt = c.family == "opt"
     root = "model.decoder." if opt else "model."
-    left = dict(theirs)
+    left = set(names)
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str, start: int = 0) -> tuple[str, int, int | None]:
         if name not in left:
-            raise InputError(f"the weights have no tensor {name}" if name not in theirs else f"tensor {name} read twice")
-        return left.pop(name)
+            raise InputError(f"the weights have no tensor {name}" if name not in names else f"tensor {name} read twice")
+        left.discard(name)
+        return name, start, None
 
-    out = {"tok_emb.weight": take(f"{root}embed_tokens.weight")}
+    out = {"tok_emb.weight": [take(f"{root}embed_tokens.weight")]}
     if opt:
-        out["pos_emb.weight"] = take(f"{root}embed_positions.weight")[2:]  # OPT's offset of 2
+        out["pos_emb.weight"] = [take(f"{root}embed_positions.weight", start=2)]  # OPT's offset of 2
         if c.emb_dim != c.d_model:
-            out["proj_in.weight"] = take(f"{root}project_in.weight")
-            out["proj_out.weight"] = take(f"{root}project_out.weight")
+            out["proj_in.weight"] = [take(f"{root}project_in.weight")]
+            out["proj_out.weight"] = [take(f"{root}project_out.weight")]
     kinds = ("weight", "bias") if opt else ("weight",)
     for i in range(c.n_layers):
         b, h = f"blocks.{i}.", f"{root}layers.{i}."
         for kind in kinds:
-            out[f"{b}attn.qkv.{kind}"] = torch.cat([take(f"{h}self_attn.{p}.{kind}") for p in ("q_proj", "k_proj", "v_proj")])
-            out[f"{b}attn.proj.{kind}"] = take(f"{h}self_attn.{'out_proj' if opt else 'o_proj'}.{kind}")
+            out[f"{b}attn.qkv.{kind}"] = [take(f"{h}self_attn.{p}.{kind}") for p in ("q_proj", "k_proj", "v_proj")]
+            out[f"{b}attn.proj.{kind}"] = [take(f"{h}self_attn.{'out_proj' if opt else 'o_proj'}.{kind}")]
         norms = (("attn_norm", "self_attn_layer_norm"), ("mlp_norm", "final_layer_norm")) if opt else (
             ("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"))  # fmt: skip
         for ours, theirs_name in norms:
             for kind in kinds:
-                out[f"{b}{ours}.{kind}"] = take(f"{h}{theirs_name}.{kind}")
+                out[f"{b}{ours}.{kind}"] = [take(f"{h}{theirs_name}.{kind}")]
         if opt:
             for ours, theirs_name in (("up", "fc1"), ("down", "fc2")):
                 for kind in kinds:
-                    out[f"{b}mlp.{ours}.{kind}"] = take(f"{h}{theirs_name}.{kind}")
+                    out[f"{b}mlp.{ours}.{kind}"] = [take(f"{h}{theirs_name}.{kind}")]
         else:
-            out[f"{b}mlp.gate_up.weight"] = torch.cat([take(f"{h}mlp.gate_proj.weight"), take(f"{h}mlp.up_proj.weight")])
-            out[f"{b}mlp.down.weight"] = take(f"{h}mlp.down_proj.weight")
+            out[f"{b}mlp.gate_up.weight"] = [take(f"{h}mlp.gate_proj.weight"), take(f"{h}mlp.up_proj.weight")]
+            out[f"{b}mlp.down.weight"] = [take(f"{h}mlp.down_proj.weight")]
     final = f"{root}final_layer_norm" if opt else f"{root}norm"
     for kind in kinds:
-        out[f"norm.{kind}"] = take(f"{final}.{kind}")
+        out[f"norm.{kind}"] = [take(f"{final}.{kind}")]
     if c.tie_embeddings:
-        left.pop("lm_head.weight", None)  # a tied head saved anyway is the embedding
+        left.discard("lm_head.weight")  # a tied head saved anyway is the embedding
         out["lm_head.weight"] = out["tok_emb.weight"]
     else:
-        out["lm_head.weight"] = take("lm_head.weight")
-    left = [k for k in left if not k.endswith("rotary_emb.inv_freq")]
-    if left:
-        raise InputError(f"the weights have tensors this model does not: {', '.join(sorted(left)[:5])}")
+        out["lm_head.weight"] = [take("lm_head.weight")]
+    extra = [k for k in left if not k.endswith("rotary_emb.inv_freq")]
+    if extra:
+        raise InputError(f"the weights have tensors this model does not: {', '.join(sorted(extra)[:5])}")
     return out
+
+
+def read_rows(parts, start: int, stop: int, get) -> torch.Tensor:
+    """Rows ``start:stop`` of one of our tensors laid out as ``parts`` (:func:`our_layout`); ``get(name, a, b)``
+    reads rows ``a:b`` of their tensor ``name``, and ``rows(name)`` below tells each one's length."""
+    pieces, at = [], 0
+    for name, first, end in parts:
+        n = (end if end is not None else get.rows(name)) - first
+        lo, hi = max(start, at), min(stop, at + n)
+        if lo < hi:
+            pieces.append(get(name, first + lo - at, first + hi - at))
+        at += n
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+class _InMemory:
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __call__(self, name: str, a: int, b: int) -> torch.Tensor:
+        return self.tensors[name][a:b]
+
+    def rows(self, name: str) -> int:
+        return self.tensors[name].shape[0]
+
+
+def our_state_dict(theirs: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
+    """``transformers``' tensors -> ours, read whole (:func:`our_layout`)."""
+    get = _InMemory(theirs)
+    return {ours: read_rows(parts, 0, 1 << 62, get) for ours, parts in our_layout(set(theirs), model_cfg).items()}
+
+
+# -- a transformers directory's weights, read where they are needed ----------------------------------------------------
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+class Weights:
+    """The safetensors weights of a ``transformers`` directory (one file, or the shards its ``model.safetensors.index.json``
+    lists), opened but not read: only the files' headers are, until :meth:`__call__` reads rows of one tensor (a rank
+    reads its own shard's rows and no others). A file missing, damaged or cut short, or a tensor the index names that
+    its file lacks, is refused in one line naming it (InputError)."""
+
+    def __init__(self, folder: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.folder = folder = Path(folder)
+        if (folder / INDEX).is_file():
+            try:
+                index = json.loads((folder / INDEX).read_text())
+                weight_map = dict(index["weight_map"])
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise InputError(f"{folder / INDEX} is not a readable safetensors index ({type(exc).__name__}: {exc})") from None
+            files = sorted(set(weight_map.values()))
+        elif (folder / WEIGHTS).is_file():
+            weight_map, files = None, [WEIGHTS]
+        else:
+            pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+            why = (f" (it has {', '.join(sorted(pickled))}: pickled weights, which can run code when read, are not; "
+                   "save them with transformers' save_pretrained, which writes safetensors)") if pickled else ""  # fmt: skip
+            raise InputError(f"{folder} has no {WEIGHTS} or {INDEX}: lmtrain reads safetensors weights{why}")
+        self.handles, self.where = {}, {}
+        for name in files:
+            path = folder / name
+            if Path(name).name != name or not path.is_file():
+                raise InputError(f"{path} is missing" + (f" ({INDEX} lists it)" if weight_map is not None else ""))
+            try:
+                handle = safe_open(str(path), framework="pt")
+                keys = list(handle.keys())
+            except Exception as exc:  # noqa: BLE001 - safetensors' own error type: a damaged or truncated file
+                raise InputError(f"{path} is not a readable safetensors file: {exc}") from None
+            self.handles[name] = handle
+            for key in keys:
+                if weight_map is None or weight_map.get(key) == name:
+                    self.where[key] = name
+        if weight_map is not None:
+            lacking = [k for k, f in weight_map.items() if k not in self.where]
+            if lacking:
+                raise InputError(f"{folder / weight_map[lacking[0]]} lacks tensor {lacking[0]}, which {INDEX} places there (a partial file)")
+        self.shapes = {k: tuple(self._slice(k).get_shape()) for k in self.where}
+        self.dtypes = {k: self._slice(k).get_dtype() for k in self.where}
+
+    def _slice(self, name: str):
+        return self.handles[self.where[name]].get_slice(name)
+
+    def __call__(self, name: str, a: int, b: int) -> torch.Tensor:
+        return self._slice(name)[a:b]
+
+    def rows(self, name: str) -> int:
+        return self.shapes[name][0]
+
+    def nbytes(self) -> int:
+        return sum((self.folder / f).stat().st_size for f in self.handles)
+
+    def check(self, model_cfg, ours: dict[str, torch.Tensor]) -> dict[str, list]:
+        """Every tensor against what the model needs (``ours``: its state dict, on the meta device serves): a tensor
+        missing, left over, of another shape or not of a floating-point type is refused in one line naming it. Returns
+        :func:`our_layout`."""
+        want = state_dict({k: v for k, v in ours.items() if not k.startswith("rope_")}, model_cfg)
+        for name, dtype in sorted(self.dtypes.items()):
+            if dtype not in FLOAT_DTYPES and not name.endswith("rotary_emb.inv_freq"):
+                raise InputError(f"tensor {name} in {self.folder} is {dtype}, not floating point (a quantized checkpoint?): lmtrain reads F32, BF16, F16 or F64 weights")
+        layout = our_layout(set(self.where), model_cfg)
+        if model_cfg.tie_embeddings and "lm_head.weight" in self.shapes:
+            want["lm_head.weight"] = want[next(iter(k for k in want if k.endswith("embed_tokens.weight")))]
+        for name, tensor in want.items():
+            if self.shapes.get(name) != tuple(tensor.shape):
+                raise InputError(f"tensor {name} in {self.folder} has shape {list(self.shapes[name])}; config.json's model needs {list(tensor.shape)}")
+        return layout

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -49,12 +50,15 @@ class ModelConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # llama: Llama 3's long-context frequencies (ROPE_SCALING_KEYS); None: plain rotary
     dropout: float = 0.0  # on each block's two residual branches (OPT's `dropout`); never on the embeddings
     attention_dropout: float = 0.0  # on the attention probabilities (OPT's `attention_dropout`: 0.0 in its released configs)
     init_std: float = 0.02
     activation: str | None = None  # None: the family's (opt: gelu, llama: silu); opt also: gelu_tanh, relu
 
     def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, Mapping):  # a DictConfig from Hydra
+            self.rope_scaling = {str(k): v for k, v in self.rope_scaling.items()}
         errors = self.problems()
         if errors:
             raise ValueError(f"invalid model config '{self.name}': " + "; ".join(errors))
@@ -103,6 +107,8 @@ class ModelConfig:
                 out.append(f"model.{key}={val!r} must be a positive integer or null")
         if self.activation is not None and self.activation not in ACTIVATIONS[self.family]:
             out.append(f"model.activation={self.activation!r} is not one of {list(ACTIVATIONS[self.family])} for the {self.family} family")
+        if self.rope_scaling is not None:
+            out += rope_scaling_problems(self.rope_scaling, self.family)
         for key in ("dropout", "attention_dropout"):
             val = getattr(self, key)
             if not isinstance(val, (int, float)) or not 0.0 <= val < 1.0:
@@ -132,9 +138,32 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rope_cache(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (seq_len, head_dim) for the half-split rotary convention."""
+ROPE_SCALING_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")
+
+
+def rope_scaling_problems(scaling, family: str) -> list[str]:
+    """``model.rope_scaling``: Llama 3's (``rope_type: llama3`` and its four numbers), on the llama family only."""
+    if family != "llama":
+        return [f"model.rope_scaling is for the llama family's rotary positions, not {family}'s"]
+    if not isinstance(scaling, dict) or sorted(scaling) != sorted(ROPE_SCALING_KEYS) or scaling.get("rope_type") != "llama3":
+        return [f"model.rope_scaling={scaling!r}: give {{rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_seq_len}}"]
+    bad = [k for k in ROPE_SCALING_KEYS[1:] if not isinstance(scaling[k], (int, float)) or isinstance(scaling[k], bool) or scaling[k] <= 0]
+    if bad:
+        return [f"model.rope_scaling.{bad[0]}={scaling[bad[0]]!r} must be a positive number"]
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        return ["model.rope_scaling.high_freq_factor must exceed low_freq_factor"]
+    return []
+
+
+def rope_cache(seq_len: int, head_dim: int, theta: float, device=None, scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (seq_len, head_dim) for the half-split rotary convention; ``scaling``: Llama 3's
+    (the long wavelengths divided by ``factor``, the short ones kept, those between blended smoothly)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        factor, low, high, context = (scaling[k] for k in ROPE_SCALING_KEYS[1:])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((context / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        inv_freq = torch.where(wavelen > context / low, inv_freq / factor, (1 - smooth) * inv_freq / factor + smooth * inv_freq)
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # (T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
@@ -330,7 +359,7 @@ class Decoder(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         if cfg.family == "llama":
-            cos, sin = rope_cache(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, device=self.tok_emb.weight.device)
+            cos, sin = rope_cache(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, self.tok_emb.weight.device, cfg.rope_scaling)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         if self.tok_emb.weight.device.type != "meta":
@@ -351,7 +380,7 @@ class Decoder(nn.Module):
             elif isinstance(module, (nn.LayerNorm, RMSNorm)):
                 module.reset_parameters()
         if self.cfg.family == "llama":
-            cos, sin = rope_cache(self.cfg.max_seq_len, self.cfg.head_dim, self.cfg.rope_theta, self.rope_cos.device)
+            cos, sin = rope_cache(self.cfg.max_seq_len, self.cfg.head_dim, self.cfg.rope_theta, self.rope_cos.device, self.cfg.rope_scaling)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 

@@ -125,6 +125,8 @@ def published_lr(params: int) -> float | None:
 def lr_warning(lr: float, params: int) -> str | None:
     """What to tell a user whose peak learning rate is more than ``TOO_HIGH`` times GPT-3's for the model's size (the
     fat-fingered or forgotten one: a model preset chosen without its experiment's rate), or None."""
+    if lr == 0:
+        return "optimizer.lr=0: the weights do not change (the run measures its starting weights)"
     ref = published_lr(params)
     if ref is None or lr <= TOO_HIGH * ref:
         return None

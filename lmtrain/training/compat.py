@@ -196,6 +196,23 @@ def dtensor_around(local: torch.Tensor, like):
     return DTensor(local, like._spec, requires_grad=False)
 
 
+def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(the tensor this rank holds, the first and end row of it in the whole one): a ``DTensor`` sharded on its
+    first dimension (FSDP2's layout) by ``compute_local_shape_and_global_offset``, the private function DTensor itself
+    uses (no public API tells a shard's place); a plain tensor is all its rows."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor, 0, tensor.shape[0] if tensor.dim() else 1
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = tensor.to_local()
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    if tuple(shape[1:]) != tuple(tensor.shape[1:]):
+        raise ValueError(f"a DTensor sharded on more than its first dimension ({tensor.placements})")
+    return local, offset[0] if offset else 0, (offset[0] if offset else 0) + (shape[0] if shape else 1)
+
+
 def awaited_loader_worker(thread_id: int) -> dict | None:
     """The loader worker process that thread ``thread_id`` waits for a batch from, or None when it waits for none: the
     thread's frames searched for a multi-process loader iterator (torch's ``_MultiProcessingDataLoaderIter``, torchdata's

@@ -24,7 +24,7 @@ from lmtrain.training.fastpaths import replaced
 
 # The root config's keys (conf/train.yaml and its groups); anything else at the top is a typo (`+run_nam=x`).
 TOP_LEVEL = {
-    "run_name", "run_dir", "seed", "ckpt_path", "resume", "overwrite", "global_batch_size", "preemption", "restarts", "grad_scaler", "paths", "module",
+    "run_name", "run_dir", "seed", "ckpt_path", "init_from", "resume", "overwrite", "global_batch_size", "preemption", "restarts", "grad_scaler", "paths", "module",
     "model", "optimizer", "scheduler", "data", "strategy", "trainer", "callbacks", "logger", "experiment", "debug", "fault", "hydra",
     "speed",
 }  # fmt: skip
@@ -318,8 +318,8 @@ def validate_config(cfg: DictConfig) -> None:
             problems.append(f"{key}={cfg.get(key)!r} must be true or false")
 
     opt = cfg.get("optimizer")
-    if opt is not None and "lr" in opt and (not isinstance(opt.lr, (int, float)) or opt.lr <= 0):
-        problems.append(f"optimizer.lr={opt.lr!r} must be a positive number")
+    if opt is not None and "lr" in opt and (not isinstance(opt.lr, (int, float)) or isinstance(opt.lr, bool) or opt.lr < 0):
+        problems.append(f"optimizer.lr={opt.lr!r} must be a positive number (or 0: the weights kept as they start)")
 
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

@@ -152,6 +152,7 @@ class LMModule(L.LightningModule):
         self._pending_stats: list[_StepStats] = []
         self.last_train_loss: float | None = None
         self.last_train_lr: float | None = None  # the rate the optimizer used at the step of last_train_loss
+        self.init_weights_from = None  # init_from=DIR (lmtrain.training.init_from.Loader): read into the model once built
         self.tokens_trained = 0  # summed step by step as trained, so exact across resumes on any layout (in checkpoints)
         self.samples_trained = 0
 
@@ -206,6 +207,9 @@ class LMModule(L.LightningModule):
         if parallelize is not None and not getattr(self, "_parallelized", False):
             self.model = parallelize(self.model)
             self._parallelized = True
+        if self.init_weights_from is not None:  # after sharding: each rank reads its own rows
+            self.init_weights_from.load_into(self.model)
+            self.init_weights_from = None
         final_norm = getattr(self.model, "norm", None)
         if self._act_hook is None and isinstance(final_norm, nn.Module):
             self._act_hook = final_norm.register_forward_pre_hook(self._record_activation)

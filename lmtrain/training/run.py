@@ -25,7 +25,7 @@ from lmtrain.formats import corrections, logbook, runlock
 from lmtrain.formats import metrics as metrics_record
 from lmtrain.formats.checkpoint import CheckpointError, check_compatible, config_hash
 from lmtrain.formats.rundir import CONFIG, write_text_atomic
-from lmtrain.training import batch, compat, restarts, speed
+from lmtrain.training import batch, compat, init_from, restarts, speed
 from lmtrain.training.checkpoint.resume import checked_here, resume_identity, resume_point
 from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data
 from lmtrain.training.contracts import CheckpointStore, Preempts, RequestsRollback, SaveGuard, StopsTraining
@@ -195,6 +195,7 @@ def _take_run(cfg: DictConfig, created: list[Path], said: list[str]) -> runlock.
     """The config checked, the run directory made and (global rank zero) its lock taken: once a run, before anything
     of it is read or changed (lmtrain.formats.runlock); a dead attempt's lock taken over is said in one line. The
     directories made here are added to ``created``, the outermost first; the speed preset's line to ``said``."""
+    init_from.apply(cfg, _overrides())  # init_from=DIR: the model node is the directory's architecture, checked below
     turned_off = speed.adapt(cfg, _overrides())  # speed=fp8 fitted to this card and model, before the config is checked
     validate_config(cfg)
     restarts.budget(cfg)
@@ -271,6 +272,7 @@ class _Attempt:
     mirrors: list = field(default_factory=list)
     trackers: list = field(default_factory=list)  # (name, where) of each tracker's run (rank zero): said at the start and the end
     branch: dict | None = None  # started from another run's checkpoint: the parent (run, MLflow run id, step, checkpoint)
+    weights: Any = None  # init_from=DIR on a fresh start: the directory's weights, checked (lmtrain.training.init_from.Loader)
 
 
 def _attempt(cfg: DictConfig, rollback: dict | None, clock: Goodput, accepted: list, said: list[str] = ()):
@@ -343,6 +345,15 @@ def _build(att: _Attempt) -> None:
     shape = meta_model(model_factory)
     if rollback is None:  # said once a run, not again at each rollback's attempt
         log.info(describe_model(shape))
+    if cfg.get("init_from"):  # the dataset's tokenizer the model's; a fresh start: every tensor checked against the model
+        src = init_from.read(cfg.init_from)
+        init_from.check_tokenizer(src, datamodule.manifest, Path(datamodule.path))
+        if resume is None:
+            att.weights = att.module.init_weights_from = init_from.Loader(src, shape)
+            if getattr(strategy, "init_device", None) == "cpu":
+                strategy.init_device = "meta"  # each rank reads its own rows: no full copy of the model per rank
+            if rollback is None:
+                log.info(f"weights: {src.path} ({src.architecture}, {att.weights.weights.nbytes() / 2**20:,.1f} MiB); the optimizer starts fresh")
     if rollback is None and cfg.get("optimizer") and isinstance(cfg.optimizer.get("lr"), int | float):
         from lmtrain.nn.model import num_params
         from lmtrain.nn.optim import lr_warning
@@ -475,7 +486,9 @@ def _accept(att: _Attempt) -> None:
     if rollback is None:
         for name, where in att.trackers:
             log.info(f"{name}: {where}")
-    _log_config(trainer, cfg, run_dir, att.branch)
+    tags = {**(att.branch or {}), **({"lmtrain.init_from": str(att.weights.src.path.resolve()), "lmtrain.init_from_config": att.weights.src.config_sha256}
+                                      if att.weights is not None else {})}  # fmt: skip
+    _log_config(trainer, cfg, run_dir, tags)
     if att.checkpointer is not None:
         info = {
             **att.identity,
@@ -513,6 +526,16 @@ def _accept(att: _Attempt) -> None:
             shown = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items())
             log.info(f"config changed since the last attempt (accepted): {shown}")
             logbook.append(run_dir, "config_change", f"config: {shown} at step {resume.step}", step=resume.step, changes=changes)
+    elif att.weights is not None:
+        try:
+            att.weights.keep(run_dir)
+        except OSError as exc:
+            raise InputError(f"cannot write {run_dir / init_from.FOLDER}: {exc.strerror or exc}") from exc
+        src = att.weights.src
+        logbook.append(
+            run_dir, "start", f"training from the weights of {src.path.resolve()} ({src.architecture}, config.json {src.config_sha256[:23]}), "
+            f"run {cfg.run_name}", init_from=src.record(),
+        )  # fmt: skip
     else:
         logbook.append(run_dir, "start", f"training from scratch, run {cfg.run_name}")
 
@@ -760,7 +783,8 @@ def _safe_finalize(logger, status: str) -> None:
 
 
 def _log_config(trainer, cfg: DictConfig, run_dir: Path, branch: dict | None = None) -> None:
-    """Resolved config as MLflow params and as an artifact, and as the W&B run's config (rank zero only)."""
+    """Resolved config as MLflow params and as an artifact, and as the W&B run's config (rank zero only); ``branch``:
+    tags naming where the run started (a parent run's checkpoint, a transformers directory)."""
     from lmtrain.training.loggers import WandbLogger
 
     if not trainer.is_global_zero:
