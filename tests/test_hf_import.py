@@ -17,6 +17,10 @@ from lmtrain.formats import hf
 from lmtrain.nn.model import Decoder, ModelConfig
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}  # fmt: skip
+
+
 def _saved(tmp_path, kind: str):
     import transformers
 
@@ -26,10 +30,10 @@ def _saved(tmp_path, kind: str):
                                      max_position_embeddings=64, word_embed_proj_dim=16, activation_function="relu",
                                      dropout=0.0)  # fmt: skip
         model = transformers.OPTForCausalLM(cfg)
-    else:  # grouped-query attention, an untied head, Llama 3's rope base
+    else:  # grouped-query attention, an untied head, Llama 3's rope scaling (from 16 positions: every band in use at 24)
         cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                       tie_word_embeddings=False, rope_theta=500000.0)  # fmt: skip
+                                       tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE)  # fmt: skip
         model = transformers.LlamaForCausalLM(cfg)
     model.save_pretrained(tmp_path)
     return model.eval()
@@ -74,14 +78,16 @@ def test_an_opt_config_lmtrain_cannot_express_is_one_error_naming_the_field(tmp_
         hf.model_fields(config, "config.json")
 
 
-def test_llama3_rope_scaling_a_bias_or_a_missing_tensor_is_one_error_naming_it(tmp_path):
+def test_another_rope_scaling_a_bias_or_a_missing_tensor_is_one_error_naming_it(tmp_path):
     from safetensors.torch import load_file
 
     _saved(tmp_path, "llama")
     config = json.loads((tmp_path / "config.json").read_text())
-    scaled = {**config, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}}
-    with pytest.raises(InputError, match='rope_type="llama3"'):
-        hf.model_fields(scaled)
+    with pytest.raises(InputError, match='rope_type="yarn": lmtrain.s rotary positions are the default kind or Llama 3.s'):
+        hf.model_fields({**config, "rope_parameters": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0}})
+    with pytest.raises(InputError, match='rope_type="llama3" without low_freq_factor, high_freq_factor'):
+        hf.model_fields({**config, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                       "original_max_position_embeddings": 16}})  # fmt: skip
     with pytest.raises(InputError, match="attention_bias=true"):
         hf.model_fields({**config, "attention_bias": True})
     saved = load_file(tmp_path / "model.safetensors")
@@ -89,3 +95,180 @@ def test_llama3_rope_scaling_a_bias_or_a_missing_tensor_is_one_error_naming_it(t
     del saved["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(InputError, match="the weights have no tensor model.layers.1.mlp.up_proj.weight"):
         hf.our_state_dict(saved, cfg)
+
+
+# -- init_from=DIR: a run that starts from such a directory (lmtrain.training.init_from) -----------------------------------
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, dataset_dir, corpus_jsonl):
+    """A tiny random OPTForCausalLM and LlamaForCausalLM (Llama 3's rope scaling), each saved with save_pretrained beside
+    the tokenizer.json of the session's dataset's BPE, and a dataset prepared with that tokenizer.json."""
+    import transformers
+
+    from lmtrain.data.prepare import prepare
+    from lmtrain.formats.tokenizer import EOS_TEXT, GPT2_PATTERN, load_ranks
+
+    root = tmp_path_factory.mktemp("hf")
+    ranks = load_ranks(dataset_dir / "tokenizer.tiktoken")
+    vocab = len(ranks) + 8  # room beyond the tokenizer's ids, as released models have
+    configs = {
+        "opt": transformers.OPTConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, ffn_dim=48, num_attention_heads=4,
+                                      max_position_embeddings=64, word_embed_proj_dim=16, activation_function="relu", dropout=0.0),
+        "llama": transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE),
+    }  # fmt: skip
+    for kind, cfg in configs.items():
+        torch.manual_seed(0)
+        model = (transformers.OPTForCausalLM if kind == "opt" else transformers.LlamaForCausalLM)(cfg)
+        model.save_pretrained(root / kind)
+        (root / kind / "tokenizer.json").write_text(hf.tokenizer_json(ranks, GPT2_PATTERN, {EOS_TEXT: len(ranks)}))
+    prepare([corpus_jsonl], root / "ds", tokenizer=str(root / "opt" / "tokenizer.json"), val_fraction=0.1, workers=1, progress=False)
+    return root
+
+
+def _first_batch_loss(folder, dataset) -> float:
+    """transformers' loss on the run's first batch (4 sequences of 64 tokens, the data's seed 1234)."""
+    import transformers
+
+    from lmtrain.data.datamodule import TokenDataModule
+
+    dm = TokenDataModule(str(dataset), seq_len=64, batch_size=4, num_workers=0, seed=1234)
+    dm.setup("fit")
+    x, y = next(iter(dm.train_dataloader()))
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return float(torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()))
+
+
+INIT_RUN = ["data=prepared", "data.prepare=null", "data.seq_len=64", "data.num_workers=0", "trainer.max_steps=2",
+            "trainer.val_check_interval=2", "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false", "optimizer.lr=0",
+            "scheduler.warmup_steps=0", "callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0", "logger=none"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, layout", [("opt", ["data.batch_size=4"]), ("llama", ["data.batch_size=2", "strategy=fsdp", "trainer.devices=2"])])
+def test_init_from_trains_from_the_folder_and_exports_it_back_tensor_for_tensor(tmp_path, folders, kind, layout):
+    """``lmtrain train init_from=DIR`` (OPT on one process; Llama with Llama 3's rope scaling under fsdp on 2 ranks, each
+    reading its own rows): the first step's loss is transformers' on the same batch, and after 2 steps at learning rate
+    0, ``export --format hf`` gives back every tensor the folder holds, equal (OPT's unread offset rows included)."""
+    from safetensors.torch import load_file
+
+    from lmtrain.formats import logbook
+    from lmtrain.formats import metrics as record
+    from tests.conftest import run_train_cli
+
+    folder, run = folders / kind, tmp_path / "run"
+    res = run_train_cli([f"init_from={folder}", f"data.path={folders / 'ds'}", f"run_dir={run}", *INIT_RUN, *layout], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"weights: {folder} ({'OPTForCausalLM' if kind == 'opt' else 'LlamaForCausalLM'}" in res.stderr + res.stdout
+    first = record.metric(run, "train/loss")[0]
+    assert first == pytest.approx(_first_batch_loss(folder, folders / "ds"), abs=1e-4)
+    start = next(e for e in logbook.read(run) if e["kind"] == "start")
+    digest = "sha256:" + __import__("hashlib").sha256((folder / "config.json").read_bytes()).hexdigest()
+    assert start["init_from"] == {"path": str(folder.resolve()), "architecture": start["init_from"]["architecture"], "config_sha256": digest}
+    assert json.loads((run / "init_from" / "config.json").read_text()) == json.loads((folder / "config.json").read_text())
+    from lmtrain import export
+
+    assert export.main([str(run), "--out", str(tmp_path / "back"), "--format", "hf"]) == 0
+    saved, back = load_file(folder / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(saved)
+    assert [k for k in saved if not torch.equal(back[k], saved[k])] == []
+    if kind == "llama":
+        assert json.loads((tmp_path / "back" / "config.json").read_text())["rope_parameters"] == LLAMA3_ROPE
+
+
+def _cfg(tmp_path, folder, *extra):
+    from tests.conftest import make_cfg
+
+    return make_cfg([f"init_from={folder}", *extra], tmp_path)
+
+
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        ("model=tiny", "model=tiny on the command line says otherwise (vocab_size 4096 there, 1031 in"),
+        ("model.d_model=64", "model.d_model=64 on the command line says otherwise (d_model 64 there, 32 in"),
+        ("model.dropout=0.1", None),  # a training setting: the command line's wins
+    ],
+)
+def test_init_from_takes_the_architecture_from_the_folder_and_refuses_a_command_line_that_differs(tmp_path, folders, override, said):
+    from lmtrain.training import init_from
+
+    cfg = _cfg(tmp_path, folders / "opt", override)
+    if said is None:
+        init_from.apply(cfg, [override])
+        assert cfg.model.dropout == 0.1 and cfg.model.d_model == 32 and cfg.model.activation == "relu" and cfg.model.embed_dim == 16
+        return
+    with pytest.raises(InputError, match=re.escape(said)):
+        init_from.apply(cfg, [override])
+    same = _cfg(tmp_path, folders / "opt")  # the default model (mini) replaced, said by no one: no conflict
+    init_from.apply(same, [])
+    assert same.model.name == "opt" and same.model.vocab_size == 1031
+
+
+def _copy(folder, to):
+    import shutil
+
+    shutil.copytree(folder, to)
+    return to
+
+
+def test_init_from_refuses_a_missing_partial_or_mismatched_weight_file_naming_it(tmp_path, folders):
+    from safetensors.torch import load_file, save_file
+
+    from lmtrain.nn.model import Decoder
+    from lmtrain.training import init_from
+
+    def loader(folder):
+        src = init_from.read(folder)
+        with torch.device("meta"):
+            shape = Decoder(ModelConfig(name="x", **src.fields))
+        return init_from.Loader(src, shape)
+
+    f = _copy(folders / "llama", tmp_path / "a")
+    weights = load_file(f / "model.safetensors")
+    (f / "model.safetensors").rename(f / "pytorch_model.bin")
+    with pytest.raises(InputError, match=re.escape(f"{f} has no model.safetensors or model.safetensors.index.json: lmtrain reads safetensors weights (it has pytorch_model.bin")):
+        loader(f)
+    # a sharded index whose second file is missing, then present but cut short, then lacking a tensor it places there
+    names = sorted(weights)
+    half = {k: weights[k] for k in names[: len(names) // 2]}
+    rest = {k: weights[k] for k in names[len(names) // 2 :]}
+    save_file(half, str(f / "model-00001-of-00002.safetensors"))
+    index = {"metadata": {}, "weight_map": {**{k: "model-00001-of-00002.safetensors" for k in half}, **{k: "model-00002-of-00002.safetensors" for k in rest}}}
+    (f / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(InputError, match=re.escape(f"{f / 'model-00002-of-00002.safetensors'} is missing (model.safetensors.index.json lists it)")):
+        loader(f)
+    save_file(rest, str(f / "model-00002-of-00002.safetensors"))
+    data = (f / "model-00002-of-00002.safetensors").read_bytes()
+    (f / "model-00002-of-00002.safetensors").write_bytes(data[: len(data) - 100])
+    with pytest.raises(InputError, match=re.escape(f"{f / 'model-00002-of-00002.safetensors'} is not a readable safetensors file")):
+        loader(f)
+    gone = names[-1]
+    save_file({k: v for k, v in rest.items() if k != gone}, str(f / "model-00002-of-00002.safetensors"))
+    with pytest.raises(InputError, match=re.escape(f"lacks tensor {gone}, which model.safetensors.index.json places there (a partial file)")):
+        loader(f)
+    save_file(rest, str(f / "model-00002-of-00002.safetensors"))
+    assert loader(f).weights.shapes == {k: tuple(v.shape) for k, v in weights.items()}  # whole again: read across both files
+    # a tensor of another shape, or of an integer type
+    g = _copy(folders / "llama", tmp_path / "b")
+    bad = dict(weights, **{"model.layers.0.self_attn.k_proj.weight": torch.zeros(8, 32)})
+    save_file(bad, str(g / "model.safetensors"))
+    with pytest.raises(InputError, match=re.escape("tensor model.layers.0.self_attn.k_proj.weight in") + ".*" + re.escape("has shape [8, 32]; config.json's model needs [16, 32]")):
+        loader(g)
+    save_file(dict(weights, **{"model.norm.weight": torch.ones(32, dtype=torch.int8)}), str(g / "model.safetensors"))
+    with pytest.raises(InputError, match=re.escape("tensor model.norm.weight in") + ".*" + re.escape("is I8, not floating point")):
+        loader(g)
+
+
+def test_init_from_refuses_a_dataset_of_another_tokenizer_before_writing_anything(tmp_path, folders, dataset_dir):
+    """The session's dataset (the same BPE, as tiktoken ranks) is not one prepared with the folder's tokenizer.json: one
+    line that says how to prepare it, exit 2, no run directory."""
+    from tests.conftest import run_train_cli
+
+    run = tmp_path / "run"
+    res = run_train_cli([f"init_from={folders / 'opt'}", f"data.path={dataset_dir}", f"run_dir={run}", *INIT_RUN, "data.batch_size=4"], tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines()[-1].startswith(f"error: init_from={folders / 'opt'}: the dataset {dataset_dir} was prepared with another tokenizer")
+    assert f"prepare it with `lmtrain prepare --tokenizer {folders / 'opt' / 'tokenizer.json'} ...`" in res.stderr
+    assert not run.exists()

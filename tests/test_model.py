@@ -36,6 +36,17 @@ def test_every_paper_preset_is_registered():
     assert set(PUBLISHED) <= set(available_presets())
 
 
+def test_the_opt_presets_use_opts_own_activation():
+    """OPT's released configs say ``activation_function: relu`` (every size); the presets that carry OPT's shapes train
+    with it, and export to the same transformers config."""
+    from lmtrain.formats import hf
+
+    for name in (n for n in PUBLISHED if n.startswith("opt-")):
+        cfg = preset(name)
+        assert cfg.act == "relu" and hf.config(cfg, eos=2, dtype="float32")["activation_function"] == "relu", name
+    assert preset("mini").act == "gelu" and preset("tiny").act == "gelu"  # the small models keep the family default
+
+
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_parameter_count_matches_published_within_1pct(name):
     model = meta_model(name)

@@ -102,7 +102,7 @@ def apply(cfg: DictConfig, overrides: list[str]) -> Source | None:
         except (ValueError, TypeError):
             composed = None
         theirs = _architecture(src.fields)
-        differ = [k for k in theirs if composed is None or composed[k] != theirs[k]]
+        differ = sorted((k for k in theirs if composed is None or composed[k] != theirs[k]), key=lambda k: f"model.{k}" not in keys)
         if differ:
             k = differ[0]
             said = f"{k} {composed[k]} there, {theirs[k]} in {src.path / 'config.json'}" if composed is not None else "an invalid model"
