@@ -161,6 +161,8 @@ def test_init_from_trains_from_the_folder_and_exports_it_back_tensor_for_tensor(
     res = run_train_cli([f"init_from={folder}", f"data.path={folders / 'ds'}", f"run_dir={run}", *INIT_RUN, *layout], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"weights: {folder} ({'OPTForCausalLM' if kind == 'opt' else 'LlamaForCausalLM'}" in res.stderr + res.stdout
+    share = float(re.search(r"weights read on this rank: [\d.,]+ MiB, ([\d.]+)% of the model's", res.stderr + res.stdout).group(1))
+    assert 45 < share < 55 if "strategy=fsdp" in layout else share > 95  # under fsdp: rank 0's rows only
     first = record.metric(run, "train/loss")[0]
     assert first == pytest.approx(_first_batch_loss(folder, folders / "ds"), abs=1e-4)
     start = next(e for e in logbook.read(run) if e["kind"] == "start")

@@ -373,8 +373,13 @@ class Weights:
     def rows(self, name: str) -> int:
         return self.shapes[name][0]
 
-    def nbytes(self) -> int:
-        return sum((self.folder / f).stat().st_size for f in self.handles)
+    def nbytes(self, name: str | None = None) -> int:
+        """Bytes of one tensor, or of the files (None)."""
+        if name is None:
+            return sum((self.folder / f).stat().st_size for f in self.handles)
+        import math
+
+        return math.prod(self.shapes[name]) * FLOAT_DTYPES[self.dtypes[name]].itemsize if self.dtypes[name] in FLOAT_DTYPES else 0
 
     def check(self, model_cfg, ours: dict[str, torch.Tensor]) -> dict[str, list]:
         """Every tensor against what the model needs (``ours``: its state dict, on the meta device serves): a tensor

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, open_dict
 
+from lmtrain.console import log
 from lmtrain.errors import InputError
 from lmtrain.formats import hf
 from lmtrain.formats.rundir import write_text_atomic
@@ -155,15 +156,27 @@ class Loader:
     def load_into(self, model: torch.nn.Module) -> None:
         from lmtrain.training.compat import local_rows
 
+        import time
+
+        start, read = time.perf_counter(), 0
         names = {**dict(model.named_parameters()), **{k: v for k, v in model.named_buffers() if not k.split(".")[-1].startswith("rope_")}}
         with torch.no_grad():
             for name, tensor in names.items():
                 key = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
                 if key not in self.layout:
                     raise InputError(f"init_from={self.src.path}: nothing in the weights for the model's {key}")
-                local, start, stop = local_rows(tensor)
-                if stop > start:
-                    local.copy_(hf.read_rows(self.layout[key], start, stop, self.weights).to(local.dtype))
+                local, first, last = local_rows(tensor)
+                if last > first:
+                    rows = hf.read_rows(self.layout[key], first, last, self.weights)
+                    read += rows.numel() * rows.element_size()
+                    local.copy_(rows.to(local.dtype))
+        self.read_bytes = read
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            total = sum(self.weights.nbytes(name) for name in self.weights.shapes)
+            log.info(f"weights read on this rank: {read / 2**20:,.1f} MiB, {100 * read / max(total, 1):.1f}% of the model's in {self.src.path}, "
+                     f"in {time.perf_counter() - start:.1f} s")  # fmt: skip
 
     def offset_rows(self) -> torch.Tensor | None:
         """OPT's two rows of position offset (which our model has no use for), or None."""
