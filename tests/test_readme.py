@@ -16,6 +16,8 @@ the handlers do with them:
   both launcher forms for real (4 ranks on one node, two agents meeting through c10d rendezvous).
 * ``python -m lmtrain.data.prepare``, ``lmtrain.plan``, ``lmtrain.control``, ``lmtrain.generate``, ``lmtrain.report`` and
   ``lmtrain.export``: run here, with the README's arguments, on a run named ``my-run`` trained here for 4 steps.
+* ``init_from=my-hf-model``: a tiny random OPTForCausalLM saved here by transformers, read by init_from before the
+  config is checked; tests/test_hf_import.py trains from such folders end to end.
 * ``pip install transformers==V``: the version tests/requirements.txt pins (tests/conftest.py's TEST_DEPS); ``python -c "..."``: run as written
   in the folder where the README's earlier lines left their files (the Hugging Face export of ``my-run``).
 * ``lmtrain train ARGS`` is ``python train.py ARGS`` and ``lmtrain TOOL ARGS`` is ``python -m lmtrain.TOOL ARGS``
@@ -38,6 +40,7 @@ import pytest
 import torch
 
 from lmtrain.errors import InputError
+from lmtrain.training import init_from
 from lmtrain.training.config import check_machine, validate_config
 from tests.conftest import ROOT, TEST_DEPS, TINY, make_cfg
 
@@ -128,7 +131,23 @@ def readme_world(tmp_path_factory, corpus_jsonl, dataset_dir):
     from lmtrain.formats import corrections
 
     corrections.add(root / "runs" / "my-run", {"from_step": 2, "scale": 0.5, "reason": "operator"})  # for `control ... revoke 0`
+    _hf_model(root / "my-hf-model", dataset_dir)
     return root, corpus
+
+
+def _hf_model(folder: Path, dataset_dir: Path) -> None:
+    """The README's ``my-hf-model``: a tiny random OPTForCausalLM (2,048 positions) saved by transformers, with the
+    tokenizer.json of the test dataset's BPE."""
+    import transformers
+
+    from lmtrain.formats import hf
+    from lmtrain.formats.tokenizer import EOS_TEXT, GPT2_PATTERN, load_ranks
+
+    ranks = load_ranks(dataset_dir / "tokenizer.tiktoken")
+    config = transformers.OPTConfig(vocab_size=len(ranks) + 8, hidden_size=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=4,
+                                    max_position_embeddings=2048, word_embed_proj_dim=32, activation_function="relu")  # fmt: skip
+    transformers.OPTForCausalLM(config).save_pretrained(folder)
+    (folder / "tokenizer.json").write_text(hf.tokenizer_json(ranks, GPT2_PATTERN, {EOS_TEXT: len(ranks)}))
 
 
 def _compose(args: list[str], corpus: Path, tmp_path: Path) -> list:
@@ -172,6 +191,7 @@ def test_every_readme_command_line_works(readme_world, corpus_jsonl, tmp_path, m
                 else:
                     for cfg in _compose(args, corpus, tmp_path):
                         try:
+                            init_from.apply(cfg, args)  # init_from=DIR: the folder read, its architecture the model's
                             validate_config(cfg)
                             if str(cfg.trainer.accelerator) != "gpu" or torch.cuda.is_available():
                                 check_machine(cfg)
