@@ -1,0 +1,104 @@
+"""Downstream evaluation in the training loop (callbacks/evals.py): a trained tiny model's scores, item by item, equal
+an independent computation by transformers on its Hugging Face export; bad task files are one error before training."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from lmtrain.callbacks.evals import read_task
+from lmtrain.errors import InputError
+from tests.conftest import TINY, run_train_cli
+
+
+@pytest.mark.parametrize(
+    "lines, said",
+    [
+        ([], "holds no items (an empty task)"),
+        (['{"context": "a", "choices": [" b", " c"]}'], "line 1: no field 'answer'"),
+        (['{"context": "a", "choices": [" b", " c"], "answer": 0}', '{"context": "a", "choices": [" b", " c"], "answer": 2}'],
+         "line 2: the right answer's index 2 is out of range for 2 choices"),
+        (["{not json"], "line 1: not JSON"),
+        (['{"ctx": "a", "endings": ["b", "c"], "label": "x"}'], "line 1: the right answer's index 'x' is not an integer"),
+        (['{"question": "q", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "answerKey": "C"}'],
+         "answerKey 'C' is not one of the choices' labels ['A', 'B']"),
+    ],
+)  # fmt: skip
+def test_a_bad_task_file_is_one_error_naming_file_and_line(tmp_path, lines, said):
+    path = tmp_path / "task.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    with pytest.raises(InputError, match=re.escape(said)):
+        read_task(path)
+
+
+def test_the_datasets_formats_read_as_lm_evaluation_harness_prompts_them(tmp_path):
+    path = tmp_path / "t.jsonl"
+    rows = [{"ctx": "A man sits", "endings": ["down.", "up."], "label": "1"},
+            {"question": "2+2?", "choices": {"text": ["4", "5"], "label": ["A", "B"]}, "answerKey": "A"},
+            {"goal": "open a jar", "sol1": "twist", "sol2": "kick", "label": 0},
+            {"context": "x =", "choices": [" 1", " 2"], "answer": 1}]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = [(i.context, i.choices, i.answer) for i in read_task(path)]
+    assert got == [("A man sits", [" down.", " up."], 1), ("Question: 2+2?\nAnswer:", [" 4", " 5"], 0),
+                   ("Question: open a jar\nAnswer:", [" twist", " kick"], 0), ("x =", [" 1", " 2"], 1)]  # fmt: skip
+
+
+def test_a_bad_task_file_refuses_the_run_before_anything_is_written(tmp_path, dataset_dir):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"context": "a", "choices": [" b"], "answer": 0}\n')
+    run = tmp_path / "run"
+    res = run_train_cli([*TINY, f"data.path={dataset_dir}", "data.prepare=null", f"run_dir={run}", "callbacks=[evals]",
+                         f"callbacks.evals.tasks=[{bad}]"], tmp_path)  # fmt: skip
+    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1] == (
+        f"error: {bad} line 1: an item needs at least two non-empty choices (it has 1)"
+    ), res.stderr[-2000:]
+    assert not run.exists()
+
+
+@pytest.mark.slow
+def test_the_scores_of_a_trained_model_are_transformers_scores_item_by_item(tmp_path, dataset_dir, corpus_jsonl):
+    """A tiny model trained 4 steps with the built-in task and a task file: at every evaluation (start, validations,
+    end) the logged accuracies are those of the item scores it wrote; at the end each item's choice scores equal
+    transformers' on the exported model (its own tokenizer.json), to 1e-4, and so each prediction."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lmtrain import export
+    from lmtrain.formats import metrics as record
+
+    texts = [json.loads(line)["text"] for line in corpus_jsonl.read_text(encoding="utf-8").splitlines()][:10]
+    task = tmp_path / "code.jsonl"
+    task.write_text("".join(json.dumps({"context": t[:80], "choices": [t[80:100], t[200:220], " x"], "answer": 0}) + "\n" for t in texts if len(t) > 220))
+    run = tmp_path / "run"
+    res = run_train_cli([*TINY, f"data.path={dataset_dir}", "data.prepare=null", f"run_dir={run}", "callbacks=[checkpoint,evals]",
+                         "callbacks.disk_guard.margin_gb=0", "logger=csv", f"callbacks.evals.tasks=[next-line,{{name: code, path: {task}}}]",
+                         "callbacks.evals.max_items=24", "callbacks.evals.batch_size=5"], tmp_path)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    for name in ("next-line", "code"):
+        steps = sorted(int(p.stem[5:]) for p in (run / "evals" / name).glob("step-*.jsonl"))
+        assert steps == [0, 2, 4]  # the start, each validation (every 2 steps), the end (its validation)
+        logged = dict(zip(steps, record.metric(run, f"eval/{name}/acc")))
+        for step in steps:
+            rows = [json.loads(line) for line in (run / "evals" / name / f"step-{step:07d}.jsonl").read_text().splitlines()]
+            assert logged[step] == pytest.approx(sum(r["pred"] == r["answer"] for r in rows) / len(rows))
+    assert export.main([str(run), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for name, items_file in (("next-line", run / "evals" / "next-line" / "items.jsonl"), ("code", task)):
+        items = [json.loads(line) for line in items_file.read_text().splitlines()]
+        rows = [json.loads(line) for line in (run / "evals" / name / "step-0000004.jsonl").read_text().splitlines()]
+        assert len(rows) == len(items) > 3
+        for item, row in zip(items, rows):
+            ctx = tok(item["context"])["input_ids"]
+            theirs = []
+            for choice in item["choices"]:
+                cont = tok(choice)["input_ids"]
+                ids = torch.tensor([(ctx + cont)[-129:]])
+                with torch.no_grad():
+                    logp = torch.log_softmax(model(ids[:, :-1]).logits.float(), -1)[0]
+                t = ids.shape[1] - 1
+                theirs.append(float(logp[t - len(cont) : t].gather(-1, ids[0, t - len(cont) + 1 :, None]).sum()))
+            assert row["logprobs"] == pytest.approx(theirs, abs=1e-4), (name, row["item"])
+            assert row["pred"] == max(range(len(theirs)), key=theirs.__getitem__)
