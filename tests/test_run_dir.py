@@ -291,6 +291,7 @@ SOAK_EVENTS = 16  # 4 of each kind with seed 41 (asserted below)
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.timeout(1500)  # about 570 s on 2 idle cores: over pytest's 600 s on a busy machine; the soak's own limit
 def test_chaos_soak_a_two_rank_run_survives_kills_sigterms_second_launches_and_a_full_disk(tmp_path, dataset_dir):
     """A 2-rank ddp run on a 64 MB tmpfs of its own (``unshare -rm``), launched again and again by tests/soak.py, each
     launch hit at a random moment (seeded) by a kill -9 of the whole launch, a SIGTERM, a second launch or a disk filled
