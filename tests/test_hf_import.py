@@ -274,3 +274,18 @@ def test_init_from_refuses_a_dataset_of_another_tokenizer_before_writing_anythin
     assert res.stderr.strip().splitlines()[-1].startswith(f"error: init_from={folders / 'opt'}: the dataset {dataset_dir} was prepared with another tokenizer")
     assert f"prepare it with `lmtrain prepare --tokenizer {folders / 'opt' / 'tokenizer.json'} ...`" in res.stderr
     assert not run.exists()
+
+
+def test_a_checkpoint_saved_before_rope_scaling_existed_still_resumes():
+    """model.rope_scaling came with init_from: a checkpoint's model config without it is the default (None), not a
+    different model; a checkpoint with another value is refused, naming it."""
+    import dataclasses
+
+    from lmtrain.formats.checkpoint import CheckpointError, check_compatible
+
+    now = {"model_config": dataclasses.asdict(ModelConfig(family="llama", name="x")), "params": {}, "optimizer": "adamw"}
+    old = {**now, "model_config": {k: v for k, v in now["model_config"].items() if k != "rope_scaling"}}
+    check_compatible(old, now, "checkpoint step-1")
+    other = {**now, "model_config": {**now["model_config"], "rope_scaling": {"rope_type": "llama3"}}}
+    with pytest.raises(CheckpointError, match=re.escape("model.rope_scaling: checkpoint {'rope_type': 'llama3'}, this run None")):
+        check_compatible(other, now, "checkpoint step-1")
