@@ -11,6 +11,11 @@ of forward passes, as sharded forwards need) and the scores are summed over rank
 
 Tasks (``callbacks.evals.tasks``):
 
+* ``line-order``, built in (the default): which of four orders of the next line's words is the line as written, after
+  up to three lines of a document of the run's own validation split (held out from training); the others are its
+  words shuffled, so every choice has the same characters. Small models get it early: on the embedded corpus the
+  quickstart's ``mini`` is near 0.9 after its 250 steps (chance 0.25). Its items go to
+  ``RUN_DIR/evals/line-order/items.jsonl``.
 * ``next-line``, built in: which of four lines really comes next, after up to six lines of a document of the run's own
   validation split (held out from training; the other three: lines of other documents). On the embedded corpus,
   which of four lines continues a standard-library module. Its items go to ``RUN_DIR/evals/next-line/items.jsonl``.
@@ -35,7 +40,7 @@ import torch
 from lmtrain.console import log
 from lmtrain.errors import InputError
 
-BUILTIN = ("next-line",)
+BUILTIN = ("line-order", "next-line")
 
 
 @dataclass
@@ -141,6 +146,31 @@ def next_line_items(texts: list[str], count: int = 200, seed: int = 0, context_l
     return items
 
 
+def line_order_items(texts: list[str], count: int = 100, seed: int = 0, context_lines: int = 3) -> list[Item]:
+    """The built-in task ``line-order`` from documents ``texts``: after up to ``context_lines`` lines of a document,
+    which of four orders of the next line's words is the line as written (the other three: its words shuffled, its
+    indentation kept; lines of fewer than four distinct words are not asked). Every choice has the same characters, so
+    length plays no part: a model that has learned which words follow which is right well above chance early."""
+    docs = [t.split("\n") for t in texts if t]
+    places = [(d, i) for d, lines in enumerate(docs) for i in range(1, len(lines)) if len(set(lines[i].split())) >= 4]
+    rng = random.Random(seed)
+    items = []
+    for d, i in rng.sample(places, min(count, len(places))):
+        right = docs[d][i]
+        indent, words = right[: len(right) - len(right.lstrip())], right.split()
+        wrong: list[str] = []
+        while len(wrong) < 3:
+            order = words[:]
+            rng.shuffle(order)
+            line = indent + " ".join(order)
+            if order != words and line not in wrong:
+                wrong.append(line)
+        answer = rng.randrange(4)
+        choices = ["\n" + c for c in wrong[:answer] + [right] + wrong[answer:]]
+        items.append(Item("\n".join(docs[d][max(0, i - context_lines) : i]), choices, answer))
+    return items
+
+
 def split_documents(dataset, enc, separator: int, max_tokens: int = 2_000_000) -> list[str]:
     """The documents of a split (a ``PackedBlocks``), decoded: its first ``max_tokens`` tokens cut at the separator."""
     n = min(dataset.num_tokens, max_tokens)
@@ -156,12 +186,12 @@ def split_documents(dataset, enc, separator: int, max_tokens: int = 2_000_000) -
 class DownstreamEvals(L.Callback):
     """Args:
     run_dir: the run directory (where each evaluation's item scores go).
-    tasks: built-in task names (``next-line``), JSONL paths, or ``{name: N, path: FILE}``.
+    tasks: built-in task names (``line-order``, ``next-line``), JSONL paths, or ``{name: N, path: FILE}``.
     max_items: items per task at most (the first ones; None: all).
     batch_size: sequences per forward pass.
     """
 
-    def __init__(self, run_dir: str, tasks: list | None = None, max_items: int | None = 200, batch_size: int = 16) -> None:
+    def __init__(self, run_dir: str, tasks: list | None = None, max_items: int | None = 100, batch_size: int = 16) -> None:
         self.run_dir = Path(run_dir)
         if max_items is not None and (not isinstance(max_items, int) or max_items < 1):
             raise InputError(f"callbacks.evals.max_items={max_items!r} must be a positive integer or null")
@@ -215,7 +245,8 @@ class DownstreamEvals(L.Callback):
 
         split = "val" if dm.val_set is not None and len(dm.val_set) else "train"
         docs = split_documents(PackedBlocks(dm.path, split, dm.seq_len), self._enc, self._eos)
-        items = next_line_items(docs, count=self.max_items or 200)
+        build = line_order_items if name == "line-order" else next_line_items
+        items = build(docs, count=self.max_items or 200)
         if not items:
             raise InputError(f"callbacks.evals: the built-in task {name} found too few lines in {dm.path}'s {split} split")
         if trainer.is_global_zero:

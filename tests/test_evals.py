@@ -14,6 +14,23 @@ from lmtrain.errors import InputError
 from tests.conftest import TINY, run_train_cli
 
 
+def plain_scores(model, enc, items: list[dict], limit: int) -> list[list[float]]:
+    """Each choice's summed log-likelihood after its context, one sequence at a time, in plain PyTorch: what
+    callbacks/evals.py's batched, rank-split scoring must give."""
+    out = []
+    with torch.no_grad():
+        for item in items:
+            ctx, scores = enc.encode_ordinary(item["context"]), []
+            for choice in item["choices"]:
+                cont = enc.encode_ordinary(choice)
+                ids = torch.tensor((ctx + cont)[-(limit + 1) :])
+                logp = torch.log_softmax(model(ids[None, :-1]).float(), -1)[0]
+                t = len(ids) - 1
+                scores.append(float(logp[t - len(cont) : t].gather(-1, ids[t - len(cont) + 1 :, None]).sum()))
+            out.append(scores)
+    return out
+
+
 @pytest.mark.parametrize(
     "lines, said",
     [
@@ -83,6 +100,11 @@ def test_the_scores_of_a_trained_model_are_transformers_scores_item_by_item(tmp_
         for step in steps:
             rows = [json.loads(line) for line in (run / "evals" / name / f"step-{step:07d}.jsonl").read_text().splitlines()]
             assert logged[step] == pytest.approx(sum(r["pred"] == r["answer"] for r in rows) / len(rows))
+    from lmtrain import report
+    from tests.test_report import read_png
+
+    assert report.main([str(run)]) == 0  # `lmtrain report`: the accuracies over the run, one curve each
+    assert read_png(run / "plots" / "evals.png")[2] == {**{f"eval/{t}/{k}": 3 for t in ("code", "next-line") for k in ("acc", "acc_norm")}, "markers": 0}
     assert export.main([str(run), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")

@@ -61,7 +61,9 @@ def test_a_sharded_run_resumes_exactly_and_its_checkpoint_serves_the_tools(tmp_p
     ref = _run(tmp_path, dataset_dir, "ref", *drop)
     assert "FSDP2Strategy: fully_shard per block on mesh (2,) ('data_parallel',)" in ref.stderr
     step3 = tmp_path / "runs" / "ref" / "checkpoints" / "step-0000003"
-    rest = _run(tmp_path, dataset_dir, "cut", *drop, f"ckpt_path={step3}")  # the uninterrupted run, continued from step 3
+    evals = [a if a != "callbacks=checkpoint" else "callbacks=[checkpoint,evals]" for a in BASE]  # and the item scores split over ranks
+    rest = _run(tmp_path, dataset_dir, "cut", *drop, f"ckpt_path={step3}", "callbacks.evals.max_items=11", "callbacks.evals.batch_size=5",
+                base=evals)  # the uninterrupted run, continued from step 3  # fmt: skip
     assert "resuming from" in rest.stderr and "step-0000003" in rest.stderr
     ref_losses = _losses(tmp_path / "runs" / "ref")
     assert _losses(tmp_path / "runs" / "cut") == {s: v for s, v in ref_losses.items() if s >= 3}
@@ -88,6 +90,17 @@ def test_a_sharded_run_resumes_exactly_and_its_checkpoint_serves_the_tools(tmp_p
     ref, _, _, _ = load_run(tmp_path / "runs" / "cut")
     ids = torch.tensor([enc.encode_ordinary("import os")])
     assert torch.equal(exported(ids), ref(ids))
+    # the downstream scores of step 8, split over the 2 ranks (uneven: 44 sequences in batches of 5), are one process's
+    import json
+
+    from tests.test_evals import plain_scores
+
+    tasks = tmp_path / "runs" / "cut" / "evals" / "line-order"
+    items = [json.loads(line) for line in (tasks / "items.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tasks / "step-0000008.jsonl").read_text().splitlines()]
+    assert len(items) == len(rows) == 11
+    for row, want in zip(rows, plain_scores(ref, enc, items, ref.cfg.max_seq_len)):
+        assert row["logprobs"] == pytest.approx(want, abs=1e-4)
     # rank 1's shard damaged in place (its size kept): the two ranks resuming it each check half the files' CRC-32s
     # once their process group is up, agree, and stop (exit 2) naming the file, the checkpoint moved aside
     damage_in_place(last.path / "__1_0.distcp")

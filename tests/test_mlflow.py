@@ -66,6 +66,11 @@ def test_metrics_params_and_config_reach_the_server(mlflow_server, tiny_cfg, tmp
     assert [m.step for m in losses] == [0, 1, 2, 3, 4]
     for key in ("train/lr", "train/grad_norm", "perf/tokens_per_sec", "perf/mfu", "val/loss", "val/ppl"):
         assert client.get_metric_history(run.info.run_id, key), key
+    # the default downstream task at the start, each validation and the end: the values of the run's own record
+    from lmtrain.formats.metrics import metric
+
+    acc = client.get_metric_history(run.info.run_id, "eval/line-order/acc")
+    assert [m.step for m in acc] == [0, 2, 4, 5] and [m.value for m in acc] == metric(cfg.run_dir, "eval/line-order/acc")
     (goodput,) = client.get_metric_history(run.info.run_id, "goodput/fraction")  # once, at the last step
     assert goodput.step == 5 and 0 < goodput.value < 1 and run.data.metrics["goodput/wall_s"] > 0
     assert run.data.params["model/d_model"] == "64"
@@ -78,7 +83,7 @@ def test_metrics_params_and_config_reach_the_server(mlflow_server, tiny_cfg, tmp
     mirrored = Path(client.download_artifacts(run.info.run_id, "logbook.jsonl", tmp_path)).read_text().splitlines()
     assert mirrored == (Path(cfg.run_dir) / "logbook.jsonl").read_text().splitlines() and '"kind": "end"' in mirrored[-1]
     # the end-of-training plots and the validation-time samples are artifacts of the run
-    assert sorted(a.path for a in client.list_artifacts(run.info.run_id, "plots")) == ["plots/loss.png", "plots/lr.png"]
+    assert sorted(a.path for a in client.list_artifacts(run.info.run_id, "plots")) == ["plots/evals.png", "plots/loss.png", "plots/lr.png"]
     assert [a.path for a in client.list_artifacts(run.info.run_id, "samples")] == ["samples/step-0000002.txt", "samples/step-0000004.txt"]
     assert "--- prompt: 'def main('" in Path(client.download_artifacts(run.info.run_id, "samples/step-0000004.txt", tmp_path)).read_text()
     # on demand, from the MLflow run (this run has no CSV log)

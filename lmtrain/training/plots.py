@@ -14,6 +14,7 @@ from lmtrain.formats.rundir import config_path
 
 SERIES = ("train/loss", "val/loss", "train/lr", "train/loss_scale", "train/skipped_steps")  # the last two: fp16 runs
 PER_SET = "val/loss/"  # and each validation set's own loss (a mixture's sources, extra held-out sets): val/loss/<name>
+EVAL = "eval/"  # downstream accuracies (callbacks/evals.py): eval/<task>/acc and eval/<task>/acc_norm
 
 
 def from_record(run_dir: Path) -> dict[str, dict[int, float]] | None:
@@ -24,7 +25,7 @@ def from_record(run_dir: Path) -> dict[str, dict[int, float]] | None:
     if not (run_dir / RECORD).is_file() and not (run_dir / "csv" / "metrics.csv").is_file():
         return None
     rows = by_step(run_dir)  # a later row for the same step wins
-    keys = [*SERIES, *sorted({k for row in rows.values() for k in row if k.startswith(PER_SET)})]
+    keys = [*SERIES, *sorted({k for row in rows.values() for k in row if k.startswith((PER_SET, EVAL))})]
     return {key: {step: float(row[key]) for step, row in rows.items() if key in row} for key in keys}
 
 
@@ -50,7 +51,7 @@ def from_mlflow(
             return None
         run_id = runs[0].info.run_id
     out: dict[str, dict[int, float]] = {}
-    for key in [*SERIES, *sorted(k for k in client.get_run(run_id).data.metrics if k.startswith(PER_SET))]:
+    for key in [*SERIES, *sorted(k for k in client.get_run(run_id).data.metrics if k.startswith((PER_SET, EVAL)))]:
         history = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.timestamp, m.step))
         out[key] = {m.step: m.value for m in history}
     return out
@@ -132,6 +133,22 @@ def write_plots(run_dir: Path, metrics: dict[str, dict[int, float]]) -> list[Pat
     _mark(ax, events)
     _save(fig, ax, out / "lr.png", {"train/lr": len(lr), "markers": len(events)})
     written.append(out / "lr.png")
+
+    evals = sorted(k for k in metrics if k.startswith(EVAL) and metrics[k])
+    if evals:  # downstream tasks (callbacks/evals.py): one colour a task, acc solid and acc_norm dashed
+        fig, ax = _figure(f"downstream accuracy: {Path(run_dir).name}")
+        colours = {}
+        for key in evals:
+            task = key[len(EVAL) :].rsplit("/", 1)[0]
+            colour = colours.setdefault(task, f"C{len(colours) % 10}")
+            points = sorted(metrics[key].items())
+            style = "--" if key.endswith("/acc_norm") else "-"
+            ax.plot([s for s, _ in points], [v for _, v in points], color=colour, linestyle=style, marker="o", linewidth=1.5, label=key)
+        ax.set_ylabel("accuracy")
+        ax.set_ylim(0, 1)
+        _mark(ax, events)
+        _save(fig, ax, out / "evals.png", {**{k: len(metrics[k]) for k in evals}, "markers": len(events)})
+        written.append(out / "evals.png")
 
     scale, skipped = (sorted(metrics.get(k, {}).items()) for k in ("train/loss_scale", "train/skipped_steps"))
     if scale:  # fp16: the gradient scaler's story (OPT's logbook: a collapsing scale came before divergence)
