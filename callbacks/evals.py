@@ -64,7 +64,7 @@ def _from_row(row: dict, where: str) -> Item:
     elif "answerKey" in row or "question" in row:  # ARC
         choices = need("choices")
         if not isinstance(choices, dict) or "text" not in choices or "label" not in choices:
-            raise InputError(f"{where}: ARC's 'choices' is {{\"text\": [...], \"label\": [...]}}")
+            raise InputError(f'{where}: ARC\'s \'choices\' is {{"text": [...], "label": [...]}}')
         labels = [str(x) for x in choices["label"]]
         key = str(need("answerKey"))
         if key not in labels:
@@ -139,11 +139,15 @@ def next_line_items(texts: list[str], count: int = 200, seed: int = 0, context_l
             line = docs[od][oi]
             if od != d and line != right and line not in wrong:
                 wrong.append(line)
-        answer = rng.randrange(4)
-        # the line break starts each choice, as the text is tokenized in training ("\n" and the indentation together)
-        choices = ["\n" + c for c in wrong[:answer] + [right] + wrong[answer:]]
-        items.append(Item("\n".join(docs[d][max(0, i - context_lines) : i]), choices, answer))
+        items.append(_line_item(docs[d][max(0, i - context_lines) : i], right, wrong, rng))
     return items
+
+
+def _line_item(context: list[str], right: str, wrong: list[str], rng: random.Random) -> Item:
+    """An item of a built-in task: the context's lines, the right line put at a random place among the wrong ones. The
+    line break starts each choice, as the text is tokenized in training ("\n" and the indentation together)."""
+    answer = rng.randrange(len(wrong) + 1)
+    return Item("\n".join(context), ["\n" + c for c in wrong[:answer] + [right] + wrong[answer:]], answer)
 
 
 def line_order_items(texts: list[str], count: int = 100, seed: int = 0, context_lines: int = 3) -> list[Item]:
@@ -165,22 +169,19 @@ def line_order_items(texts: list[str], count: int = 100, seed: int = 0, context_
             line = indent + " ".join(order)
             if order != words and line not in wrong:
                 wrong.append(line)
-        answer = rng.randrange(4)
-        choices = ["\n" + c for c in wrong[:answer] + [right] + wrong[answer:]]
-        items.append(Item("\n".join(docs[d][max(0, i - context_lines) : i]), choices, answer))
+        items.append(_line_item(docs[d][max(0, i - context_lines) : i], right, wrong, rng))
     return items
 
 
 def split_documents(dataset, enc, separator: int, max_tokens: int = 2_000_000) -> list[str]:
     """The documents of a split (a ``PackedBlocks``), decoded: its first ``max_tokens`` tokens cut at the separator."""
+    import numpy as np
+
     n = min(dataset.num_tokens, max_tokens)
-    ids = dataset._read(0, n).tolist() if n else []
-    docs, start = [], 0
-    for k, t in enumerate(ids):
-        if t == separator:
-            docs.append(enc.decode(ids[start:k]))
-            start = k + 1
-    return docs
+    ids = dataset._read(0, n) if n else np.zeros(0, dtype=np.int64)
+    ends = np.flatnonzero(ids == separator)
+    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+    return [enc.decode(ids[a:b].tolist()) for a, b in zip(starts, ends)]
 
 
 class DownstreamEvals(L.Callback):
@@ -207,11 +208,14 @@ class DownstreamEvals(L.Callback):
                 name = str(path.stem if isinstance(entry, str) else entry.get("name") or path.stem)
                 items = read_task(path)  # checked now: before the run writes anything
             else:
-                raise InputError(f"callbacks.evals.tasks: {entry!r} is neither a built-in task {list(BUILTIN)}, a JSONL path, nor {{name, path}}")
+                raise InputError(
+                    f"callbacks.evals.tasks: {entry!r} is neither a built-in task {list(BUILTIN)}, a JSONL path, nor {{name, path}}"
+                )
             if name in self.tasks or not name or "/" in name:
                 raise InputError(f"callbacks.evals.tasks: task name {name!r} is empty, has a '/', or is used twice")
             self.tasks[name] = items[: self.max_items] if items is not None else None
         self._enc = None
+        self._requests: dict[str, list] = {}  # task -> its tokenized (item, choice, ids, choice tokens), made once
         self._last_step = -1
         self.results: dict[str, dict[str, float]] = {}  # the last evaluation's accuracies, per task
 
@@ -263,24 +267,32 @@ class DownstreamEvals(L.Callback):
         step = trainer.global_step
         try:
             for name, items in self.tasks.items():
-                scores = self.score(trainer, model, items)
+                scores = self.score(trainer, model, items, name)
                 self.results[name] = self._record(trainer, name, items, scores, step)
         finally:
             model.train(was_training)
         self._last_step = step
         return self.results
 
-    def score(self, trainer, model, items: list[Item]) -> torch.Tensor:
+    def _tokenized(self, model, items: list[Item], name: str) -> list:
+        """A task's (item, choice, ids, number of choice tokens), the context and choice cut to the model's length;
+        tokenized at the task's first evaluation, kept for the others."""
+        if name not in self._requests:
+            limit = int(getattr(getattr(model, "cfg", None), "max_seq_len", 0) or 1 << 30)
+            requests = []
+            for i, item in enumerate(items):
+                ctx = self._enc.encode_ordinary(item.context)
+                for j, choice in enumerate(item.choices):
+                    cont = self._enc.encode_ordinary(choice)[:limit]
+                    requests.append((i, j, (ctx + cont)[-(limit + 1) :], len(cont)))
+            self._requests[name] = requests
+        return self._requests[name]
+
+    def score(self, trainer, model, items: list[Item], name: str) -> torch.Tensor:
         """(items, most choices) summed log-likelihoods of each choice (0 past an item's own choices), every rank's
         share summed over ranks."""
         rank, world = trainer.global_rank, trainer.world_size
-        limit = int(getattr(getattr(model, "cfg", None), "max_seq_len", 0) or 1 << 30)
-        requests = []  # (item, choice, ids, number of choice tokens)
-        for i, item in enumerate(items):
-            ctx = self._enc.encode_ordinary(item.context)
-            for j, choice in enumerate(item.choices):
-                cont = self._enc.encode_ordinary(choice)[:limit]
-                requests.append((i, j, (ctx + cont)[-(limit + 1) :], len(cont)))
+        requests = self._tokenized(model, items, name)
         width = max(len(r[2]) for r in requests) - 1
         mine = requests[rank::world]
         per_rank = -(-len(requests) // world)

@@ -87,7 +87,11 @@ def test_the_scores_of_a_trained_model_are_transformers_scores_item_by_item(tmp_
 
     texts = [json.loads(line)["text"] for line in corpus_jsonl.read_text(encoding="utf-8").splitlines()][:10]
     task = tmp_path / "code.jsonl"
-    task.write_text("".join(json.dumps({"context": t[:80], "choices": [t[80:100], t[200:220], " x"], "answer": 0}) + "\n" for t in texts if len(t) > 220))
+    task.write_text(
+        "".join(
+            json.dumps({"context": t[:80], "choices": [t[80:100], t[200:220], " x"], "answer": 0}) + "\n" for t in texts if len(t) > 220
+        )
+    )
     run = tmp_path / "run"
     res = run_train_cli([*TINY, f"data.path={dataset_dir}", "data.prepare=null", f"run_dir={run}", "callbacks=[checkpoint,evals]",
                          "callbacks.disk_guard.margin_gb=0", "logger=csv", f"callbacks.evals.tasks=[next-line,{{name: code, path: {task}}}]",
@@ -104,7 +108,10 @@ def test_the_scores_of_a_trained_model_are_transformers_scores_item_by_item(tmp_
     from tests.test_report import read_png
 
     assert report.main([str(run)]) == 0  # `lmtrain report`: the accuracies over the run, one curve each
-    assert read_png(run / "plots" / "evals.png")[2] == {**{f"eval/{t}/{k}": 3 for t in ("code", "next-line") for k in ("acc", "acc_norm")}, "markers": 0}
+    assert read_png(run / "plots" / "evals.png")[2] == {
+        **{f"eval/{t}/{k}": 3 for t in ("code", "next-line") for k in ("acc", "acc_norm")},
+        "markers": 0,
+    }
     assert export.main([str(run), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")

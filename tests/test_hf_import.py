@@ -16,7 +16,6 @@ from lmtrain.errors import InputError
 from lmtrain.formats import hf
 from lmtrain.nn.model import Decoder, ModelConfig
 
-
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}  # fmt: skip
 
@@ -146,7 +145,9 @@ INIT_RUN = ["data=prepared", "data.prepare=null", "data.seq_len=64", "data.num_w
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, layout", [("opt", ["data.batch_size=4"]), ("llama", ["data.batch_size=2", "strategy=fsdp", "trainer.devices=2"])])
+@pytest.mark.parametrize(
+    "kind, layout", [("opt", ["data.batch_size=4"]), ("llama", ["data.batch_size=2", "strategy=fsdp", "trainer.devices=2"])]
+)
 def test_init_from_trains_from_the_folder_and_exports_it_back_tensor_for_tensor(tmp_path, folders, kind, layout):
     """``lmtrain train init_from=DIR`` (OPT on one process; Llama with Llama 3's rope scaling under fsdp on 2 ranks, each
     reading its own rows): the first step's loss is transformers' on the same batch, and after 2 steps at learning rate
@@ -167,7 +168,11 @@ def test_init_from_trains_from_the_folder_and_exports_it_back_tensor_for_tensor(
     assert first == pytest.approx(_first_batch_loss(folder, folders / "ds"), abs=1e-4)
     start = next(e for e in logbook.read(run) if e["kind"] == "start")
     digest = "sha256:" + __import__("hashlib").sha256((folder / "config.json").read_bytes()).hexdigest()
-    assert start["init_from"] == {"path": str(folder.resolve()), "architecture": start["init_from"]["architecture"], "config_sha256": digest}
+    assert start["init_from"] == {
+        "path": str(folder.resolve()),
+        "architecture": start["init_from"]["architecture"],
+        "config_sha256": digest,
+    }
     assert json.loads((run / "init_from" / "config.json").read_text()) == json.loads((folder / "config.json").read_text())
     from lmtrain import export
 
@@ -230,16 +235,26 @@ def test_init_from_refuses_a_missing_partial_or_mismatched_weight_file_naming_it
     f = _copy(folders / "llama", tmp_path / "a")
     weights = load_file(f / "model.safetensors")
     (f / "model.safetensors").rename(f / "pytorch_model.bin")
-    with pytest.raises(InputError, match=re.escape(f"{f} has no model.safetensors or model.safetensors.index.json: lmtrain reads safetensors weights (it has pytorch_model.bin")):
+    with pytest.raises(
+        InputError,
+        match=re.escape(
+            f"{f} has no model.safetensors or model.safetensors.index.json: lmtrain reads safetensors weights (it has pytorch_model.bin"
+        ),
+    ):
         loader(f)
     # a sharded index whose second file is missing, then present but cut short, then lacking a tensor it places there
     names = sorted(weights)
     half = {k: weights[k] for k in names[: len(names) // 2]}
     rest = {k: weights[k] for k in names[len(names) // 2 :]}
     save_file(half, str(f / "model-00001-of-00002.safetensors"))
-    index = {"metadata": {}, "weight_map": {**{k: "model-00001-of-00002.safetensors" for k in half}, **{k: "model-00002-of-00002.safetensors" for k in rest}}}
+    index = {
+        "metadata": {},
+        "weight_map": {**{k: "model-00001-of-00002.safetensors" for k in half}, **{k: "model-00002-of-00002.safetensors" for k in rest}},
+    }
     (f / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(InputError, match=re.escape(f"{f / 'model-00002-of-00002.safetensors'} is missing (model.safetensors.index.json lists it)")):
+    with pytest.raises(
+        InputError, match=re.escape(f"{f / 'model-00002-of-00002.safetensors'} is missing (model.safetensors.index.json lists it)")
+    ):
         loader(f)
     save_file(rest, str(f / "model-00002-of-00002.safetensors"))
     data = (f / "model-00002-of-00002.safetensors").read_bytes()
@@ -248,7 +263,9 @@ def test_init_from_refuses_a_missing_partial_or_mismatched_weight_file_naming_it
         loader(f)
     gone = names[-1]
     save_file({k: v for k, v in rest.items() if k != gone}, str(f / "model-00002-of-00002.safetensors"))
-    with pytest.raises(InputError, match=re.escape(f"lacks tensor {gone}, which model.safetensors.index.json places there (a partial file)")):
+    with pytest.raises(
+        InputError, match=re.escape(f"lacks tensor {gone}, which model.safetensors.index.json places there (a partial file)")
+    ):
         loader(f)
     save_file(rest, str(f / "model-00002-of-00002.safetensors"))
     assert loader(f).weights.shapes == {k: tuple(v.shape) for k, v in weights.items()}  # whole again: read across both files
@@ -256,7 +273,12 @@ def test_init_from_refuses_a_missing_partial_or_mismatched_weight_file_naming_it
     g = _copy(folders / "llama", tmp_path / "b")
     bad = dict(weights, **{"model.layers.0.self_attn.k_proj.weight": torch.zeros(8, 32)})
     save_file(bad, str(g / "model.safetensors"))
-    with pytest.raises(InputError, match=re.escape("tensor model.layers.0.self_attn.k_proj.weight in") + ".*" + re.escape("has shape [8, 32]; config.json's model needs [16, 32]")):
+    with pytest.raises(
+        InputError,
+        match=re.escape("tensor model.layers.0.self_attn.k_proj.weight in")
+        + ".*"
+        + re.escape("has shape [8, 32]; config.json's model needs [16, 32]"),
+    ):
         loader(g)
     save_file(dict(weights, **{"model.norm.weight": torch.ones(32, dtype=torch.int8)}), str(g / "model.safetensors"))
     with pytest.raises(InputError, match=re.escape("tensor model.norm.weight in") + ".*" + re.escape("is I8, not floating point")):
@@ -269,9 +291,15 @@ def test_init_from_refuses_a_dataset_of_another_tokenizer_before_writing_anythin
     from tests.conftest import run_train_cli
 
     run = tmp_path / "run"
-    res = run_train_cli([f"init_from={folders / 'opt'}", f"data.path={dataset_dir}", f"run_dir={run}", *INIT_RUN, "data.batch_size=4"], tmp_path)
+    res = run_train_cli(
+        [f"init_from={folders / 'opt'}", f"data.path={dataset_dir}", f"run_dir={run}", *INIT_RUN, "data.batch_size=4"], tmp_path
+    )
     assert res.returncode == 2, res.stderr[-2000:]
-    assert res.stderr.strip().splitlines()[-1].startswith(f"error: init_from={folders / 'opt'}: the dataset {dataset_dir} was prepared with another tokenizer")
+    assert (
+        res.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"error: init_from={folders / 'opt'}: the dataset {dataset_dir} was prepared with another tokenizer")
+    )
     assert f"prepare it with `lmtrain prepare --tokenizer {folders / 'opt' / 'tokenizer.json'} ...`" in res.stderr
     assert not run.exists()
 

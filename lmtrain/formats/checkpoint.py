@@ -386,15 +386,18 @@ def param_shapes(module) -> dict[str, list[int]]:
     return {k: list(v.shape) for k, v in module.state_dict().items()}
 
 
+# model fields lmtrain added after checkpoints existed, with their defaults: an older checkpoint's config lacks them
+ADDED_MODEL_FIELDS = {"rope_scaling": None}
+
+
 def check_compatible(saved: dict, current: dict, what: str) -> None:
     """Refuse a checkpoint whose model differs: config fields, then parameter names and shapes, both ways."""
     problems = []
     s_cfg, c_cfg = saved.get("model_config") or {}, current.get("model_config") or {}
-    added = _model_defaults()  # a field lmtrain added since a checkpoint was saved: the default it then had no word for
     for k in sorted(set(s_cfg) | set(c_cfg)) if s_cfg and c_cfg else ():
         if k in RESUMABLE_MODEL_CHANGES:
             continue
-        was, now = s_cfg.get(k, added.get(k, "<absent>")), c_cfg.get(k, added.get(k, "<absent>"))
+        was, now = s_cfg.get(k, ADDED_MODEL_FIELDS.get(k, "<absent>")), c_cfg.get(k, ADDED_MODEL_FIELDS.get(k, "<absent>"))
         if was != now:
             problems.append(f"model.{k}: checkpoint {was!r}, this run {now!r}")
     s_p, c_p = saved.get("params") or {}, current.get("params") or {}
@@ -412,11 +415,6 @@ def check_compatible(saved: dict, current: dict, what: str) -> None:
         problems.append(f"optimizer: checkpoint {s_opt}, this run {c_opt}")
     if problems:
         raise CheckpointError(f"{what} was saved by a different model or config:\n  - " + "\n  - ".join(problems))
-
-
-def _model_defaults() -> dict:
-    """The defaults of the model fields lmtrain added after checkpoints existed (an older checkpoint lacks them)."""
-    return {"rope_scaling": None}
 
 
 def _few(items: list[str], n: int = 5) -> str:

@@ -80,7 +80,9 @@ def state_dict(state: dict[str, torch.Tensor], model_cfg, offset_rows: torch.Ten
     out = {f"{root}embed_tokens.weight": state["tok_emb.weight"]}
     if opt:
         pos = state["pos_emb.weight"]
-        out[f"{root}embed_positions.weight"] = torch.cat([pos.new_zeros(2, pos.shape[1]) if offset_rows is None else offset_rows.to(pos), pos])  # OPT's offset
+        out[f"{root}embed_positions.weight"] = torch.cat(
+            [pos.new_zeros(2, pos.shape[1]) if offset_rows is None else offset_rows.to(pos), pos]
+        )  # OPT's offset
         for ours, theirs in (("proj_in", "project_in"), ("proj_out", "project_out")):
             if f"{ours}.weight" in state:
                 out[f"{root}{theirs}.weight"] = state[f"{ours}.weight"]
@@ -173,7 +175,9 @@ def model_fields(cfg: dict, where: str = "config.json") -> dict:
     def need(key: str, want, default=None) -> None:
         got = cfg.get(key, default)
         if got != want:
-            raise InputError(f"{where}: {key}={json.dumps(got)} is not something lmtrain's decoder can express (it needs {json.dumps(want)})")
+            raise InputError(
+                f"{where}: {key}={json.dumps(got)} is not something lmtrain's decoder can express (it needs {json.dumps(want)})"
+            )
 
     kind = cfg.get("model_type")
     common = {
@@ -215,11 +219,13 @@ def model_fields(cfg: dict, where: str = "config.json") -> dict:
                   "original_max_seq_len": "original_max_position_embeddings"}  # fmt: skip
         lacking = [t for t in theirs.values() if t not in rope]
         if lacking:
-            raise InputError(f"{where}: rope_type=\"llama3\" without {', '.join(lacking)}")
+            raise InputError(f'{where}: rope_type="llama3" without {", ".join(lacking)}')
         scaling = {"rope_type": "llama3", **{ours: rope[t] for ours, t in theirs.items()}}
     head_dim = cfg.get("head_dim") or common["d_model"] // common["n_heads"]
     if head_dim * common["n_heads"] != common["d_model"]:
-        raise InputError(f"{where}: head_dim={head_dim} with num_attention_heads={common['n_heads']} is not hidden_size={common['d_model']}")
+        raise InputError(
+            f"{where}: head_dim={head_dim} with num_attention_heads={common['n_heads']} is not hidden_size={common['d_model']}"
+        )
     kv = cfg.get("num_key_value_heads") or common["n_heads"]
     return {
         **common, "family": "llama", "ffn_dim": cfg.get("intermediate_size"), "n_kv_heads": kv if kv != common["n_heads"] else None,
@@ -230,9 +236,9 @@ def model_fields(cfg: dict, where: str = "config.json") -> dict:
     }  # fmt: skip
 
 
-def our_layout(names, model_cfg) -> dict[str, list[tuple[str, int, int | None]]]:
+def our_layout(names, model_cfg) -> dict[str, list[tuple[str, int]]]:
     """Where each of our tensors lies in ``transformers``' (the inverse of :func:`state_dict`), without reading any:
-    ``{ours: [(theirs, first row, end row or None), ...]}``, the row ranges concatenated (the separate projections
+    ``{ours: [(theirs, first row), ...]}``, each from that row to its end, concatenated (the separate projections
     fused; OPT's two position rows of offset left out; a tied head is the embedding). ``names``: their tensor names.
     A tensor missing is refused in one line naming it (InputError); one left over, too."""
     c = model_cfg
@@ -240,11 +246,11 @@ def our_layout(names, model_cfg) -> dict[str, list[tuple[str, int, int | None]]]
     root = "model.decoder." if opt else "model."
     left = set(names)
 
-    def take(name: str, start: int = 0) -> tuple[str, int, int | None]:
+    def take(name: str, start: int = 0) -> tuple[str, int]:
         if name not in left:
             raise InputError(f"the weights have no tensor {name}" if name not in names else f"tensor {name} read twice")
         left.discard(name)
-        return name, start, None
+        return name, start
 
     out = {"tok_emb.weight": [take(f"{root}embed_tokens.weight")]}
     if opt:
@@ -288,8 +294,8 @@ def read_rows(parts, start: int, stop: int, get) -> torch.Tensor:
     """Rows ``start:stop`` of one of our tensors laid out as ``parts`` (:func:`our_layout`); ``get(name, a, b)``
     reads rows ``a:b`` of their tensor ``name``, and ``rows(name)`` below tells each one's length."""
     pieces, at = [], 0
-    for name, first, end in parts:
-        n = (end if end is not None else get.rows(name)) - first
+    for name, first in parts:
+        n = get.rows(name) - first
         lo, hi = max(start, at), min(stop, at + n)
         if lo < hi:
             pieces.append(get(name, first + lo - at, first + hi - at))
@@ -360,7 +366,9 @@ class Weights:
         if weight_map is not None:
             lacking = [k for k, f in weight_map.items() if k not in self.where]
             if lacking:
-                raise InputError(f"{folder / weight_map[lacking[0]]} lacks tensor {lacking[0]}, which {INDEX} places there (a partial file)")
+                raise InputError(
+                    f"{folder / weight_map[lacking[0]]} lacks tensor {lacking[0]}, which {INDEX} places there (a partial file)"
+                )
         self.shapes = {k: tuple(self._slice(k).get_shape()) for k in self.where}
         self.dtypes = {k: self._slice(k).get_dtype() for k in self.where}
 
@@ -388,11 +396,15 @@ class Weights:
         want = state_dict({k: v for k, v in ours.items() if not k.startswith("rope_")}, model_cfg)
         for name, dtype in sorted(self.dtypes.items()):
             if dtype not in FLOAT_DTYPES and not name.endswith("rotary_emb.inv_freq"):
-                raise InputError(f"tensor {name} in {self.folder} is {dtype}, not floating point (a quantized checkpoint?): lmtrain reads F32, BF16, F16 or F64 weights")
+                raise InputError(
+                    f"tensor {name} in {self.folder} is {dtype}, not floating point (a quantized checkpoint?): lmtrain reads F32, BF16, F16 or F64 weights"
+                )
         layout = our_layout(set(self.where), model_cfg)
-        if model_cfg.tie_embeddings and "lm_head.weight" in self.shapes:
-            want["lm_head.weight"] = want[next(iter(k for k in want if k.endswith("embed_tokens.weight")))]
+        if model_cfg.tie_embeddings and "lm_head.weight" in self.shapes:  # a tied head saved anyway: the embedding's shape
+            want["lm_head.weight"] = want[layout["tok_emb.weight"][0][0]]
         for name, tensor in want.items():
             if self.shapes.get(name) != tuple(tensor.shape):
-                raise InputError(f"tensor {name} in {self.folder} has shape {list(self.shapes[name])}; config.json's model needs {list(tensor.shape)}")
+                raise InputError(
+                    f"tensor {name} in {self.folder} has shape {list(self.shapes[name])}; config.json's model needs {list(tensor.shape)}"
+                )
         return layout

@@ -146,7 +146,9 @@ def rope_scaling_problems(scaling, family: str) -> list[str]:
     if family != "llama":
         return [f"model.rope_scaling is for the llama family's rotary positions, not {family}'s"]
     if not isinstance(scaling, dict) or sorted(scaling) != sorted(ROPE_SCALING_KEYS) or scaling.get("rope_type") != "llama3":
-        return [f"model.rope_scaling={scaling!r}: give {{rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_seq_len}}"]
+        return [
+            f"model.rope_scaling={scaling!r}: give {{rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_seq_len}}"
+        ]
     bad = [k for k in ROPE_SCALING_KEYS[1:] if not isinstance(scaling[k], (int, float)) or isinstance(scaling[k], bool) or scaling[k] <= 0]
     if bad:
         return [f"model.rope_scaling.{bad[0]}={scaling[bad[0]]!r} must be a positive number"]

@@ -93,10 +93,14 @@ def apply(cfg: DictConfig, overrides: list[str]) -> Source | None:
         return None
     model = cfg.get("model")
     if model is None or str(model.get("_target_", "")) != DECODER:
-        raise InputError(f"init_from={cfg.init_from} builds {DECODER}; model._target_={model and model.get('_target_')!r} is another network")
+        raise InputError(
+            f"init_from={cfg.init_from} builds {DECODER}; model._target_={model and model.get('_target_')!r} is another network"
+        )
     src = read(cfg.init_from)
     keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
-    chose = [o for o, k in zip(overrides, keys) if k in ("model", "experiment") or (k.startswith("model.") and k[6:] not in TRAINING_FIELDS)]
+    chose = [
+        o for o, k in zip(overrides, keys) if k in ("model", "experiment") or (k.startswith("model.") and k[6:] not in TRAINING_FIELDS)
+    ]
     if chose:
         try:
             composed = _architecture(dict(model))
@@ -154,9 +158,9 @@ class Loader:
             raise InputError(f"init_from={src.path}: {exc}") from None
 
     def load_into(self, model: torch.nn.Module) -> None:
-        from lmtrain.training.compat import local_rows
-
         import time
+
+        from lmtrain.training.compat import local_rows
 
         start, read = time.perf_counter(), 0
         names = {**dict(model.named_parameters()), **{k: v for k, v in model.named_buffers() if not k.split(".")[-1].startswith("rope_")}}

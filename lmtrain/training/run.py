@@ -353,7 +353,9 @@ def _build(att: _Attempt) -> None:
             if getattr(strategy, "init_device", None) == "cpu":
                 strategy.init_device = "meta"  # each rank reads its own rows: no full copy of the model per rank
             if rollback is None:
-                log.info(f"weights: {src.path} ({src.architecture}, {att.weights.weights.nbytes() / 2**20:,.1f} MiB); the optimizer starts fresh")
+                log.info(
+                    f"weights: {src.path} ({src.architecture}, {att.weights.weights.nbytes() / 2**20:,.1f} MiB); the optimizer starts fresh"
+                )
     if rollback is None and cfg.get("optimizer") and isinstance(cfg.optimizer.get("lr"), int | float):
         from lmtrain.nn.model import num_params
         from lmtrain.nn.optim import lr_warning
