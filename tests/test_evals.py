@@ -131,3 +131,20 @@ def test_the_scores_of_a_trained_model_are_transformers_scores_item_by_item(tmp_
                 theirs.append(float(logp[t - len(cont) : t].gather(-1, ids[0, t - len(cont) + 1 :, None]).sum()))
             assert row["logprobs"] == pytest.approx(theirs, abs=1e-4), (name, row["item"])
             assert row["pred"] == max(range(len(theirs)), key=theirs.__getitem__)
+
+
+@pytest.mark.parametrize(
+    "kwargs, said",
+    [
+        ({"tasks": ["no-such-task"]}, "callbacks.evals.tasks: no-such-task does not exist (a JSONL file of multiple-choice items)"),
+        ({"tasks": [{"name": "x"}]}, "callbacks.evals.tasks: {'name': 'x'} is neither a built-in task"),
+        ({"tasks": ["line-order", "line-order"]}, "task name 'line-order' is empty, has a '/', or is used twice"),
+        ({"tasks": ["line-order"], "max_items": 0}, "callbacks.evals.max_items=0 must be a positive integer or null"),
+        ({"tasks": ["line-order"], "batch_size": 0}, "callbacks.evals.batch_size=0 must be a positive integer"),
+    ],
+)
+def test_a_bad_evals_option_is_one_error_naming_it(tmp_path, kwargs, said):
+    from lmtrain.callbacks.evals import DownstreamEvals
+
+    with pytest.raises(InputError, match=re.escape(said)):
+        DownstreamEvals(str(tmp_path), **kwargs)

@@ -317,3 +317,39 @@ def test_a_checkpoint_saved_before_rope_scaling_existed_still_resumes():
     other = {**now, "model_config": {**now["model_config"], "rope_scaling": {"rope_type": "llama3"}}}
     with pytest.raises(CheckpointError, match=re.escape("model.rope_scaling: checkpoint {'rope_type': 'llama3'}, this run None")):
         check_compatible(other, now, "checkpoint step-1")
+
+
+def test_init_from_a_folder_that_is_not_a_transformers_model_is_one_error(tmp_path, folders, dataset_dir):
+    """No such folder, no config.json, a config.json that is not JSON or not an object, another network as the model:
+    each one line naming it; from the command line exit 2 and no run directory."""
+    from lmtrain.training import init_from
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bad = _copy(folders / "opt", tmp_path / "bad")
+    cases = [
+        (tmp_path / "nowhere", "no such directory (a transformers model folder: config.json and model.safetensors)"),
+        (empty, f"{empty / 'config.json'} is missing (a transformers model folder has one)"),
+    ]
+    for folder, said in cases:
+        with pytest.raises(InputError, match=re.escape(f"init_from={folder}: {said}")):
+            init_from.read(folder)
+    (bad / "config.json").write_text("{cut")
+    with pytest.raises(InputError, match=re.escape(f"{bad / 'config.json'} is not readable JSON")):
+        init_from.read(bad)
+    (bad / "config.json").write_text("[1, 2]")
+    with pytest.raises(InputError, match=re.escape(f"{bad / 'config.json'} is not a transformers config (not a JSON object)")):
+        init_from.read(bad)
+    cfg = _cfg(tmp_path, folders / "opt", "model._target_=torch.nn.Identity")
+    with pytest.raises(
+        InputError, match=re.escape("builds lmtrain.nn.model.Decoder; model._target_='torch.nn.Identity' is another network")
+    ):
+        init_from.apply(cfg, [])
+    from tests.conftest import run_train_cli
+
+    run = tmp_path / "run"
+    res = run_train_cli([f"init_from={tmp_path / 'nowhere'}", f"data.path={dataset_dir}", f"run_dir={run}", *INIT_RUN], tmp_path)
+    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1] == (
+        f"error: init_from={tmp_path / 'nowhere'}: no such directory (a transformers model folder: config.json and model.safetensors)"
+    ), res.stderr[-2000:]
+    assert not run.exists()
