@@ -121,16 +121,21 @@ def test_a_run_whose_config_is_damaged_is_one_message_for_export_and_generate(tm
         assert not (tmp_path / "x").exists() and (run / "config.yaml").read_text() == text  # nothing written, nothing changed
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-llama"])
-def test_hf_export_loads_in_transformers_with_the_same_logits_and_token_ids(tmp_path, dataset_dir, corpus_jsonl, model):
-    """``--format hf``: transformers' AutoModelForCausalLM (OPTForCausalLM / LlamaForCausalLM) gives our logits to 1e-4
-    on real tokens, and AutoTokenizer our ids on every document of the corpus the run was prepared from."""
+@pytest.mark.parametrize(
+    "model, their_class", [("tiny", "OPTForCausalLM"), ("tiny-llama", "LlamaForCausalLM"), ("tiny-llama-qk", "Qwen3ForCausalLM")]
+)
+def test_hf_export_loads_in_transformers_with_the_same_logits_and_token_ids(tmp_path, dataset_dir, corpus_jsonl, model, their_class):
+    """``--format hf``: transformers' AutoModelForCausalLM (OPTForCausalLM / LlamaForCausalLM, and Qwen3ForCausalLM for
+    a llama-family model with model.qk_norm) gives our logits to 1e-4 on real tokens, and AutoTokenizer our ids on every
+    document of the corpus the run was prepared from."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lmtrain import export
     from lmtrain.formats.trained import load_run
 
-    extra = ["model.tie_embeddings=false"] if model == "tiny-llama" else []  # both head layouts: OPT tied, Llama untied
+    extra = ["model.tie_embeddings=false"] if model != "tiny" else []  # both head layouts: OPT tied, Llama untied
+    if model == "tiny-llama-qk":  # trained a few steps with the norms' weights learning, so they are not all ones
+        model, extra = "tiny-llama", [*extra, "model.qk_norm=true", "optimizer.lr=0.01"]
     train(make_cfg(TINY + [f"model={model}", *extra, "callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0", "trainer.max_steps=3"],
                    tmp_path, dataset_dir))  # fmt: skip
     run, out = tmp_path / "run", tmp_path / "hf"
@@ -138,8 +143,10 @@ def test_hf_export_loads_in_transformers_with_the_same_logits_and_token_ids(tmp_
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json", "generation_config.json", "lmtrain.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]  # fmt: skip
     theirs = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(theirs).__name__ == ("OPTForCausalLM" if model == "tiny" else "LlamaForCausalLM")
+    assert type(theirs).__name__ == their_class
     ours, enc, _, _ = load_run(run)
+    if ours.cfg.qk_norm:
+        assert not torch.equal(ours.blocks[0].attn.q_norm.weight, torch.ones_like(ours.blocks[0].attn.q_norm.weight))
     texts = [json.loads(line)["text"] for line in corpus_jsonl.read_text(encoding="utf-8").splitlines()]
     ids = torch.tensor([enc.encode_ordinary(texts[0])[:64], enc.encode_ordinary(texts[1])[:64]])
     with torch.no_grad():
@@ -155,4 +162,9 @@ def test_hf_export_refuses_what_transformers_cannot_express(tmp_path, dataset_di
                    tmp_path, dataset_dir))  # fmt: skip
     res = _export(tmp_path / "run", "--out", str(tmp_path / "hf"), "--format", "hf")
     assert res.returncode == 2 and "OPTForCausalLM's layer norms use eps 1e-05; this model uses model.norm_eps=1e-06" in res.stderr
+    assert not (tmp_path / "hf").exists()
+    train(make_cfg(TINY + ["model.qk_norm=true", "callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0", "trainer.max_steps=1",
+                           f"run_dir={tmp_path / 'qk'}"], tmp_path, dataset_dir))  # fmt: skip
+    res = _export(tmp_path / "qk", "--out", str(tmp_path / "hf"), "--format", "hf")
+    assert res.returncode == 2 and "model.qk_norm=true on the opt family: no transformers class has" in res.stderr, res.stderr
     assert not (tmp_path / "hf").exists()

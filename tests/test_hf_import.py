@@ -64,7 +64,10 @@ def test_a_transformers_model_read_into_lmtrain_gives_its_logits_and_writes_back
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"model_type": "gpt2"}, 'model_type="gpt2": lmtrain reads OPTForCausalLM (opt) and LlamaForCausalLM (llama)'),
+        (
+            {"model_type": "gpt2"},
+            'model_type="gpt2": lmtrain reads OPTForCausalLM (opt), LlamaForCausalLM (llama) and Qwen3ForCausalLM (qwen3)',
+        ),
         ({"do_layer_norm_before": False}, "do_layer_norm_before=false is not something lmtrain's decoder can express"),
         ({"activation_function": "silu"}, 'activation_function="silu" is not one of'),
         ({"hidden_size": None}, "hidden_size missing"),
@@ -115,18 +118,26 @@ def folders(tmp_path_factory, dataset_dir, corpus_jsonl):
         "llama": transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                           tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE),
+        "qwen3": transformers.Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                                          tie_word_embeddings=False),
     }  # fmt: skip
     for kind, cfg in configs.items():
         torch.manual_seed(0)
-        model = (transformers.OPTForCausalLM if kind == "opt" else transformers.LlamaForCausalLM)(cfg)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        with torch.no_grad():  # QK-norm weights other than their initial ones, so that reading them is seen
+            for name, p in model.named_parameters():
+                if "q_norm" in name or "k_norm" in name:
+                    p.uniform_(0.5, 1.5)
         model.save_pretrained(root / kind)
         (root / kind / "tokenizer.json").write_text(hf.tokenizer_json(ranks, GPT2_PATTERN, {EOS_TEXT: len(ranks)}))
     prepare([corpus_jsonl], root / "ds", tokenizer=str(root / "opt" / "tokenizer.json"), val_fraction=0.1, workers=1, progress=False)
     return root
 
 
-def _first_batch_loss(folder, dataset) -> float:
-    """transformers' loss on the run's first batch (4 sequences of 64 tokens, the data's seed 1234)."""
+def _first_batch_loss(folder, dataset) -> tuple[float, float]:
+    """transformers' loss on the run's first batch (4 sequences of 64 tokens, the data's seed 1234), and the mean
+    squared log-partition of its logits (the z-loss's z)."""
     import transformers
 
     from lmtrain.data.datamodule import TokenDataModule
@@ -136,7 +147,8 @@ def _first_batch_loss(folder, dataset) -> float:
     x, y = next(iter(dm.train_dataloader()))
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
-        return float(torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()))
+        logits = model(x).logits.flatten(0, 1).float()
+        return float(torch.nn.functional.cross_entropy(logits, y.flatten())), float(torch.logsumexp(logits, -1).square().mean())
 
 
 INIT_RUN = ["data=prepared", "data.prepare=null", "data.seq_len=64", "data.num_workers=0", "trainer.max_steps=2",
@@ -146,11 +158,17 @@ INIT_RUN = ["data=prepared", "data.prepare=null", "data.seq_len=64", "data.num_w
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "kind, layout", [("opt", ["data.batch_size=4"]), ("llama", ["data.batch_size=2", "strategy=fsdp", "trainer.devices=2"])]
+    "kind, layout",
+    [
+        ("opt", ["data.batch_size=4"]),
+        ("llama", ["data.batch_size=2", "strategy=fsdp", "trainer.devices=2"]),
+        ("qwen3", ["data.batch_size=4", "module.z_loss=0.001"]),
+    ],
 )
 def test_init_from_trains_from_the_folder_and_exports_it_back_tensor_for_tensor(tmp_path, folders, kind, layout):
     """``lmtrain train init_from=DIR`` (OPT on one process; Llama with Llama 3's rope scaling under fsdp on 2 ranks, each
-    reading its own rows): the first step's loss is transformers' on the same batch, and after 2 steps at learning rate
+    reading its own rows; Qwen 3's QK-norm with a z-loss): the first step's loss is transformers' on the same batch
+    (and ``train/z_loss`` the mean squared log-partition of transformers' logits), and after 2 steps at learning rate
     0, ``export --format hf`` gives back every tensor the folder holds, equal (OPT's unread offset rows included)."""
     from safetensors.torch import load_file
 
@@ -161,11 +179,17 @@ def test_init_from_trains_from_the_folder_and_exports_it_back_tensor_for_tensor(
     folder, run = folders / kind, tmp_path / "run"
     res = run_train_cli([f"init_from={folder}", f"data.path={folders / 'ds'}", f"run_dir={run}", *INIT_RUN, *layout], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert f"weights: {folder} ({'OPTForCausalLM' if kind == 'opt' else 'LlamaForCausalLM'}" in res.stderr + res.stdout
+    their_class = {"opt": "OPTForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]
+    assert f"weights: {folder} ({their_class}" in res.stderr + res.stdout
     share = float(re.search(r"weights read on this rank: [\d.,]+ MiB, ([\d.]+)% of the model's", res.stderr + res.stdout).group(1))
     assert 45 < share < 55 if "strategy=fsdp" in layout else share > 95  # under fsdp: rank 0's rows only
     first = record.metric(run, "train/loss")[0]
-    assert first == pytest.approx(_first_batch_loss(folder, folders / "ds"), abs=1e-4)
+    ce, z = _first_batch_loss(folder, folders / "ds")
+    assert first == pytest.approx(ce, abs=1e-4)
+    if kind == "qwen3":
+        assert record.metric(run, "train/z_loss")[0] == pytest.approx(z, rel=1e-5)
+    else:
+        assert record.metric(run, "train/z_loss") == []  # no z-loss, none logged
     start = next(e for e in logbook.read(run) if e["kind"] == "start")
     digest = "sha256:" + __import__("hashlib").sha256((folder / "config.json").read_bytes()).hexdigest()
     assert start["init_from"] == {

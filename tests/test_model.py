@@ -244,10 +244,14 @@ def test_chunk_step_compiled_equals_eager_and_a_compiled_decoder_leaves_the_chun
     t = torch.randint(0, 300, (48,))
     t[[3, 7]] = -100
     scale = torch.tensor(1 / 46)
-    (loss, grad), (ref_loss, ref_grad) = _compiled(_chunk_loss_and_grad)(logits, t, scale), _chunk_loss_and_grad(logits, t, scale)
-    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
-    assert grad[3].abs().max() == 0 and grad[0].sum().abs() < 1e-6  # ignored row zero; softmax minus one-hot sums to 0
+    for z_loss in (0.0, 1e-3):  # without and with module.z_loss
+        (loss, z, grad) = _compiled(_chunk_loss_and_grad)(logits, t, scale, z_loss)
+        (ref_loss, ref_z, ref_grad) = _chunk_loss_and_grad(logits, t, scale, z_loss)
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5) and z.item() == pytest.approx(ref_z.item(), rel=1e-5)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+        assert grad[3].abs().max() == 0  # an ignored row: zero
+        if not z_loss:
+            assert grad[0].sum().abs() < 1e-6  # softmax minus one-hot sums to 0
 
     model = Decoder(preset("tiny"))
     model.loss_chunk_tokens = 17

@@ -3,7 +3,8 @@ tokenizer as ``tokenizer.json`` (``lmtrain export --format hf``).
 
 An OPT-family model becomes ``OPTForCausalLM`` (learned positions with OPT's offset of 2, pre-norm layers, the
 optional embedding projection); a Llama-family one ``LlamaForCausalLM`` (rotary positions in the same half-split
-convention, grouped-query attention, SwiGLU). Our fused projections are split into the separate ones ``transformers``
+convention, grouped-query attention, SwiGLU), or ``Qwen3ForCausalLM`` with ``model.qk_norm`` (Llama's layers with a
+norm on each head's queries and keys). Our fused projections are split into the separate ones ``transformers``
 keeps (``qkv`` -> ``q_proj``/``k_proj``/``v_proj``; Llama's ``gate_up`` -> ``gate_proj``/``up_proj``). What those
 classes cannot express is refused, naming it. ``transformers`` itself is not needed to write this: only to read it.
 
@@ -36,6 +37,11 @@ def config(model_cfg, eos: int, dtype: str, bos: int | None = None) -> dict:
         "use_cache": True, "initializer_range": c.init_std,
     }  # fmt: skip
     if c.family == "opt":
+        if c.qk_norm:
+            raise InputError(
+                "--format hf: model.qk_norm=true on the opt family: no transformers class has OPT's layers with a norm on "
+                "queries and keys (Qwen3ForCausalLM has it for the llama family: train family=llama to export one)"
+            )
         if c.act not in OPT_ACTIVATIONS:
             raise InputError(f"--format hf: OPTForCausalLM has no activation {c.act!r} (it has {sorted(OPT_ACTIVATIONS)})")
         if abs(c.norm_eps - 1e-5) > 1e-12:
@@ -51,12 +57,18 @@ def config(model_cfg, eos: int, dtype: str, bos: int | None = None) -> dict:
     if c.family == "llama":
         if c.emb_dim != c.d_model:
             raise InputError(f"--format hf: LlamaForCausalLM has no embedding projection (model.embed_dim={c.emb_dim} != d_model)")
-        return {
+        llama = {
             **common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "intermediate_size": c.hidden_dim,
             "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.norm_eps, "hidden_act": "silu",
             "rope_theta": c.rope_theta, "rope_parameters": _rope_parameters(c),
             "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
         }  # fmt: skip
+        if not c.qk_norm:
+            return llama
+        # Qwen 3: Llama's layers with an RMSNorm on each head's queries and keys before the rotary positions, as ours
+        del llama["mlp_bias"]
+        return {**llama, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False,
+                "sliding_window": None, "max_window_layers": c.n_layers, "layer_types": ["full_attention"] * c.n_layers}  # fmt: skip
     raise InputError(f"--format hf: no transformers class for model family {c.family!r}")
 
 
@@ -98,6 +110,9 @@ def state_dict(state: dict[str, torch.Tensor], model_cfg, offset_rows: torch.Ten
             for kind in ("weight", "bias"):
                 if f"{b}{ours}.{kind}" in state:
                     out[f"{h}{theirs}.{kind}"] = state[f"{b}{ours}.{kind}"]
+        for norm in ("q_norm", "k_norm"):  # model.qk_norm (Qwen3ForCausalLM's)
+            if f"{b}attn.{norm}.weight" in state:
+                out[f"{h}self_attn.{norm}.weight"] = state[f"{b}attn.{norm}.weight"]
         for kind in ("weight", "bias"):
             if f"{b}attn.proj.{kind}" in state:
                 out[f"{h}self_attn.{'out_proj' if opt else 'o_proj'}.{kind}"] = state[f"{b}attn.proj.{kind}"]
@@ -169,8 +184,8 @@ HF_OPT_ACTIVATIONS = {theirs: ours for ours, theirs in OPT_ACTIVATIONS.items()}
 
 
 def model_fields(cfg: dict, where: str = "config.json") -> dict:
-    """The lmtrain model fields (``conf/model`` keys) of a transformers ``config.json`` of ``OPTForCausalLM`` or
-    ``LlamaForCausalLM``; what lmtrain cannot express is refused in one line naming the field (InputError)."""
+    """The lmtrain model fields (``conf/model`` keys) of a transformers ``config.json`` of ``OPTForCausalLM``,
+    ``LlamaForCausalLM`` or ``Qwen3ForCausalLM``; what lmtrain cannot express is refused in one line naming the field (InputError)."""
 
     def need(key: str, want, default=None) -> None:
         got = cfg.get(key, default)
@@ -187,8 +202,11 @@ def model_fields(cfg: dict, where: str = "config.json") -> dict:
     missing = [k for k, v in (("vocab_size", common["vocab_size"]), ("hidden_size", common["d_model"]),
                               ("num_hidden_layers", common["n_layers"]), ("num_attention_heads", common["n_heads"]),
                               ("max_position_embeddings", common["max_seq_len"])) if v is None]  # fmt: skip
-    if kind not in ("opt", "llama"):
-        raise InputError(f"{where}: model_type={json.dumps(kind)}: lmtrain reads OPTForCausalLM (opt) and LlamaForCausalLM (llama)")
+    if kind not in ("opt", "llama", "qwen3"):
+        raise InputError(
+            f"{where}: model_type={json.dumps(kind)}: lmtrain reads OPTForCausalLM (opt), LlamaForCausalLM (llama) and "
+            "Qwen3ForCausalLM (qwen3)"
+        )
     if missing:
         raise InputError(f"{where}: {', '.join(missing)} missing")
     if kind == "opt":
@@ -209,6 +227,9 @@ def model_fields(cfg: dict, where: str = "config.json") -> dict:
     need("hidden_act", "silu", "silu")
     need("attention_bias", False, False)
     need("mlp_bias", False, False)
+    qk_norm = kind == "qwen3"  # Qwen3ForCausalLM: Llama's layers with model.qk_norm
+    if qk_norm:
+        need("use_sliding_window", False, False)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "llama3"):
@@ -232,7 +253,7 @@ def model_fields(cfg: dict, where: str = "config.json") -> dict:
         "embed_dim": None, "tie_embeddings": cfg.get("tie_word_embeddings", False), "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
         "rope_theta": float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))), "rope_scaling": scaling, "dropout": 0.0,
         "attention_dropout": float(cfg.get("attention_dropout", 0.0)), "init_std": float(cfg.get("initializer_range", 0.02)),
-        "activation": None,
+        "activation": None, "qk_norm": qk_norm,
     }  # fmt: skip
 
 
@@ -264,6 +285,9 @@ def our_layout(names, model_cfg) -> dict[str, list[tuple[str, int]]]:
         for kind in kinds:
             out[f"{b}attn.qkv.{kind}"] = [take(f"{h}self_attn.{p}.{kind}") for p in ("q_proj", "k_proj", "v_proj")]
             out[f"{b}attn.proj.{kind}"] = [take(f"{h}self_attn.{'out_proj' if opt else 'o_proj'}.{kind}")]
+        if c.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                out[f"{b}attn.{norm}.weight"] = [take(f"{h}self_attn.{norm}.weight")]
         norms = (("attn_norm", "self_attn_layer_norm"), ("mlp_norm", "final_layer_norm")) if opt else (
             ("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"))  # fmt: skip
         for ours, theirs_name in norms:

@@ -55,6 +55,7 @@ class ModelConfig:
     attention_dropout: float = 0.0  # on the attention probabilities (OPT's `attention_dropout`: 0.0 in its released configs)
     init_std: float = 0.02
     activation: str | None = None  # None: the family's (opt: gelu, llama: silu); opt also: gelu_tanh, relu
+    qk_norm: bool = False  # each head's queries and keys normalised before attention (Qwen 3's; the family's norm)
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, Mapping):  # a DictConfig from Hydra
@@ -109,6 +110,8 @@ class ModelConfig:
             out.append(f"model.activation={self.activation!r} is not one of {list(ACTIVATIONS[self.family])} for the {self.family} family")
         if self.rope_scaling is not None:
             out += rope_scaling_problems(self.rope_scaling, self.family)
+        if not isinstance(self.qk_norm, bool):
+            out.append(f"model.qk_norm={self.qk_norm!r} must be true or false")
         for key in ("dropout", "attention_dropout"):
             val = getattr(self, key)
             if not isinstance(val, (int, float)) or not 0.0 <= val < 1.0:
@@ -248,6 +251,11 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=bias)
         self.proj.residual_out = True  # scaled init
         self.dropout = cfg.attention_dropout
+        # model.qk_norm: the family's norm over each head's features, on queries and keys before the rotary positions
+        # (Qwen 3's per-head RMSNorm; OLMo 2 normalises the whole projection instead), which bounds the attention
+        # logits' growth, one cause of the loss spikes of large runs
+        self.q_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | BlockMask | None = None
@@ -260,6 +268,8 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
         v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over each head's features (the last dimension)
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -314,8 +324,10 @@ def mlp_activation(h: torch.Tensor, act: str) -> torch.Tensor:
     return F.relu(h) if act == "relu" else F.gelu(h, approximate="tanh" if act == "gelu_tanh" else "none")
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
-    return RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.family == "llama" else nn.LayerNorm(cfg.d_model, cfg.norm_eps)
+def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    """The family's norm over ``dim`` features (the model's width by default): RMSNorm (llama) or LayerNorm (opt)."""
+    dim = dim or cfg.d_model
+    return RMSNorm(dim, cfg.norm_eps) if cfg.family == "llama" else nn.LayerNorm(dim, cfg.norm_eps)
 
 
 class Block(nn.Module):
@@ -357,6 +369,7 @@ class Decoder(nn.Module):
         self.loss_kernel = None  # a fused (hidden, weight, targets) -> loss function given from outside; see head_loss
         self.loss_float8 = False  # the chunked head's products in float8 (and their backward ones in fast mode): see head_loss
         self.loss_float8_fast_accum = False
+        self.z_loss = 0.0  # module.z_loss: the coefficient of the log-partition penalty in every head (lmtrain.nn.loss.with_z_loss)
         self.flex_attention: bool | None = None  # the document mask's kernel: see document_attention_mask
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -441,8 +454,11 @@ class Decoder(nn.Module):
         backward are fused instead of materialising (B, T, V) fp32 tensors. With ``loss_chunk_tokens`` set
         (``module.loss_chunk_tokens``), computed that many tokens at a time (lmtrain.nn.loss), its products in float8 with
         ``loss_float8``; with ``loss_kernel`` set to a
-        function (``module.loss_kernel``: lmtrain.training.kernels), by that fused kernel."""
+        function (``module.loss_kernel``: lmtrain.training.kernels), by that fused kernel. With ``z_loss`` set, each
+        returns :func:`lmtrain.nn.loss.with_z_loss`'s (objective, cross-entropy, z) instead of the mean."""
         if self.loss_kernel is not None:
+            if self.z_loss:
+                return self.loss_kernel(hidden.flatten(0, 1), self.lm_head.weight, targets.flatten(), z_loss=self.z_loss)
             return self.loss_kernel(hidden.flatten(0, 1), self.lm_head.weight, targets.flatten())
         if self.loss_chunk_tokens:
             return chunked_linear_cross_entropy(
@@ -452,8 +468,9 @@ class Decoder(nn.Module):
                 self.loss_chunk_tokens,
                 float8=self.loss_float8,
                 fast_accum=self.loss_float8_fast_accum,
+                z_loss=self.z_loss,
             )
-        return cross_entropy(self.lm_head(hidden), targets)
+        return cross_entropy(self.lm_head(hidden), targets, self.z_loss)
 
 
 # -- counting ----------------------------------------------------------------------------------

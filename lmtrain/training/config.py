@@ -285,7 +285,11 @@ def validate_config(cfg: DictConfig) -> None:
                 )
 
     sched = cfg.get("scheduler")
-    if sched is not None and "warmup_steps" in sched and "total_steps" in sched:
+    if sched is not None and str(sched.get("_target_", "")) == "lmtrain.nn.optim.wsd":
+        from lmtrain.nn.optim import wsd_problems
+
+        problems += wsd_problems(OmegaConf.to_container(sched, resolve=True))
+    elif sched is not None and "warmup_steps" in sched and "total_steps" in sched:
         from lmtrain.nn.optim import DECAYS
 
         if sched.get("decay", "cosine") not in DECAYS:
@@ -307,6 +311,10 @@ def validate_config(cfg: DictConfig) -> None:
         device = device_type(trainer.get("accelerator", "auto")) if trainer is not None else None
         if module.get("compile", False) not in (True, False, "auto"):
             problems.append(f"module.compile={module.get('compile')!r} must be true, false or auto")
+        from lmtrain.nn.loss import z_loss_problem
+
+        if (problem := z_loss_problem(module.get("z_loss", 0.0))) is not None:
+            problems.append(problem)
         head, fp8, form = fastpaths.read(module.get("head"), module.get("fp8"))
         problems += form or fastpaths.problems(head, fp8, model_cfg=model_cfg, precision=precision, device=device)
 

@@ -80,7 +80,7 @@ def _architecture(fields: dict) -> dict:
     out = {
         "family": c.family, "vocab_size": c.vocab_size, "max_seq_len": c.max_seq_len, "d_model": c.d_model, "n_layers": c.n_layers,
         "n_heads": c.n_heads, "n_kv_heads": c.kv_heads, "ffn_dim": c.hidden_dim, "embed_dim": c.emb_dim,
-        "tie_embeddings": c.tie_embeddings, "norm_eps": c.norm_eps, "activation": c.act,
+        "tie_embeddings": c.tie_embeddings, "norm_eps": c.norm_eps, "activation": c.act, "qk_norm": c.qk_norm,
     }  # fmt: skip
     if c.family == "llama":
         out.update(rope_theta=c.rope_theta, rope_scaling=c.rope_scaling)

@@ -10,17 +10,24 @@ LOSS_KERNELS = ("liger",)
 
 
 @torch.compiler.disable
-def liger_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def liger_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` through liger-kernel's fused linear cross-entropy (Triton, GPU
     only; ``module.head.kind=liger``): like lmtrain.nn.loss's chunked loss, chunks of tokens whose logits and their
     gradient live only inside the kernel, the weight's gradient accumulated in fp32. Inputs are cast to the autocast
     dtype first (under bf16-mixed the final norm's output is fp32; the head's matmul runs in bf16 as the plain head's
-    does). Kept out of compiled graphs: its own kernels are already fused."""
+    does). Kept out of compiled graphs: its own kernels are already fused. ``z_loss`` > 0: liger's own z-loss
+    (``lse_square_scale``, added to the loss it returns), as lmtrain.nn.loss.with_z_loss's parts."""
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     dtype = _compute_dtype(hidden)
     with torch.autocast(hidden.device.type, enabled=False):
-        return liger_fused_linear_cross_entropy(hidden.to(dtype), weight.to(dtype), targets, accum_dtype=torch.float32)
+        if not z_loss:
+            return liger_fused_linear_cross_entropy(hidden.to(dtype), weight.to(dtype), targets, accum_dtype=torch.float32)
+        loss, z_term = liger_fused_linear_cross_entropy(
+            hidden.to(dtype), weight.to(dtype), targets, lse_square_scale=z_loss, return_z_loss=True, accum_dtype=torch.float32
+        )  # loss: cross-entropy + z_term, z_term = z_loss * mean(lse**2)
+    z_term = z_term.detach().float()
+    return torch.stack([loss.float(), loss.detach().float() - z_term, z_term / z_loss])
 
 
 def loss_kernel(name: str):

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lmtrain.errors import InputError
-from lmtrain.nn.loss import cross_entropy
+from lmtrain.nn.loss import cross_entropy, loss_parts, z_loss_problem
 from lmtrain.nn.optim import build_optimizer
 from lmtrain.training import compat, fastpaths, precision
 from lmtrain.training import fp8 as fp8_module
@@ -111,6 +111,9 @@ class LMModule(L.LightningModule):
         seed: if set, torch's RNG (dropout) is re-seeded before every training batch from (seed, batch number,
             rank): the masks of a batch then do not depend on what else drew random numbers before it
             (validation, loader start-up), so a resumed or rolled-back run draws exactly the same ones.
+        z_loss: ``module.z_loss``, the coefficient of the log-partition penalty added to the loss in every head
+            (lmtrain.nn.loss.with_z_loss; OLMo 2: 1e-5), logged as ``train/z_loss``; 0: none. ``train/loss`` and
+            ``val/loss`` stay the cross-entropy.
     """
 
     def __init__(
@@ -124,8 +127,12 @@ class LMModule(L.LightningModule):
         sdpa_backend: str | list[str] | None = None,
         head: Mapping | fastpaths.Head | None = None,
         fp8: Mapping | fastpaths.Float8 | None = None,
+        z_loss: float = 0.0,
     ) -> None:
         super().__init__()
+        if (problem := z_loss_problem(z_loss)) is not None:
+            raise InputError(problem)
+        self.z_loss = float(z_loss)
         self._sdpa = sdpa_backends(sdpa_backend)
         self.head, self.fp8, problems = fastpaths.read(head, fp8)
         problems = problems or fastpaths.problems(self.head, self.fp8)
@@ -147,6 +154,7 @@ class LMModule(L.LightningModule):
         self._loss_fn = lm_loss
         self._val_sums = torch.zeros(1, 2)  # per validation set: (sum of loss x tokens, tokens)
         self._train_losses: list[torch.Tensor] = []
+        self._train_z: list[torch.Tensor] = []
         self._act_sq: list[torch.Tensor] = []
         self._act_hook = None
         self._pending_stats: list[_StepStats] = []
@@ -176,6 +184,12 @@ class LMModule(L.LightningModule):
                     f"module.head.kind={self.head.kind}: the model {type(self.model).__name__} has no chunked loss (lmtrain.nn.model.Decoder has)"
                 )
             self.model.loss_chunk_tokens = self.head.chunk  # before a strategy compiles head_loss
+        if self.z_loss:
+            if not hasattr(self.model, "z_loss"):
+                raise InputError(
+                    f"module.z_loss={self.z_loss:g}: the model {type(self.model).__name__} has no z-loss (lmtrain.nn.model.Decoder has)"
+                )
+            self.model.z_loss = self.z_loss
         if fastpaths.uses_float8(self.head, self.fp8) and not getattr(self, "_fp8_converted", False):  # before sharding and compiling
             device = strategy.root_device if strategy is not None else self.device
             fp8_module.convert(
@@ -244,8 +258,12 @@ class LMModule(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         inputs, targets, *doc = batch  # (B, T), (B, T), and with data.document_mask each token's document (B, T)
-        loss = self.loss(inputs, targets, *doc)
-        self._train_losses.append(loss.detach())
+        loss, parts = loss_parts(self.loss(inputs, targets, *doc))
+        if parts is None:
+            self._train_losses.append(loss.detach())
+        else:  # with module.z_loss: the cross-entropy and z are logged, their sum minimised
+            self._train_losses.append(parts[0])
+            self._train_z.append(parts[1])
         return loss
 
     def _record_activation(self, module: nn.Module, args: tuple) -> None:
@@ -264,11 +282,13 @@ class LMModule(L.LightningModule):
             [
                 torch.stack(self._train_losses).mean().float() if self._train_losses else nan,
                 torch.stack(self._act_sq).mean() if self._act_sq else nan,
+                torch.stack(self._train_z).mean().float() if self._train_z else nan,
             ]
         )
         self._train_losses.clear()
         self._act_sq.clear()
-        loss, act_ms = self.trainer.strategy.reduce(local, reduce_op="mean")  # every rank sees the same values
+        self._train_z.clear()
+        loss, act_ms, z = self.trainer.strategy.reduce(local, reduce_op="mean")  # every rank sees the same values
         scaler = precision.scaler_of(self.trainer)
         values = torch.stack(
             [
@@ -277,6 +297,7 @@ class LMModule(L.LightningModule):
                 act_ms.sqrt() if self._act_hook is not None else nan,
                 precision.loss_scale(scaler).to(loss) if scaler is not None else nan,
                 precision.overflowed(scaler, optimizer).to(loss) if scaler is not None else nan,  # the same on every rank
+                z,
             ]
         )
         self._pending_stats.append(_StepStats.record(self.trainer, optimizer, values))
@@ -306,10 +327,12 @@ class LMModule(L.LightningModule):
         del self._pending_stats[: len(todo)]
         drop = False
         for rec in todo:
-            loss, norm, act_rms, scale, overflow = rec.read()
+            loss, norm, act_rms, scale, overflow, z = rec.read()
             extra = {"train/loss": loss, "train/lr": rec.lr, "train/grad_norm": norm}
             if self._act_hook is not None:
                 extra["train/act_rms"] = act_rms
+            if self.z_loss:
+                extra["train/z_loss"] = z
             log_direct(self.trainer, extra, step=rec.log_step)
             self.last_train_loss, self.last_train_lr = loss, rec.lr
             stats = {
@@ -365,7 +388,8 @@ class LMModule(L.LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int, dataloader_idx: int = 0) -> None:
         inputs, targets, *doc = batch
-        loss = self.loss(inputs, targets, *doc)
+        loss, parts = loss_parts(self.loss(inputs, targets, *doc))
+        loss = loss if parts is None else parts[0]  # the cross-entropy, with or without a z-loss
         self._val_sums[dataloader_idx, 0] += loss.detach().double() * targets.numel()
         self._val_sums[dataloader_idx, 1] += targets.numel()
 
