@@ -1,7 +1,8 @@
 """Mid-flight learning-rate corrections: applied at a step boundary on every rank, recorded, kept across resumes.
 
 Sources (see lmtrain.formats.corrections): automatic rollbacks (the divergence detector), an operator
-(``python -m lmtrain.control RUN_DIR lr --scale 0.5`` or ``--value 1e-4`` while the run runs), and the config
+(``python -m lmtrain.control RUN_DIR lr --scale 0.5`` or ``--value 1e-4`` while the run runs; under
+``scheduler=wsd`` also ``decay --steps N``: the schedule's cooldown starts now and lasts N steps), and the config
 at a (re)start (``callbacks.lr_control.scale``). The learning rate used at each step is the scheduler's value
 times the corrections in force at that step, so ``train/lr`` in MLflow shows the schedule the run really
 followed (OPT's "empirical LR schedule"); the ``report`` callback plots it, corrections marked.
@@ -18,6 +19,7 @@ import lightning as L
 from lmtrain.console import log
 from lmtrain.errors import InputError
 from lmtrain.formats import corrections, logbook
+from lmtrain.nn.optim import WarmupStableDecay, schedule_of
 
 REQUESTS = "control"
 
@@ -46,6 +48,8 @@ class LRControl(L.Callback):
         self.bounds = (float(low), float(high))
         self.entries: list[dict] = []
         self._last_polled = -1
+        self._schedule: WarmupStableDecay | None = None
+        self._max_steps = 0
 
     def on_train_start(self, trainer, pl_module) -> None:
         # rank zero's reading, so that every rank applies the same corrections even while the file is being written
@@ -85,8 +89,7 @@ class LRControl(L.Callback):
             self._poll(trainer)
         mult = corrections.multiplier(self.entries, step)
         for cfg in trainer.lr_scheduler_configs or []:
-            base = cfg.scheduler.get_last_lr()
-            for group, lr in zip(cfg.scheduler.optimizer.param_groups, base):
+            for group, lr in zip(cfg.scheduler.optimizer.param_groups, self._scheduled(cfg.scheduler)):
                 group["lr"] = lr * mult
         if not trainer.lr_scheduler_configs:
             for opt in trainer.optimizers:
@@ -94,16 +97,32 @@ class LRControl(L.Callback):
                     group.setdefault("lmtrain_base_lr", group["lr"])
                     group["lr"] = group["lmtrain_base_lr"] * mult
 
+    def _scheduled(self, scheduler) -> list[float]:
+        """Each group's learning rate at the scheduler's position before any correction factor: under
+        ``scheduler=wsd`` with the operator's cooldown in force (the corrections file's) moved into the schedule."""
+        schedule = schedule_of(scheduler)
+        if not isinstance(schedule, WarmupStableDecay):
+            return scheduler.get_last_lr()
+        schedule.cooldown = corrections.cooldown(self.entries)
+        return [base * schedule(scheduler.last_epoch) for base in scheduler.base_lrs]
+
+    def _wsd(self, trainer) -> WarmupStableDecay | None:
+        for cfg in trainer.lr_scheduler_configs or []:
+            schedule = schedule_of(cfg.scheduler)
+            return schedule if isinstance(schedule, WarmupStableDecay) else None
+        return None
+
     def _scheduled_lr(self, trainer) -> float:
         """This step's learning rate before any correction (the first parameter group's)."""
         for cfg in trainer.lr_scheduler_configs or []:
-            return float(cfg.scheduler.get_last_lr()[0])
+            return float(self._scheduled(cfg.scheduler)[0])
         group = trainer.optimizers[0].param_groups[0]
         return float(group.get("lmtrain_base_lr", group["lr"]))
 
     def _poll(self, trainer) -> None:
         """Rank zero reads and checks the pending requests; every rank applies the accepted ones from this same step."""
         step = trainer.global_step
+        self._schedule, self._max_steps = self._wsd(trainer), trainer.max_steps
         accepted = self._read_requests(step, self._scheduled_lr(trainer)) if trainer.is_global_zero else None
         accepted = trainer.strategy.broadcast(accepted, src=0)
         for entry, what in accepted:
@@ -153,6 +172,8 @@ class LRControl(L.Callback):
             raise _Rejected(f"not a JSON object but {type(req).__name__}")
         if req.get("revoke") is not None:
             return self._revoke(req, step, entries)
+        if "decay_steps" in req:
+            return self._decay(req, step, entries)
         given = [k for k in ("scale", "value") if req.get(k) is not None]
         if len(given) != 1:
             raise _Rejected("it must give exactly one of 'scale' and 'value' (python -m lmtrain.control RUN lr --scale F | --value LR)")
@@ -174,6 +195,24 @@ class LRControl(L.Callback):
         scale = total / in_force
         what = f"learning rate x{number:g}" if given[0] == "scale" else f"learning rate set to {number:g} (x{scale:.4g})"
         return {"from_step": step, "scale": scale, "reason": "operator", "request": req}, what
+
+    def _decay(self, req: dict, step: int, entries: list[dict]) -> tuple[dict, str]:
+        """``decay --steps N``: the WSD schedule's cooldown from this step over N steps, if the run has one to start."""
+        schedule, n = self._schedule, req["decay_steps"]
+        if schedule is None:
+            raise _Rejected("decay needs scheduler=wsd (warmup-stable-decay); this run's schedule has no decay to start")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise _Rejected(f"decay_steps={n!r} is not a positive number of steps")
+        if (under_way := schedule.under_way(corrections.cooldown(entries), step)) is not None:
+            raise _Rejected(under_way)
+        if step + n > self._max_steps:
+            raise _Rejected(
+                f"a decay of {n} steps from step {step} would end at step {step + n}, after trainer.max_steps={self._max_steps}: "
+                f"give at most --steps {self._max_steps - step}"
+            )
+        end = schedule.min_lr_ratio
+        entry = {"from_step": step, "scale": 1.0, "reason": "decay", "decay_steps": n, "request": req}
+        return entry, f"decay over {n} steps ({schedule.decay}, to x{end:g} of the peak at step {step + n})"
 
     @staticmethod
     def _revoke(req: dict, step: int, entries: list[dict]) -> tuple[dict, str]:

@@ -5,8 +5,9 @@
     lmtrain plan ...                      memory and throughput plan for a model on a cluster
     lmtrain report RUN_DIR                plots of a run's losses and learning rate (PNG), with its corrections marked
     lmtrain logbook RUN_DIR               the run's logbook as a timeline
-    lmtrain control RUN_DIR lr|revoke|status
-                                          learning-rate corrections of a run, running or stopped, and what is in force
+    lmtrain control RUN_DIR lr|decay|revoke|status
+                                          learning-rate corrections of a run, running or stopped (decay: start a WSD
+                                          schedule's cooldown), and what is in force
     lmtrain generate RUN_DIR --prompt ..  sample from a run's newest checkpoint
     lmtrain export RUN_DIR --out DIR      a standalone model export (safetensors, config, tokenizer; --format hf)
     lmtrain doctor                        every GPU's matmul rate and memory bandwidth, the links' all-reduce bandwidth

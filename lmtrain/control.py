@@ -2,6 +2,7 @@
 
     python -m lmtrain.control RUN_DIR lr --scale 0.5      # multiply the learning rate by 0.5 from the next step boundary
     python -m lmtrain.control RUN_DIR lr --value 1e-4     # set it to 1e-4 (the schedule goes on, scaled)
+    python -m lmtrain.control RUN_DIR decay --steps 500   # scheduler=wsd: start the cooldown now, over 500 steps
     python -m lmtrain.control RUN_DIR revoke 2            # take correction 2 back (its number in `status`)
     python -m lmtrain.control RUN_DIR status              # corrections in force and revoked, the newest checkpoint
 
@@ -12,6 +13,11 @@ A request is a file under ``RUN_DIR/control/``; the run's LRControl callback pic
 apply, whatever wrote it, goes to ``control/rejected/`` with the reason in the logbook, and training goes on. A
 correction stays in force across resumes until revoked. Given while the run is stopped, a request is applied at the
 restart's first step.
+
+``decay`` (a run with ``scheduler=wsd``) starts the schedule's decay where the run picks the request up, over N steps
+to ``scheduler.min_lr_ratio``, instead of at ``scheduler.decay_start``; recorded and revoked like a correction (a
+rollback to a checkpoint before it revokes it). Refused at once when the run has no WSD schedule, a decay is under way
+or pending, or N steps would end after ``trainer.max_steps``; the run checks it again when it applies it.
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.control")
     group.add_argument("--scale", type=float, help="multiply the learning rate by this factor")
     group.add_argument("--value", type=float, help="set the learning rate to this value")
     lr.add_argument("--note", default="", help="why (recorded in the logbook)")
+    decay = sub.add_parser("decay", help="scheduler=wsd: start the learning rate's decay now, over N steps")
+    decay.add_argument("--steps", type=int, required=True, help="the decay's length in optimizer steps")
+    decay.add_argument("--note", default="", help="why (recorded in the logbook)")
     revoke = sub.add_parser("revoke", help="take a correction back")
     revoke.add_argument("id", type=int, help="the correction's number, as `status` shows it")
     sub.add_parser("status", help="corrections in force and revoked, and the newest checkpoint")
@@ -52,6 +61,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.control")
         return 2
     if args.command == "status":
         _status(run_dir)
+        return 0
+    if args.command == "decay":
+        if (problem := _decay_problem(run_dir, args.steps)) is not None:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+        _request(run_dir, "decay", {"decay_steps": args.steps, "note": args.note, "time": time.time()}, f"decay over {args.steps} steps")
         return 0
     if args.command == "revoke":
         entries = corrections.load(run_dir)
@@ -80,6 +95,39 @@ def _request(run_dir: Path, kind: str, request: dict, what: str) -> None:
     print(f"requested: {what} ({final})")
 
 
+def _decay_problem(run_dir: Path, steps: int) -> str | None:
+    """Why ``decay --steps N`` cannot start a cooldown of the run (judged from its config, corrections, pending requests
+    and the last step it logged), or None."""
+    from lmtrain.formats import metrics
+    from lmtrain.formats.trained import read_config
+    from lmtrain.nn.optim import WarmupStableDecay
+
+    if steps < 1:
+        return f"--steps {steps}: the decay's length must be a positive number of steps"
+    try:
+        cfg = read_config(run_dir)
+    except InputError as exc:
+        return str(exc)
+    sched = cfg.get("scheduler") or {}
+    if sched.get("_target_") != "lmtrain.nn.optim.wsd":
+        return f"decay needs scheduler=wsd (warmup-stable-decay): {run_dir} runs {sched.get('_target_')} (decay {sched.get('decay')!r})"
+    keys = ("warmup_steps", "total_steps", "decay_steps", "decay_start", "decay", "min_lr_ratio")
+    schedule = WarmupStableDecay(**{k: sched[k] for k in keys if k in sched})
+    pending = sorted((run_dir / "control").glob("decay-*.json")) if (run_dir / "control").is_dir() else []
+    if pending:
+        return f"a decay request is pending already ({pending[0]}): the run applies it within callbacks.lr_control.poll_every steps"
+    steps_logged = max(metrics.by_step(run_dir), default=-1) + 1  # the run is at this step or later
+    if (under_way := schedule.under_way(corrections.cooldown(corrections.load(run_dir)), steps_logged)) is not None:
+        return under_way
+    max_steps = int((cfg.get("trainer") or {}).get("max_steps", schedule.total_steps))
+    if steps_logged + steps > max_steps:
+        return (
+            f"--steps {steps}: the run has logged step {steps_logged - 1}, so the decay would end after trainer.max_steps={max_steps}; "
+            f"give at most --steps {max_steps - steps_logged}"
+        )
+    return None
+
+
 def _status(run_dir: Path) -> None:
     """Every correction with its number, in force or revoked (and by what), the newest checkpoint, the requests."""
     entries = corrections.load(run_dir)
@@ -91,8 +139,11 @@ def _status(run_dir: Path) -> None:
             state = f"REVOKED by {by[i]} ({entries[by[i]].get('reason')})"
         else:
             state = "in force"
-        print(f"{i:>3}  from step {e['from_step']:>8}: x{float(e['scale']):.4g}  {e['reason']}, {e.get('time', '?')}: {state}")
+        what = f"decay over {e.get('decay_steps')} steps" if e.get("reason") == "decay" else f"x{float(e['scale']):.4g}"
+        print(f"{i:>3}  from step {e['from_step']:>8}: {what}  {e['reason']}, {e.get('time', '?')}: {state}")
     print(f"learning-rate factor in force now: x{corrections.multiplier(entries, 2**62):.4g} of the schedule")
+    if (cd := corrections.cooldown(entries)) is not None:
+        print(f"decay started by the operator: over {cd[1]} steps from step {cd[0]} (to step {cd[0] + cd[1]})")
     latest = ck.newest(run_dir / "checkpoints", quiet=True)
     print(f"newest complete checkpoint: {latest.path.name if latest else 'none'}")
     folder = run_dir / "control"

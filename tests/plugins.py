@@ -148,11 +148,13 @@ class RecordOneDNN(L.Callback):
 
 
 class OperatorAt(L.Callback):
-    """Act as an operator: run ``python -m lmtrain.control RUN_DIR lr --scale S`` (or ``--value V``) in-process when
-    step ``step`` is done, once per run directory (a replay after a rollback does not ask again)."""
+    """Act as an operator: run ``python -m lmtrain.control RUN_DIR lr --scale S`` (or ``--value V``, or ``decay --steps
+    N``) in-process when step ``step`` is done, once per run directory (a replay after a rollback does not ask again)."""
 
-    def __init__(self, run_dir: str, step: int, scale: float | None = None, value: float | None = None) -> None:
-        self.run_dir, self.step, self.scale, self.value = run_dir, step, scale, value
+    def __init__(
+        self, run_dir: str, step: int, scale: float | None = None, value: float | None = None, decay_steps: int | None = None
+    ) -> None:
+        self.run_dir, self.step, self.scale, self.value, self.decay_steps = run_dir, step, scale, value, decay_steps
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         from pathlib import Path
@@ -162,6 +164,9 @@ class OperatorAt(L.Callback):
             from lmtrain.control import main
 
             marker.touch()
+            if self.decay_steps is not None:
+                assert main([self.run_dir, "decay", "--steps", str(self.decay_steps)]) == 0
+                return
             what = ["--scale", str(self.scale)] if self.scale is not None else ["--value", str(self.value)]
             assert main([self.run_dir, "lr", *what]) == 0
 

@@ -74,3 +74,172 @@ def test_qk_norm_normalises_each_heads_queries_and_keys():
     assert plain.blocks[0].attn.q_norm is None and not any("q_norm" in n for n, _ in plain.named_parameters())
     with pytest.raises(ValueError, match="model.qk_norm='yes' must be true or false"):
         ModelConfig(qk_norm="yes")
+
+
+# -- scheduler=wsd and `lmtrain control RUN decay --steps N` ------------------------------------------------------------
+def test_the_wsd_schedule_step_by_step_and_its_bad_keys():
+    """Warmup, the stable peak, the decay in each shape to the floor, which it keeps; an operator's cooldown moves the
+    decay; each bad key is one line naming it."""
+    import math
+
+    from lmtrain.nn.optim import WarmupStableDecay, wsd_problems
+
+    s = WarmupStableDecay(warmup_steps=4, total_steps=20, decay_steps=8, decay="linear", min_lr_ratio=0.1)
+    assert s.decay_start == 12 and [s(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert [s(i) for i in range(4, 13)] == [1.0] * 9
+    assert [round(s(i), 6) for i in range(12, 23)] == [round(0.1 + 0.9 * (1 - min(1, (i - 12) / 8)), 6) for i in range(12, 23)]
+    assert s(20) == s(1000) == pytest.approx(0.1)
+    for shape, f in (("cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p))), ("1-sqrt", lambda p: 1 - math.sqrt(p))):
+        c = WarmupStableDecay(0, 10, 4, decay_start=3, decay=shape)
+        assert [c(i) for i in range(10)] == pytest.approx([1, 1, 1] + [f(p / 4) for p in range(4)] + [0, 0, 0])
+    d = WarmupStableDecay(0, 100)  # defaults: the last fifth, 1-sqrt, to 0
+    assert (d.decay_start, d.decay_steps, d.decay) == (80, 20, "1-sqrt")
+    d.cooldown = (30, 10)  # an operator's: from step 30 over 10 steps, then the floor, and the configured decay is moot
+    assert d(29) == 1.0 and d(30) == 1.0 and d(35) == pytest.approx(1 - math.sqrt(0.5)) and d(40) == d(90) == 0.0
+    assert d.under_way(None, 79) is None and "the configured one, over 20 steps from step 80" in d.under_way(None, 80)
+    assert "the operator's, over 10 steps from step 30" in d.under_way((30, 10), 31)
+    good = {"warmup_steps": 2, "total_steps": 10, "decay_steps": 4, "decay_start": None, "decay": "linear", "min_lr_ratio": 0.0}
+    assert wsd_problems(good) == []
+    for change, said in (
+        ({"decay": "exp"}, "scheduler.decay='exp' is not one of ['linear', 'cosine', '1-sqrt']"),
+        ({"decay_steps": 11}, "scheduler.decay_steps=11 must be in 1..scheduler.total_steps=10"),
+        ({"decay_steps": 0}, "scheduler.decay_steps=0 must be in 1..scheduler.total_steps=10"),
+        ({"warmup_steps": 7}, "scheduler.warmup_steps=7 must be in 0..6"),
+        ({"decay_start": 1}, "scheduler.decay_start=1 must be a step from scheduler.warmup_steps=2 to 6"),
+        ({"decay_start": 7}, "scheduler.decay_start=7 must be a step from scheduler.warmup_steps=2 to 6"),
+        ({"min_lr_ratio": 1.5}, "scheduler.min_lr_ratio=1.5 must be in [0, 1]"),
+    ):
+        (line,) = wsd_problems({**good, **change})
+        assert line.startswith(said), line
+
+
+WSD = [
+    "scheduler=wsd", "scheduler.warmup_steps=2", "callbacks=default", "callbacks.checkpoint.every_n_steps=4",
+    "callbacks.disk_guard.margin_gb=0", "callbacks.lr_control.poll_every=1", "callbacks.divergence.warmup_steps=5",
+    "callbacks.divergence.act_growth={ratio: 10.0, action: warn}", "trainer.val_check_interval=100", "logger=csv",
+]  # fmt: skip
+
+
+def _logged_lr(run) -> dict[int, float]:
+    """``train/lr`` per step of the run's current timeline (metrics.jsonl): the rate each step's update used."""
+    from lmtrain.formats.metrics import by_step
+
+    return {s: float(r["train/lr"]) for s, r in by_step(run).items() if "train/lr" in r}
+
+
+def _expected(steps: int, peak: float, **schedule) -> dict[int, float]:
+    from lmtrain.nn.optim import WarmupStableDecay
+
+    cooldown = schedule.pop("cooldown", None)
+    s = WarmupStableDecay(**schedule)
+    s.cooldown = cooldown
+    return {i: peak * s(i) for i in range(steps)}
+
+
+def test_a_configured_wsd_decay_is_the_learning_rate_every_step_used(tmp_path, dataset_dir):
+    """scheduler=wsd with the decay at a configured step: ``train/lr`` of every step is the schedule's (warmup 2, peak
+    from 2 to 7, linear decay over 4 steps from step 8 to x0.1, kept to the end)."""
+    from lmtrain.training.run import train
+    from tests.conftest import TINY, make_cfg
+
+    extra = ["trainer.max_steps=14", "scheduler.decay_steps=4", "scheduler.decay_start=8", "scheduler.decay=linear",
+             "scheduler.min_lr_ratio=0.1", "optimizer.lr=0.002"]  # fmt: skip
+    train(make_cfg(TINY + WSD + extra, tmp_path, dataset_dir))
+    got = _logged_lr(tmp_path / "run")
+    want = _expected(14, 0.002, warmup_steps=2, total_steps=14, decay_steps=4, decay_start=8, decay="linear", min_lr_ratio=0.1)
+    assert sorted(got) == list(range(14))
+    assert [round(got[s], 12) for s in got] == [round(want[s], 12) for s in got]
+    assert got[7] == 0.002 and got[12] == got[13] == pytest.approx(0.0002)
+
+
+@pytest.mark.slow
+def test_an_operators_cooldown_survives_a_kill_and_a_resume_and_the_cli_refuses_what_cannot_start(tmp_path, dataset_dir):
+    """`lmtrain control RUN decay --steps 40` while the run is at step 6 (the configured decay would start at step 48):
+    the cooldown starts at the next step boundary, is recorded (lr_corrections.jsonl, the logbook, `status`), the run is
+    killed with SIGKILL mid-decay, a second launch resumes it, and every step's logged learning rate is the schedule
+    with the decay moved to that step; a second decay, a bad N and a run without WSD are one error each, writing nothing."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from lmtrain.control import main
+    from lmtrain.formats import corrections, logbook
+    from tests.conftest import ROOT, TINY, run_train_cli, user_env
+
+    run = tmp_path / "run"
+    args = [*TINY, *WSD, f"run_dir={run}", f"data.path={dataset_dir}", "data.prepare=null", "trainer.max_steps=60",
+            "optimizer.lr=0.002", "+callbacks.op._target_=tests.plugins.OperatorAt", f"+callbacks.op.run_dir={run}",
+            "+callbacks.op.step=6", "+callbacks.op.decay_steps=40"]  # fmt: skip
+    env = {**user_env(), "PYTHONPATH": str(ROOT), "LMTRAIN_RUN_ID": ""}
+    first = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 180
+    while not any(e["kind"] == "checkpoint" and e["step"] >= 12 for e in logbook.read(run)):
+        assert first.poll() is None, first.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint past the decay's start"
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.communicate()
+    assert first.returncode == -signal.SIGKILL
+    (entry,) = corrections.load(run)
+    assert entry["reason"] == "decay" and entry["from_step"] == 6 and entry["decay_steps"] == 40
+    killed_at = max(_logged_lr(run))
+    assert killed_at < 46, "the kill came after the decay's end"
+    res = run_train_cli(args, tmp_path)  # the same command again: resumes from the newest checkpoint
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = _logged_lr(run)
+    want = _expected(60, 0.002, warmup_steps=2, total_steps=60, decay_steps=None, cooldown=(6, 40))
+    assert sorted(got) == list(range(60)) and [round(got[s], 12) for s in got] == [round(want[s], 12) for s in got]
+    assert got[5] == 0.002 and got[6] == 0.002 and got[7] < 0.002 and got[46] == got[59] == 0.0
+    said = [e for e in logbook.read(run) if e["kind"] == "lr_correction"]
+    assert len(said) == 1 and "operator: decay over 40 steps (1-sqrt, to x0 of the peak at step 46) from step 6" in said[0]["message"]
+    resumed = [e for e in logbook.read(run) if e["kind"] == "resume"]
+    assert len(resumed) == 1 and 12 <= resumed[0]["step"] <= killed_at + 1  # after the kill: from a checkpoint mid-decay
+
+    def refused(argv: list[str], said: str) -> None:
+        before = sorted(p.name for p in (run / "control").rglob("*"))
+        res = subprocess.run([sys.executable, "-m", "lmtrain.control", *argv], capture_output=True, text=True, cwd=ROOT, env=env)
+        assert res.returncode == 2 and said in res.stderr and res.stderr.count("\n") == 1, res.stderr
+        assert sorted(p.name for p in (run / "control").rglob("*")) == before and len(corrections.load(run)) == 1
+
+    refused([str(run), "decay", "--steps", "5"], "a decay is under way already: the operator's, over 40 steps from step 6")
+    refused([str(run), "decay", "--steps", "0"], "--steps 0: the decay's length must be a positive number of steps")
+    status = subprocess.run(
+        [sys.executable, "-m", "lmtrain.control", str(run), "status"], capture_output=True, text=True, cwd=ROOT, env=env
+    )
+    assert (
+        "decay over 40 steps  decay" in status.stdout
+        and "decay started by the operator: over 40 steps from step 6 (to step 46)" in status.stdout
+    )
+    assert main([str(run), "revoke", "0"]) == 0  # an operator may take a decay back (the request is judged by the run)
+    (cosine := tmp_path / "cosine").mkdir()
+    (cosine / "config.yaml").write_text("model: {}\ndata: {}\nscheduler: {_target_: lmtrain.nn.optim.warmup_decay, decay: cosine}\n")
+    res = subprocess.run([sys.executable, "-m", "lmtrain.control", str(cosine), "decay", "--steps", "5"], capture_output=True, text=True,
+                         cwd=ROOT, env=env)  # fmt: skip
+    assert res.returncode == 2 and "decay needs scheduler=wsd" in res.stderr and not (cosine / "control").exists()
+
+
+def test_a_rollback_to_a_checkpoint_before_the_operators_cooldown_revokes_it(tmp_path, dataset_dir):
+    """The operator starts the cooldown when step 9 is done; a loss spike at step 10 rolls the run back to the
+    checkpoint of step 8, which predates it: the rollback revokes the decay (the replay passes step 9 at the stable
+    peak, times the rollback's x0.5) and the configured decay at the end of the run is the one that happens."""
+    from lmtrain.formats import corrections, logbook
+    from lmtrain.training.run import train
+    from tests.conftest import TINY, make_cfg
+
+    run = tmp_path / "run"
+    extra = ["trainer.max_steps=16", "optimizer.lr=0.002", "fault=loss_spike", "callbacks.fault.step=10",
+             "+callbacks.op._target_=tests.plugins.OperatorAt", f"+callbacks.op.run_dir={run}", "+callbacks.op.step=9",
+             "+callbacks.op.decay_steps=5"]  # fmt: skip
+    train(make_cfg(TINY + WSD + extra, tmp_path, dataset_dir))
+    entries = corrections.load(run)
+    assert [e["reason"] for e in entries] == ["decay", "rollback"] and entries[0]["from_step"] == 9
+    assert entries[1]["from_step"] == 8 and entries[1]["revokes"] == [0] and corrections.cooldown(entries) is None
+    rollback = next(e for e in logbook.read(run) if e["kind"] == "rollback")
+    assert "decay over 5 steps from step 9" in rollback["message"], rollback["message"]
+    got = _logged_lr(run)
+    want = _expected(16, 0.002, warmup_steps=2, total_steps=16)  # the configured decay: the last 3 steps
+    assert [round(got[s], 12) for s in range(8)] == [round(want[s], 12) for s in range(8)]
+    assert [round(got[s], 12) for s in range(8, 16)] == [round(0.5 * want[s], 12) for s in range(8, 16)]
+    assert got[12] == 0.001 and got[13] == 0.001 and got[15] < got[14] < 0.001

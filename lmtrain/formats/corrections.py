@@ -3,12 +3,14 @@
 A correction multiplies the learning rate from ``from_step`` on (``scale``); it comes from an automatic rollback
 (``reason: rollback``, also recording the signal's step and the data batches skipped), from an operator
 (``python -m lmtrain.control RUN_DIR lr ...``, ``reason: operator``), or from the config at a (re)start
-(``reason: config``: ``callbacks.lr_control.scale``, the latest one in force, not compounded). The file is the
+(``reason: config``: ``callbacks.lr_control.scale``, the latest one in force, not compounded). A cooldown started by
+an operator under ``scheduler=wsd`` (``python -m lmtrain.control RUN_DIR decay --steps N``) is an entry of its own
+(``reason: decay``, ``decay_steps: N``, ``scale: 1``): the schedule's decay starts at its ``from_step``. The file is the
 source of truth: every resume, automatic or not, re-reads it, so the schedule the run follows is the same timeline
 whichever checkpoint it restarts from.
 
-A rollback abandons a timeline: the operator and config corrections issued at or after the checkpoint it returns to
-belong to the steps that diverged, so the rollback's entry lists them (``revokes``: their line numbers in the file,
+A rollback abandons a timeline: the operator, config and decay corrections issued at or after the checkpoint it
+returns to belong to the steps that diverged, so the rollback's entry lists them (``revokes``: their line numbers in the file,
 counted from 0) and they are no longer in force when the replay passes their steps. The rollbacks' own factors
 stay: each further rollback lowers the rate again.
 """
@@ -50,16 +52,30 @@ def in_force(entries: list[dict]) -> list[dict]:
 
 
 def abandoned(entries: list[dict], from_step: int) -> list[int]:
-    """Line numbers of the operator and config corrections in force from ``from_step`` on: the timeline a rollback to
-    the checkpoint of ``from_step`` abandons (a checkpoint of step S is saved before step S's corrections apply)."""
+    """Line numbers of the operator, config and decay corrections in force from ``from_step`` on: the timeline a rollback
+    to the checkpoint of ``from_step`` abandons (a checkpoint of step S is saved before step S's corrections apply)."""
     gone = revoked(entries)
-    return [i for i, e in enumerate(entries) if i not in gone and e.get("reason") in ("operator", "config") and e["from_step"] >= from_step]
+    return [
+        i
+        for i, e in enumerate(entries)
+        if i not in gone and e.get("reason") in ("operator", "config", "decay") and e["from_step"] >= from_step
+    ]
+
+
+def cooldown(entries: list[dict]) -> tuple[int, int] | None:
+    """(first step, steps) of the operator's cooldown in force (``reason: decay``, not revoked), or None."""
+    for e in in_force(entries):
+        if e.get("reason") == "decay":
+            return int(e["from_step"]), int(e["decay_steps"])
+    return None
 
 
 def describe(entry: dict) -> str:
     """One correction in words, for the logbook."""
     if entry.get("reason") == "revoke":
         return f"revocation of {', '.join(map(str, entry.get('revokes', ())))} from step {entry['from_step']}"
+    if entry.get("reason") == "decay":
+        return f"decay over {entry.get('decay_steps')} steps from step {entry['from_step']}"
     return f"{entry.get('reason')} x{float(entry['scale']):.4g} from step {entry['from_step']}"
 
 
@@ -76,6 +92,9 @@ def problems(entries: list[dict]) -> str | None:
             return f"line {i + 1}: scale={scale!r} is not a finite positive factor"
         if any(not isinstance(j, int) or not 0 <= j < len(entries) for j in e.get("revokes", ())):
             return f"line {i + 1}: revokes={e.get('revokes')!r} names no correction of the file"
+        steps = e.get("decay_steps")
+        if e.get("reason") == "decay" and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+            return f"line {i + 1}: decay_steps={steps!r} is not a number of steps"
     return None
 
 
@@ -85,7 +104,7 @@ def multiplier(entries: list[dict], step: int) -> float:
     for e in sorted(in_force(entries), key=lambda e: e["from_step"]):
         if e["from_step"] > step:
             break
-        if e.get("reason") == "revoke":
+        if e.get("reason") in ("revoke", "decay"):  # a decay moves the schedule's own decay (cooldown), no factor
             continue
         if e.get("reason") == "config":
             config = float(e["scale"])

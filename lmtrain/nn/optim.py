@@ -62,6 +62,129 @@ class WarmupDecay:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
 
 
+SHAPES = ("linear", "cosine", "1-sqrt")  # scheduler=wsd's decay shapes
+WSD_DEFAULT_DECAY_FRACTION = 0.2  # scheduler.decay_steps=null: the last fifth of the run (Haegele et al. 2024)
+
+
+def decay_shape(shape: str, progress: float) -> float:
+    """From 1 at ``progress`` 0 to 0 at 1: ``linear``, ``cosine`` (half a cosine) or ``1-sqrt`` (1 - sqrt(progress):
+    most of the drop at the start, the shape Haegele et al. 2024 found best for a WSD cooldown)."""
+    if shape == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if shape == "1-sqrt":
+        return 1.0 - math.sqrt(progress)
+    return 1.0 - progress
+
+
+class WarmupStableDecay:
+    """LR multiplier of ``scheduler=wsd``: linear warmup to 1 over ``warmup_steps`` (as :class:`WarmupDecay`'s), 1
+    through the stable phase, then ``decay`` (a :data:`SHAPES` name) over ``decay_steps`` steps to ``min_lr_ratio``,
+    which it keeps. The decay starts at ``decay_start`` (None: ``total_steps - decay_steps``, so that it ends with the
+    run), or where an operator starts it (``lmtrain control RUN decay --steps N``): :attr:`cooldown` then holds that
+    ``(start, steps)``, set from the run's corrections file at every step (callbacks/lr_control.py); it is not part
+    of the schedule's saved state, the file is the truth.
+    """
+
+    def __init__(
+        self,
+        warmup_steps: int,
+        total_steps: int,
+        decay_steps: int | None = None,
+        decay_start: int | None = None,
+        decay: str = "1-sqrt",
+        min_lr_ratio: float = 0.0,
+    ) -> None:
+        if decay_steps is None:
+            decay_steps = max(1, round(WSD_DEFAULT_DECAY_FRACTION * total_steps))
+        self.warmup_steps, self.total_steps, self.decay_steps = warmup_steps, total_steps, decay_steps
+        self.decay_start = total_steps - decay_steps if decay_start is None else decay_start
+        self.decay, self.min_lr_ratio = decay, min_lr_ratio
+        self._cooldown: tuple[int, int] | None = None
+
+    @property
+    def cooldown(self) -> tuple[int, int] | None:
+        return self._cooldown
+
+    @cooldown.setter
+    def cooldown(self, value: tuple[int, int] | None) -> None:
+        self._cooldown = None if value is None else (int(value[0]), int(value[1]))
+
+    def decay_window(self) -> tuple[int, int, str]:
+        """(first step, steps, whose: "configured" or "operator") of the decay in force."""
+        if self._cooldown is not None:
+            return self._cooldown[0], self._cooldown[1], "operator"
+        return self.decay_start, self.decay_steps, "configured"
+
+    def under_way(self, cooldown: tuple[int, int] | None, step: int) -> str | None:
+        """Why an operator's cooldown cannot start at ``step`` (``cooldown``: one in force; or the configured decay
+        has begun), or None."""
+        if cooldown is not None:
+            return f"a decay is under way already: the operator's, over {cooldown[1]} steps from step {cooldown[0]} (lmtrain control RUN status)"
+        if step >= self.decay_start:
+            return f"a decay is under way already: the configured one, over {self.decay_steps} steps from step {self.decay_start} (scheduler.decay_start)"
+        return None
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        start, steps, _ = self.decay_window()
+        if step < start:
+            return 1.0
+        progress = min(1.0, (step - start) / max(1, steps))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay_shape(self.decay, progress)
+
+
+def wsd_problems(sched) -> list[str]:
+    """``scheduler=wsd``'s keys (a mapping), each bad one a line naming it."""
+    out = []
+    total, warmup = sched.get("total_steps"), sched.get("warmup_steps")
+    steps, start = sched.get("decay_steps"), sched.get("decay_start")
+
+    def whole(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if sched.get("decay") not in SHAPES:
+        out.append(f"scheduler.decay={sched.get('decay')!r} is not one of {list(SHAPES)}")
+    if not (whole(total) and total > 0):
+        return out + [f"scheduler.total_steps={total!r} must be a positive integer"]
+    if steps is not None and not (whole(steps) and 1 <= steps <= total):
+        out.append(f"scheduler.decay_steps={steps!r} must be in 1..scheduler.total_steps={total} (or null: a fifth of the run)")
+        return out
+    length = steps if steps is not None else max(1, round(WSD_DEFAULT_DECAY_FRACTION * total))
+    if not (whole(warmup) and 0 <= warmup <= total - length):
+        out.append(
+            f"scheduler.warmup_steps={warmup!r} must be in 0..{total - length} (the steps before a decay of {length} steps that ends the run)"
+        )
+    if start is not None and not (whole(start) and (whole(warmup) and warmup <= start) and start + length <= total):
+        out.append(
+            f"scheduler.decay_start={start!r} must be a step from scheduler.warmup_steps={warmup} to {total - length} (a decay of {length} "
+            f"steps ending by scheduler.total_steps={total}), or null: the decay ends the run"
+        )
+    ratio = sched.get("min_lr_ratio")
+    if not (isinstance(ratio, int | float) and not isinstance(ratio, bool) and 0.0 <= ratio <= 1.0):
+        out.append(f"scheduler.min_lr_ratio={ratio!r} must be in [0, 1]")
+    return out
+
+
+def wsd(
+    optimizer: torch.optim.Optimizer,
+    warmup_steps: int,
+    total_steps: int,
+    decay_steps: int | None = None,
+    decay_start: int | None = None,
+    decay: str = "1-sqrt",
+    min_lr_ratio: float = 0.0,
+) -> LambdaLR:
+    """The scheduler of ``conf/scheduler/wsd.yaml`` (:class:`WarmupStableDecay`); a resume keeps this schedule."""
+    return ConfiguredLR(optimizer, WarmupStableDecay(warmup_steps, total_steps, decay_steps, decay_start, decay, min_lr_ratio))
+
+
+def schedule_of(scheduler) -> object | None:
+    """The multiplier function of a ``LambdaLR`` (its first group's), or None for another scheduler."""
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    return lambdas[0] if lambdas else None
+
+
 class ConfiguredLR(LambdaLR):
     """``LambdaLR`` whose schedule is the one it was built with, also after ``load_state_dict``.
 
@@ -79,11 +202,14 @@ class ConfiguredLR(LambdaLR):
     def state_dict(self) -> dict:
         state = super().state_dict()
         state.pop("changes", None)
+        # a schedule's private fields (a WSD cooldown) come from the run's corrections file, not from checkpoints
+        state["lr_lambdas"] = [None if f is None else {k: v for k, v in f.items() if not k.startswith("_")} for f in state["lr_lambdas"]]
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         saved = {k: v for k, v in state_dict.items() if k not in ("lr_lambdas", "changes")}
-        schedule, peaks = dict(vars(self.lr_lambdas[0])), list(self.base_lrs)
+        schedule = {k: v for k, v in vars(self.lr_lambdas[0]).items() if not k.startswith("_")}
+        peaks = list(self.base_lrs)
         old_schedule = (state_dict.get("lr_lambdas") or [None])[0] or {}
         self.__dict__.update(saved)  # position: last_epoch, _step_count, ...
         self.base_lrs = peaks
