@@ -243,3 +243,141 @@ def test_a_rollback_to_a_checkpoint_before_the_operators_cooldown_revokes_it(tmp
     assert [round(got[s], 12) for s in range(8)] == [round(want[s], 12) for s in range(8)]
     assert [round(got[s], 12) for s in range(8, 16)] == [round(0.5 * want[s], 12) for s in range(8, 16)]
     assert got[12] == 0.001 and got[13] == 0.001 and got[15] < got[14] < 0.001
+
+
+# -- optimizer=muon ----------------------------------------------------------------------------------------------------
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest_in_one_optimizer():
+    """The groups: every block matrix to Muon; the untied head (with weight decay), embeddings, norms and biases to
+    AdamW; the learning-rate schedule sets both; Muon's update is torch.optim.Muon's; a state saved and loaded into a
+    new optimizer continues the same steps exactly; bad keys are one line each."""
+    import copy
+    import functools
+
+    from lmtrain.nn.optim import MuonWithAdamW, build_optimizer, muon_problems
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(family="llama", vocab_size=96, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, tie_embeddings=False, qk_norm=True)
+    model = Decoder(cfg)
+    factory = functools.partial(MuonWithAdamW, lr=1e-2, weight_decay=0.1, fused=None)
+    opt = build_optimizer(factory, model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [(g["muon"], g["weight_decay"], sorted(names[id(p)] for p in g["params"])) for g in opt.param_groups]
+    assert groups[0][:2] == (True, 0.1) and groups[0][2] == sorted(
+        n for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")
+    )
+    assert groups[1] == (False, 0.1, ["lm_head.weight"])
+    assert groups[2][:2] == (False, 0.0) and "tok_emb.weight" in groups[2][2] and "blocks.0.attn.q_norm.weight" in groups[2][2]
+    reference = Decoder(cfg)
+    reference.load_state_dict(model.state_dict())
+    hidden = [p for n, p in reference.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
+    torch_muon = torch.optim.Muon(hidden, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    torch_adamw = torch.optim.AdamW(
+        [{"params": [reference.lm_head.weight], "weight_decay": 0.1},
+         {"params": [p for n, p in reference.named_parameters() if p.ndim < 2 or n == "tok_emb.weight"], "weight_decay": 0.0}],
+        lr=5e-3, betas=(0.9, 0.95), eps=1e-8,
+    )  # fmt: skip
+    x = torch.randint(0, 96, (2, 16))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)  # the schedule reaches both kinds of groups
+    assert {g["lr"] for g in opt.muon.param_groups + opt.adamw.param_groups} == {5e-3}
+    for g in torch_muon.param_groups:
+        g["lr"] = 5e-3
+    for _ in range(3):
+        model(x, x).backward()
+        reference(x, x).backward()
+        for o in (opt, torch_muon, torch_adamw):
+            o.step()
+            o.zero_grad()
+        sched.step()
+        for g in torch_muon.param_groups:
+            g["lr"] = 5e-3
+    ours = dict(model.named_parameters())
+    for n, p in reference.named_parameters():
+        assert torch.equal(ours[n], p), n  # torch.optim.Muon's and torch.optim.AdamW's steps exactly
+    again = Decoder(cfg)
+    again.load_state_dict(model.state_dict())
+    reopened = build_optimizer(factory, again)
+    reopened.load_state_dict(copy.deepcopy(opt.state_dict()))  # as from a file: no tensor shared with opt's state
+    assert reopened.muon.state is reopened.state and {g["lr"] for g in reopened.param_groups} == {5e-3}
+    for m, o in ((model, opt), (again, reopened)):
+        m(x, x).backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
+    good = {"momentum": 0.95, "ns_steps": 5, "adjust_lr_fn": "match_rms_adamw", "betas": [0.9, 0.95], "weight_decay": 0.1}
+    assert muon_problems(good) == []
+    for change, said in (
+        ({"momentum": 1.0}, "optimizer.momentum=1.0 must be in [0, 1)"),
+        ({"ns_steps": 0}, "optimizer.ns_steps=0 must be a whole number of Newton-Schulz steps"),
+        ({"adjust_lr_fn": "none"}, "optimizer.adjust_lr_fn='none' is not one of ['match_rms_adamw', 'original']"),
+        ({"betas": [0.9]}, "optimizer.betas=[0.9] must be two numbers in [0, 1)"),
+    ):
+        (line,) = muon_problems({**good, **change})
+        assert line.startswith(said), line
+
+
+MUON = [a for a in __import__("tests.conftest", fromlist=["TINY"]).TINY if not a.startswith(("trainer.devices", "data.batch_size", "trainer.max_steps"))] + [
+    "optimizer=muon", "optimizer.lr=0.01", "model=tiny-llama", "global_batch_size=4", "seed=7", "scheduler.total_steps=12",
+    "scheduler.warmup_steps=2", "trainer.val_check_interval=1000", "logger=csv", "callbacks=checkpoint",
+    "callbacks.disk_guard.margin_gb=0", "callbacks.checkpoint.every_n_steps=100",
+]  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout, ranks", [("fsdp", 3), ("hsdp", 4)])
+def test_muon_on_sharded_matrices_is_one_processs_muon_bit_for_bit(tmp_path, layout, ranks):
+    """Given the same gradients, MuonWithAdamW's three steps on FSDP2-sharded parameters (3 ranks: uneven shards) and
+    on HSDP's 2 x 2 mesh equal one process's exactly: each sharded matrix is orthogonalised whole (tests/muon_probe.py)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, user_env
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", str(ROOT / "tests" / "muon_probe.py"), layout]
+    res = subprocess.run(cmd, cwd=tmp_path, env={**user_env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for r in range(ranks):
+        diffs = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert len(diffs) == 15 and set(diffs.values()) == {0.0}, diffs
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_muon_runs_resume_exactly_and_across_world_sizes_follow_the_uninterrupted_run(tmp_path, dataset_dir):
+    """optimizer=muon from the command line: fsdp on 2 ranks to step 4, resumed on fsdp 2 to 8, then on one process to
+    10 and on ddp 2 to 12. The same-layout resume is the uninterrupted fsdp run to the last digit (the sharded state
+    saved and read exactly); across world sizes the losses follow the uninterrupted one-process run to 1e-3 (relative):
+    the gradients' reduction order differs between layouts, and Muon's bf16 Newton-Schulz iteration magnifies such
+    differences (measured: an uninterrupted fsdp run is 1.8e-4 off the one-process run by step 4; AdamW's 1e-6)."""
+    from tests.conftest import run_train_cli
+    from tests.test_checkpoint import _losses
+
+    data = [f"data.path={dataset_dir}", "data.prepare=null"]
+    fsdp = ["strategy=fsdp", "trainer.devices=2"]
+    runs = {
+        "single": [(["strategy=single"], 4, 12)],
+        "fsdp": [(fsdp, 2, 8)],
+        "moved": [(fsdp, 2, 4), (fsdp, 2, 8), (["strategy=single"], 4, 10), (["strategy=ddp", "trainer.devices=2"], 2, 12)],
+    }
+    for name, chain in runs.items():
+        for layout, batch, until in chain:
+            args = (
+                MUON
+                + data
+                + layout
+                + [f"paths.runs={tmp_path / 'runs'}", f"run_name={name}", f"data.batch_size={batch}", f"trainer.max_steps={until}"]
+            )
+            res = run_train_cli(args, tmp_path)
+            assert res.returncode == 0, res.stderr[-4000:]
+    single, fsdp_run, moved = (_losses(tmp_path / "runs" / n) for n in runs)
+    assert sorted(moved) == sorted(single) == list(range(12)) and sorted(fsdp_run) == list(range(8))
+    assert [moved[s] for s in range(8)] == [fsdp_run[s] for s in range(8)]  # the same layout: the same digits
+    for s in range(12):
+        assert float(moved[s]) == pytest.approx(float(single[s]), rel=1e-3), s
+    assert float(moved[11]) < float(moved[0]) - 1.0
+    from lmtrain.formats import untrusted
+
+    saved = untrusted.torch_load(tmp_path / "runs" / "moved" / "checkpoints" / "step-0000012" / "checkpoint.pt", map_location="cpu")
+    (state,) = saved["optimizer_states"]  # every parameter's state carried through the layouts: Muon's and AdamW's
+    kinds = sorted(tuple(sorted(v)) for v in state["state"].values())
+    assert kinds.count(("momentum_buffer",)) == 8 and kinds.count(("exp_avg", "exp_avg_sq", "step")) == 7
+    assert [g["muon"] for g in state["param_groups"]] == [True, False, False]

@@ -24,18 +24,166 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def muon_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """``optimizer=muon``'s three groups: the hidden matrices (Muon: every 2-D weight but the embeddings and the output
+    head), the output head when it is not the embedding (AdamW with weight decay), and the rest (AdamW without: norms,
+    biases, embeddings). Each carries ``muon: True/False``; groups left empty are dropped."""
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    if head is None:
+        raise ValueError(f"optimizer=muon needs to know the model's output head (lm_head.weight), which {type(model).__name__} lacks")
+    matrices, rest = (g["params"] for g in param_groups(model, weight_decay))  # a tied head is the embedding: in rest
+    hidden, head_group = [p for p in matrices if p is not head], [p for p in matrices if p is head]
+    groups = [
+        {"params": hidden, "weight_decay": weight_decay, "muon": True},
+        {"params": head_group, "weight_decay": weight_decay, "muon": False},
+        {"params": rest, "weight_decay": 0.0, "muon": False},
+    ]
+    return [g for g in groups if g["params"]]
+
+
 def build_optimizer(factory: Callable[..., torch.optim.Optimizer], model: nn.Module) -> torch.optim.Optimizer:
     """Finish a partial optimizer config (``_partial_: true``) on ``model``'s parameter groups.
 
     ``weight_decay`` from the config goes to the matrix group only. ``fused: null`` means fused when every
     parameter is on a CUDA device (the fast path for AdamW), the default implementation otherwise.
+    :class:`MuonWithAdamW` gets :func:`muon_param_groups`.
     """
     kwargs = dict(getattr(factory, "keywords", {}) or {})
     weight_decay = kwargs.pop("weight_decay", 0.0)
     if "fused" in kwargs and kwargs["fused"] is None:
         kwargs["fused"] = all(p.device.type == "cuda" for p in model.parameters()) or None
     func = getattr(factory, "func", factory)
-    return func(param_groups(model, weight_decay), *getattr(factory, "args", ()), **kwargs)
+    groups = muon_param_groups(model, weight_decay) if func is MuonWithAdamW else param_groups(model, weight_decay)
+    return func(groups, *getattr(factory, "args", ()), **kwargs)
+
+
+class Muon(torch.optim.Muon):
+    """``torch.optim.Muon`` that also takes matrices sharded by FSDP2 (``DTensor``): the orthogonalisation needs the
+    whole matrix, so each sharded update (momentum applied, on the shards) is gathered whole on every rank, orthogonalised
+    there by PyTorch's own Newton-Schulz iteration, and each rank keeps its own rows of the result. Every rank computes
+    every matrix's orthogonalisation (the work of one GPU, repeated) in exchange for one all-gather per matrix per step
+    and results equal to one process's bit for bit, whatever the number of ranks; the momentum buffers stay sharded like
+    the parameters, so checkpoints reshard as AdamW's do. (Letting DTensor run the iteration on the shards does not work:
+    its matrix products on sharded operands come out 1% of a step off one process's after three steps.) Plain tensors
+    take ``torch.optim.Muon``'s own step."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from torch.distributed.tensor import DTensor, distribute_tensor
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz, muon
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, bufs = [], [], []
+            self._init_group(group, params, grads, bufs)
+            plain = [i for i, p in enumerate(params) if not isinstance(p, DTensor)]
+            options = {
+                k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
+            }
+            if plain:
+                muon([params[i] for i in plain], [grads[i] for i in plain], [bufs[i] for i in plain], **options, has_complex=False)
+            lr, decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
+            for p, grad, buf in zip(params, grads, bufs, strict=True):
+                if not isinstance(p, DTensor):
+                    continue
+                buf.lerp_(grad, 1 - momentum)  # as torch.optim._muon._single_tensor_muon, on the shards
+                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                whole = _zeropower_via_newtonschulz(update.full_tensor(), group["ns_coefficients"], group["ns_steps"], group["eps"])
+                mine = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)  # this rank's rows, no traffic
+                p.mul_(1 - lr * decay)
+                p.add_(mine, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+        return loss
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """``optimizer=muon``: :class:`Muon` on the hidden matrices and ``torch.optim.AdamW`` on the embeddings, the output
+    head, norms and biases (:func:`muon_param_groups`), as one optimizer: one list of parameter groups, which the
+    learning-rate schedule, the corrections and a rollback set for both, and one state (saved, resumed and resharded
+    like AdamW's alone). Both take the same learning rate and weight decay: Muon's step is scaled per matrix to match
+    AdamW's update size (``adjust_lr_fn: match_rms_adamw``, 0.2 x sqrt(max(rows, columns)): Moonshot's rule, Liu et
+    al. 2025), so the rate tuned for AdamW serves."""
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        adjust_lr_fn: str = "match_rms_adamw",
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        fused: bool | None = None,
+    ) -> None:
+        self._muon_options = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps,
+                              "adjust_lr_fn": adjust_lr_fn}  # fmt: skip
+        self._adamw_options = {"lr": lr, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps, "fused": fused}
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay, "muon": False})
+        self._link()
+
+    def _link(self) -> None:
+        """The two optimizers over this one's groups (the same dicts) and state (the same mapping)."""
+        muon_groups = [g for g in self.param_groups if g["muon"]]
+        adamw_groups = [g for g in self.param_groups if not g["muon"]]
+        self.muon = Muon(muon_groups, **self._muon_options) if muon_groups else None
+        self.adamw = torch.optim.AdamW(adamw_groups, **self._adamw_options) if adamw_groups else None
+        for inner in (self.muon, self.adamw):
+            if inner is not None:
+                inner.state = self.state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # new group dicts (their saved settings) and a new state mapping: link again
+        self._link()
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for inner in (self.muon, self.adamw):
+            if inner is not None:
+                inner.step()
+        return loss
+
+
+MUON_ADJUSTMENTS = ("match_rms_adamw", "original")
+
+
+def muon_problems(opt) -> list[str]:
+    """``optimizer=muon``'s keys (a mapping), each bad one a line naming it (before any model is built)."""
+    out = []
+    m = opt.get("momentum")
+    if not (isinstance(m, int | float) and not isinstance(m, bool) and 0.0 <= m < 1.0):
+        out.append(f"optimizer.momentum={m!r} must be in [0, 1)")
+    n = opt.get("ns_steps")
+    if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n < 100):
+        out.append(f"optimizer.ns_steps={n!r} must be a whole number of Newton-Schulz steps in 1..99 (5: Keller Jordan's)")
+    if opt.get("adjust_lr_fn") not in MUON_ADJUSTMENTS:
+        out.append(
+            f"optimizer.adjust_lr_fn={opt.get('adjust_lr_fn')!r} is not one of {list(MUON_ADJUSTMENTS)} (match_rms_adamw: "
+            "AdamW's learning rate serves both groups)"
+        )
+    betas = opt.get("betas")
+    if not (isinstance(betas, list | tuple) and len(betas) == 2 and all(isinstance(b, int | float) and 0.0 <= b < 1.0 for b in betas)):
+        out.append(f"optimizer.betas={betas!r} must be two numbers in [0, 1) (AdamW's, for the embeddings, head, norms and biases)")
+    wd = opt.get("weight_decay")
+    if not (isinstance(wd, int | float) and not isinstance(wd, bool) and wd >= 0):
+        out.append(f"optimizer.weight_decay={wd!r} must be a number >= 0")
+    return out
+
+
+def state_bytes_before_first_step(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of state ``optimizer`` will hold once it has stepped (a disk-space estimate before its first step):
+    AdamW's two fp32 moments per parameter; Muon's one momentum buffer per matrix."""
+    name = type(optimizer).__name__
+    per = {"MuonWithAdamW": None, "AdamW": 8, "Adam": 8, "Muon": 4}.get(name, 0)
+    if per is None:
+        return sum(p.numel() * (4 if g["muon"] else 8) for g in optimizer.param_groups for p in g["params"])
+    return per * sum(p.numel() for g in optimizer.param_groups for p in g["params"])
 
 
 class WarmupDecay:

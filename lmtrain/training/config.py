@@ -326,6 +326,10 @@ def validate_config(cfg: DictConfig) -> None:
             problems.append(f"{key}={cfg.get(key)!r} must be true or false")
 
     opt = cfg.get("optimizer")
+    if opt is not None and str(opt.get("_target_", "")) == "lmtrain.nn.optim.MuonWithAdamW":
+        from lmtrain.nn.optim import muon_problems
+
+        problems += muon_problems(OmegaConf.to_container(opt, resolve=True))
     if opt is not None and "lr" in opt and (not isinstance(opt.lr, (int, float)) or isinstance(opt.lr, bool) or opt.lr < 0):
         problems.append(f"optimizer.lr={opt.lr!r} must be a positive number (or 0: the weights kept as they start)")
 

@@ -26,6 +26,7 @@ from lmtrain.console import log
 from lmtrain.formats import checkpoint as ck
 from lmtrain.formats import logbook
 from lmtrain.formats.checkpoint import CheckpointError
+from lmtrain.nn.optim import state_bytes_before_first_step
 from lmtrain.training import compat
 from lmtrain.training.checkpoint.host import HostCopy
 from lmtrain.training.loggers import flush as flush_loggers
@@ -408,14 +409,14 @@ def checkpoint_bytes(param_bytes: int, optimizer_bytes: int) -> int:
 
 def state_bytes(trainer) -> int:
     """Bytes a checkpoint of this trainer's state takes (:func:`checkpoint_bytes`): parameters plus optimizer state
-    (Adam's two moments in fp32 where the optimizer has not stepped yet)."""
+    (where the optimizer has not stepped yet, what it will hold: lmtrain.nn.optim.state_bytes_before_first_step)."""
     params = sum(p.numel() * p.element_size() for p in trainer.lightning_module.parameters())
     opt_state = 0
     for opt in trainer.optimizers:
         for st in opt.state.values():
             opt_state += sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
-        if not opt.state and "Adam" in type(opt).__name__:
-            opt_state += 2 * sum(p.numel() * 4 for g in opt.param_groups for p in g["params"])  # exp_avg, exp_avg_sq
+        if not opt.state:
+            opt_state += state_bytes_before_first_step(opt)
     return checkpoint_bytes(params, opt_state)
 
 
