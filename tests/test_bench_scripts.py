@@ -339,3 +339,16 @@ def test_trace_gaps_finds_the_gap_and_the_host_event_in_it_and_lists_kernels_per
     assert re.search(r"^\s+0\.30\s+1\.0x\s+75\.0%\s+gemm$", out, re.M) and re.search(r"^\s+0\.10\s+1\.0x\s+25\.0%\s+cast$", out, re.M), out
     assert "busy 0.80 ms (61.5%), idle in 1 gaps >= 20 us: 0.50 ms" in out, out
     assert re.search(r"^\s+0\.50\s+\[cuda_runtime\] cudaDeviceSynchronize$", out, re.M), out
+
+
+def test_the_recipe_benchmarks_runs_compose_and_validate(tmp_path):
+    """bench/recipe.py's train.py command lines (every run of its three parts) compose from the real config tree and
+    pass validate_config, so the GPU call does not start a run the config check refuses."""
+    spec = importlib.util.spec_from_file_location("bench_recipe", BENCH / "recipe.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    runs = {**recipe.stability_runs(1.2e-2, 200), **recipe.muon_runs(6e-4, 1000), **recipe.wsd_runs(400, 160, 220)}
+    assert len(runs) == 6
+    for name, overrides in runs.items():
+        cfg = make_cfg([*recipe.base(tmp_path / "ds", tmp_path / "runs" / name, name), *overrides], tmp_path)
+        validate_config(cfg)

@@ -1,0 +1,200 @@
+"""The modern recipe on a GPU (issue 46's evidence): stability with and without QK-norm and z-loss, Muon against AdamW,
+and a WSD cooldown started by ``lmtrain control`` against the same decay configured.
+
+    python3 bench/recipe.py --out DIR --tokenizer FILE.tiktoken PART [PART ...]
+
+PART is one of:
+
+* ``stability``: the opt-125m shape with plain AdamW at rising peak rates (``--lrs``, ``--stability-steps`` steps, a
+  short warmup), stopping at the first rate the divergence detector acts on (a rollback or a stop in the logbook);
+  then the same rate with ``model.qk_norm=true module.z_loss=1e-4``.
+* ``muon``: ``optimizer=adamw`` and ``optimizer=muon`` at each of ``--muon-lrs``, ``--muon-steps`` steps each at
+  equal tokens (the same data, batch and schedule).
+* ``wsd``: ``scheduler=wsd`` whose decay an operator starts (``lmtrain control RUN decay --steps N``, issued once the
+  run has logged step ``--wsd-at``), then the same run with ``scheduler.decay_start`` set to the step the first run
+  recorded: the learning rates and losses of the two, step by step.
+* ``raw``: the plain-PyTorch GPT-124M step of ../shared/bench/raw_gpt_baseline.py (copied to .whl/raw/), compiled,
+  at the same batch, for the step time.
+
+The corpus: every UTF-8 ``.py`` file of the installed torch and transformers packages as one JSONL document each,
+prepared with the given tokenizer (a BPE of the embedded corpus: ``prepare(["python-stdlib"], ..., tokenizer="bpe:8192")``).
+Each run's summary goes to DIR/recipe.jsonl as it finishes (one JSON line), its metrics record stays under DIR/runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCH, SEQ = 8, 1024
+
+
+def corpus(out: Path, tokenizer: str) -> Path:
+    """The prepared dataset (built once per machine)."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(ROOT))
+    from lmtrain.data.prepare import prepare
+
+    ds = out / "ds"
+    if (ds / "manifest.json").is_file():
+        return ds
+    docs = out / "corpus.jsonl"
+    with open(docs, "w", encoding="utf-8") as fh:
+        for package in (torch, transformers):
+            for path in sorted(Path(package.__file__).parent.rglob("*.py")):
+                try:
+                    text = path.read_text(encoding="utf-8")
+                except (UnicodeDecodeError, OSError):
+                    continue
+                if text.strip():
+                    fh.write(json.dumps({"text": text}) + "\n")
+    prepare([str(docs)], ds, tokenizer=tokenizer, val_fraction=0.005, workers=12, progress=False)
+    return ds
+
+
+def base(ds: Path, run: Path, name: str) -> list[str]:
+    """What every run shares: opt-125m, bf16, compiled, batch 8 x 1024, checkpoints every 50 steps (rollbacks)."""
+    return ["model=opt-125m", "trainer=gpu", "logger=csv", "data=prepared", f"data.path={ds}", f"data.seq_len={SEQ}",
+            f"data.batch_size={BATCH}", f"run_dir={run}", f"run_name={name}", "trainer.enable_progress_bar=false",
+            "trainer.val_check_interval=100000", "callbacks.checkpoint.every_n_steps=50"]  # fmt: skip
+
+
+def stability_runs(lr: float, steps: int) -> dict[str, list[str]]:
+    common = [f"trainer.max_steps={steps}", "scheduler.warmup_steps=20", "scheduler=cosine", f"optimizer.lr={lr}"]
+    return {f"adamw-lr{lr:g}": common, f"adamw-qknorm-zloss-lr{lr:g}": [*common, "model.qk_norm=true", "module.z_loss=1e-4"]}
+
+
+def muon_runs(lr: float, steps: int) -> dict[str, list[str]]:
+    common = [f"trainer.max_steps={steps}", "scheduler=cosine", "scheduler.warmup_steps=50", f"optimizer.lr={lr}"]
+    return {f"{opt}-{steps}-lr{lr:g}": [*common, f"optimizer={opt}"] for opt in ("adamw", "muon")}
+
+
+def wsd_runs(steps: int, decay_start: int, decay_steps: int) -> dict[str, list[str]]:
+    """The operator's run (its configured decay: the last 50 steps) and the configured one (its decay where the
+    operator's began)."""
+    common = [f"trainer.max_steps={steps}", "scheduler=wsd", "scheduler.warmup_steps=50", "callbacks.lr_control.poll_every=1",
+              "optimizer.lr=1e-3", "scheduler.decay=1-sqrt"]  # fmt: skip
+    return {"wsd-control": [*common, "scheduler.decay_steps=50"],
+            "wsd-configured": [*common, f"scheduler.decay_start={decay_start}", f"scheduler.decay_steps={decay_steps}"]}  # fmt: skip
+
+
+def train(out: Path, ds: Path, name: str, overrides: list[str], operator=None) -> dict:
+    """One ``train.py`` run on the GPU (:func:`base`); ``operator(run_dir, proc)`` runs beside it."""
+    sys.path.insert(0, str(ROOT))
+    from lmtrain.formats import corrections, logbook, metrics
+
+    run = out / "runs" / name
+    cmd = [sys.executable, str(ROOT / "train.py"), *base(ds, run, name), *overrides]
+    t0 = time.perf_counter()
+    with open(out / f"{name}.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        if operator is not None:
+            operator(run, proc)
+        proc.wait()
+    rows = metrics.by_step(run)
+    steps = sorted(s for s in rows if "train/loss" in rows[s])
+    speed = [float(rows[s]["perf/tokens_per_sec"]) for s in steps if "perf/tokens_per_sec" in rows[s]]
+    entries = logbook.read(run)
+    result = {
+        "name": name, "exit": proc.returncode, "wall_s": round(time.perf_counter() - t0, 1), "command": " ".join(cmd[2:]),
+        "steps": len(steps), "loss": [float(rows[s]["train/loss"]) for s in steps], "lr": [float(rows[s]["train/lr"]) for s in steps],
+        "z_loss": [float(rows[s]["train/z_loss"]) for s in steps if "train/z_loss" in rows[s]],
+        "grad_norm": [float(rows[s]["train/grad_norm"]) for s in steps],
+        "tokens_per_sec_median": statistics.median(speed[len(speed) // 5 :]) if speed else None,  # past compilation
+        "rollbacks": [e.get("message") for e in entries if e["kind"] == "rollback"],
+        "signals": [(e.get("step"), e.get("signals")) for e in entries if e["kind"] == "divergence_signal"],
+        "stopped": [e.get("message") for e in entries if e["kind"] in ("stop", "stopped")],
+        "corrections": corrections.load(run) if (run / corrections.FILE).exists() else [],
+    }  # fmt: skip
+    with open(out / "recipe.jsonl", "a") as fh:
+        fh.write(json.dumps(result) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k not in ("loss", "lr", "z_loss", "grad_norm", "command")}), flush=True)
+    return result
+
+
+def stability(out: Path, ds: Path, args) -> None:
+    for lr in args.lrs:
+        (plain, plain_args), (guarded, guarded_args) = stability_runs(lr, args.stability_steps).items()
+        result = train(out, ds, plain, plain_args)
+        if result["rollbacks"] or result["exit"] != 0:
+            train(out, ds, guarded, guarded_args)
+            return
+
+
+def muon(out: Path, ds: Path, args) -> None:
+    for lr in args.muon_lrs:
+        for name, overrides in muon_runs(lr, args.muon_steps).items():
+            train(out, ds, name, overrides)
+
+
+def wsd(out: Path, ds: Path, args) -> None:
+    sys.path.insert(0, str(ROOT))
+    from lmtrain.formats import metrics
+
+    total, at = args.wsd_steps, args.wsd_at
+    length = total - at - 20  # leaves room for the steps the request takes to be picked up
+
+    def operator(run: Path, proc) -> None:
+        while proc.poll() is None:
+            logged = max(metrics.by_step(run), default=-1) if (run / metrics.RECORD).exists() else -1
+            if logged >= at:
+                res = subprocess.run([sys.executable, "-m", "lmtrain.control", str(run), "decay", "--steps", str(length)],
+                                     capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+                (run.parent / "control.txt").write_text(res.stdout + res.stderr)
+                return
+            time.sleep(0.5)
+
+    first = train(out, ds, "wsd-control", wsd_runs(total, 0, 1)["wsd-control"], operator)
+    (entry,) = [e for e in first["corrections"] if e.get("reason") == "decay"]
+    start = entry["from_step"]
+    second = train(out, ds, "wsd-configured", wsd_runs(total, start, entry["decay_steps"])["wsd-configured"])
+    same_lr = first["lr"] == second["lr"]
+    diffs = [abs(a - b) for a, b in zip(first["loss"], second["loss"], strict=False)]
+    summary = {"wsd_decay_from_step": start, "decay_steps": entry["decay_steps"], "lr_identical_every_step": same_lr,
+               "max_abs_loss_diff": max(diffs), "last_loss": (first["loss"][-1], second["loss"][-1])}  # fmt: skip
+    with open(out / "recipe.jsonl", "a") as fh:
+        fh.write(json.dumps({"name": "wsd-compare", **summary}) + "\n")
+    print(json.dumps(summary), flush=True)
+
+
+def raw(out: Path) -> None:
+    res = subprocess.run([sys.executable, str(ROOT / ".whl" / "raw" / "raw_gpt_baseline.py"), "124m", "--compile", "--batch", str(BATCH),
+                          "--seq", str(SEQ), "--steps", "50"], capture_output=True, text=True)  # fmt: skip
+    line = (res.stdout.strip().splitlines() or [res.stderr[-500:]])[-1]
+    with open(out / "recipe.jsonl", "a") as fh:
+        fh.write(json.dumps({"name": "raw-pytorch-124m", "line": line}) + "\n")
+    print(line, flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("parts", nargs="+", choices=["stability", "muon", "wsd", "raw"])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--tokenizer", required=True, help="a .tiktoken file (the BPE the corpus is tokenized with)")
+    p.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 6e-3, 1.2e-2, 2.4e-2])
+    p.add_argument("--stability-steps", type=int, default=200)
+    p.add_argument("--muon-lrs", type=float, nargs="+", default=[6e-4])
+    p.add_argument("--muon-steps", type=int, default=1000)
+    p.add_argument("--wsd-steps", type=int, default=400)
+    p.add_argument("--wsd-at", type=int, default=150)
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    ds = corpus(args.out, args.tokenizer)
+    for part in args.parts:
+        if part == "raw":
+            raw(args.out)
+        else:
+            {"stability": stability, "muon": muon, "wsd": wsd}[part](args.out, ds, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
