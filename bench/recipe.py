@@ -15,6 +15,7 @@ PART is one of:
   recorded: the learning rates and losses of the two, step by step.
 * ``raw``: the plain-PyTorch GPT-124M step of ../shared/bench/raw_gpt_baseline.py (copied to .whl/raw/), compiled,
   at the same batch, for the step time.
+* ``plot`` (alone): the curves of DIR/recipe.jsonl as PNG files in DIR.
 
 The corpus: every UTF-8 ``.py`` file of the installed torch and transformers packages as one JSONL document each,
 prepared with the given tokenizer (a BPE of the embedded corpus: ``prepare(["python-stdlib"], ..., tokenizer="bpe:8192")``).
@@ -61,19 +62,22 @@ def corpus(out: Path, tokenizer: str) -> Path:
 
 
 def base(ds: Path, run: Path, name: str) -> list[str]:
-    """What every run shares: opt-125m, bf16, compiled, batch 8 x 1024, checkpoints every 50 steps (rollbacks)."""
+    """What every run shares: opt-125m, bf16, compiled, batch 8 x 1024."""
     return ["model=opt-125m", "trainer=gpu", "logger=csv", "data=prepared", f"data.path={ds}", f"data.seq_len={SEQ}",
             f"data.batch_size={BATCH}", f"run_dir={run}", f"run_name={name}", "trainer.enable_progress_bar=false",
-            "trainer.val_check_interval=100000", "callbacks.checkpoint.every_n_steps=50"]  # fmt: skip
+            "trainer.val_check_interval=100000"]  # fmt: skip
 
 
-def stability_runs(lr: float, steps: int) -> dict[str, list[str]]:
-    common = [f"trainer.max_steps={steps}", "scheduler.warmup_steps=20", "scheduler=cosine", f"optimizer.lr={lr}"]
+def stability_runs(lr: float, steps: int, warmup: int = 100) -> dict[str, list[str]]:
+    """Plain AdamW, then with QK-norm and z-loss; checkpoints every 25 steps, for the detector's rollbacks."""
+    common = [f"trainer.max_steps={steps}", f"scheduler.warmup_steps={warmup}", "scheduler=cosine", f"optimizer.lr={lr}",
+              "callbacks.checkpoint.every_n_steps=25"]  # fmt: skip
     return {f"adamw-lr{lr:g}": common, f"adamw-qknorm-zloss-lr{lr:g}": [*common, "model.qk_norm=true", "module.z_loss=1e-4"]}
 
 
 def muon_runs(lr: float, steps: int) -> dict[str, list[str]]:
-    common = [f"trainer.max_steps={steps}", "scheduler=cosine", "scheduler.warmup_steps=50", f"optimizer.lr={lr}"]
+    common = [f"trainer.max_steps={steps}", "scheduler=cosine", "scheduler.warmup_steps=50", f"optimizer.lr={lr}",
+              "callbacks.checkpoint.every_n_steps=500"]  # fmt: skip
     return {f"{opt}-{steps}-lr{lr:g}": [*common, f"optimizer={opt}"] for opt in ("adamw", "muon")}
 
 
@@ -81,7 +85,7 @@ def wsd_runs(steps: int, decay_start: int, decay_steps: int) -> dict[str, list[s
     """The operator's run (its configured decay: the last 50 steps) and the configured one (its decay where the
     operator's began)."""
     common = [f"trainer.max_steps={steps}", "scheduler=wsd", "scheduler.warmup_steps=50", "callbacks.lr_control.poll_every=1",
-              "optimizer.lr=1e-3", "scheduler.decay=1-sqrt"]  # fmt: skip
+              "optimizer.lr=1e-3", "scheduler.decay=1-sqrt", "callbacks.checkpoint.every_n_steps=500"]  # fmt: skip
     return {"wsd-control": [*common, "scheduler.decay_steps=50"],
             "wsd-configured": [*common, f"scheduler.decay_start={decay_start}", f"scheduler.decay_steps={decay_steps}"]}  # fmt: skip
 
@@ -122,7 +126,7 @@ def train(out: Path, ds: Path, name: str, overrides: list[str], operator=None) -
 
 def stability(out: Path, ds: Path, args) -> None:
     for lr in args.lrs:
-        (plain, plain_args), (guarded, guarded_args) = stability_runs(lr, args.stability_steps).items()
+        (plain, plain_args), (guarded, guarded_args) = stability_runs(lr, args.stability_steps, args.stability_warmup).items()
         result = train(out, ds, plain, plain_args)
         if result["rollbacks"] or result["exit"] != 0:
             train(out, ds, guarded, guarded_args)
@@ -140,17 +144,19 @@ def wsd(out: Path, ds: Path, args) -> None:
     from lmtrain.formats import metrics
 
     total, at = args.wsd_steps, args.wsd_at
-    length = total - at - 20  # leaves room for the steps the request takes to be picked up
 
     def operator(run: Path, proc) -> None:
+        """Once the run's record shows step ``at`` (it is flushed every 5 s, a few hundred steps at a time here): a
+        decay that ends 700 steps before the run does (room for the command's start and the request's pick-up)."""
         while proc.poll() is None:
             logged = max(metrics.by_step(run), default=-1) if (run / metrics.RECORD).exists() else -1
             if logged >= at:
-                res = subprocess.run([sys.executable, "-m", "lmtrain.control", str(run), "decay", "--steps", str(length)],
+                length = str(total - logged - 700)
+                res = subprocess.run([sys.executable, "-m", "lmtrain.control", str(run), "decay", "--steps", length],
                                      capture_output=True, text=True, cwd=ROOT)  # fmt: skip
                 (run.parent / "control.txt").write_text(res.stdout + res.stderr)
                 return
-            time.sleep(0.5)
+            time.sleep(0.2)
 
     first = train(out, ds, "wsd-control", wsd_runs(total, 0, 1)["wsd-control"], operator)
     (entry,) = [e for e in first["corrections"] if e.get("reason") == "decay"]
@@ -174,19 +180,70 @@ def raw(out: Path) -> None:
     print(line, flush=True)
 
 
+def plot(results: Path, out: Path) -> list[Path]:
+    """The curves of a ``recipe.jsonl``: Muon against AdamW (loss, a 25-step mean), and the two WSD runs (learning
+    rate and loss), as PNG files in ``out``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    runs = {r["name"]: r for r in map(json.loads, results.read_text().splitlines()) if "loss" in r}
+
+    def smooth(xs: list[float], k: int = 25) -> list[float]:
+        return [sum(xs[max(0, i - k + 1) : i + 1]) / len(xs[max(0, i - k + 1) : i + 1]) for i in range(len(xs))]
+
+    written = []
+    pairs = [n for n in runs if n.startswith("muon-")]
+    if pairs:
+        fig = Figure(figsize=(8, 4.5), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot(1, 1, 1)
+        for name in sorted(runs):
+            if name.startswith(("muon-", "adamw-")) and name.count("-") == 2:
+                r = runs[name]
+                ax.plot(smooth(r["loss"]), label=f"{name} ({r['tokens_per_sec_median'] / 1e3:.0f}k tokens/s)")
+        ax.set(title="opt-125m shape, H200, batch 8 x 1024: Muon and AdamW at equal tokens", xlabel="optimizer step",
+               ylabel="train loss (25-step mean)", ylim=(2, 6))  # fmt: skip
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "muon_vs_adamw.png")
+        written.append(out / "muon_vs_adamw.png")
+    if "wsd-control" in runs and "wsd-configured" in runs:
+        fig = Figure(figsize=(8, 6), dpi=100)
+        FigureCanvasAgg(fig)
+        top, bottom = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2)
+        for name, style in (("wsd-control", "-"), ("wsd-configured", "--")):
+            r = runs[name]
+            top.plot(r["lr"], style, label=name)
+            bottom.plot(smooth(r["loss"]), style, label=name)
+        top.set(title="scheduler=wsd: cooldown by lmtrain control vs the same decay configured", ylabel="learning rate")
+        bottom.set(xlabel="optimizer step", ylabel="train loss (25-step mean)", ylim=(2, 6))
+        for ax in (top, bottom):
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "wsd_control_vs_configured.png")
+        written.append(out / "wsd_control_vs_configured.png")
+    return written
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("parts", nargs="+", choices=["stability", "muon", "wsd", "raw"])
+    p.add_argument("parts", nargs="+", choices=["stability", "muon", "wsd", "raw", "plot"])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--tokenizer", required=True, help="a .tiktoken file (the BPE the corpus is tokenized with)")
+    p.add_argument("--tokenizer", help="a .tiktoken file (the BPE the corpus is tokenized with)")
     p.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 6e-3, 1.2e-2, 2.4e-2])
-    p.add_argument("--stability-steps", type=int, default=200)
+    p.add_argument("--stability-steps", type=int, default=300)
+    p.add_argument("--stability-warmup", type=int, default=100)
     p.add_argument("--muon-lrs", type=float, nargs="+", default=[6e-4])
     p.add_argument("--muon-steps", type=int, default=1000)
-    p.add_argument("--wsd-steps", type=int, default=400)
-    p.add_argument("--wsd-at", type=int, default=150)
+    p.add_argument("--wsd-steps", type=int, default=1500)
+    p.add_argument("--wsd-at", type=int, default=50)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.parts == ["plot"]:  # draw a finished run's curves: --out DIR holding its recipe.jsonl
+        print(*plot(args.out / "recipe.jsonl", args.out), sep="\n")
+        return 0
     ds = corpus(args.out, args.tokenizer)
     for part in args.parts:
         if part == "raw":

@@ -15,7 +15,8 @@ the handlers do with them:
 * ``torchrun ... -m lmtrain doctor OPTIONS``: its options parsed by the doctor's own parser; tests/test_doctor.py runs
   both launcher forms for real (4 ranks on one node, two agents meeting through c10d rendezvous).
 * ``python -m lmtrain.data.prepare``, ``lmtrain.plan``, ``lmtrain.control``, ``lmtrain.generate``, ``lmtrain.report`` and
-  ``lmtrain.export``: run here, with the README's arguments, on a run named ``my-run`` trained here for 4 steps.
+  ``lmtrain.export``: run here, with the README's arguments, on a run named ``my-run`` trained here for 4 steps
+  (``control ... decay``: on ``my-wsd-run``, the docs' ``scheduler=wsd`` line's config, stopped before its first step).
 * ``init_from=my-hf-model``: a tiny random OPTForCausalLM saved here by transformers, read by init_from before the
   config is checked; tests/test_hf_import.py trains from such folders end to end.
 * ``pip install transformers==V``: the version tests/requirements.txt pins (tests/conftest.py's TEST_DEPS); ``python -c "..."``: run as written
@@ -131,6 +132,13 @@ def readme_world(tmp_path_factory, corpus_jsonl, dataset_dir):
     from lmtrain.formats import corrections
 
     corrections.add(root / "runs" / "my-run", {"from_step": 2, "scale": 0.5, "reason": "operator"})  # for `control ... revoke 0`
+    # `control runs/my-wsd-run decay --steps N`: a run started by the docs' scheduler=wsd line and stopped early (its
+    # config as that line composes it, nothing trained yet); tests/test_recipe.py decays running runs end to end
+    from omegaconf import OmegaConf
+
+    (wsd := root / "runs" / "my-wsd-run").mkdir()
+    line = next(c for c in readme_commands() if "run_name=my-wsd-run" in c)
+    (wsd / "config.yaml").write_text(OmegaConf.to_yaml(make_cfg([*TINY, *_train_args(line)], root, dataset_dir), resolve=True))
     _hf_model(root / "my-hf-model", dataset_dir)
     return root, corpus
 

@@ -57,20 +57,40 @@ def build_optimizer(factory: Callable[..., torch.optim.Optimizer], model: nn.Mod
     return func(groups, *getattr(factory, "args", ()), **kwargs)
 
 
+def newton_schulz(updates: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
+    """PyTorch's Muon orthogonalisation (``torch.optim._muon._zeropower_via_newtonschulz``: the update in bf16 scaled to
+    a Frobenius norm of 1, then ``steps`` quintic Newton-Schulz iterations on its wide orientation) of a stack of
+    matrices of one shape, ``(N, A, B)``, at once: one batched product where PyTorch's Muon launches one per matrix."""
+    a, b, c = coefficients
+    x = updates.bfloat16()
+    tall = updates.shape[-2] > updates.shape[-1]
+    if tall:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
+
+
 class Muon(torch.optim.Muon):
-    """``torch.optim.Muon`` that also takes matrices sharded by FSDP2 (``DTensor``): the orthogonalisation needs the
-    whole matrix, so each sharded update (momentum applied, on the shards) is gathered whole on every rank, orthogonalised
-    there by PyTorch's own Newton-Schulz iteration, and each rank keeps its own rows of the result. Every rank computes
-    every matrix's orthogonalisation (the work of one GPU, repeated) in exchange for one all-gather per matrix per step
-    and results equal to one process's bit for bit, whatever the number of ranks; the momentum buffers stay sharded like
-    the parameters, so checkpoints reshard as AdamW's do. (Letting DTensor run the iteration on the shards does not work:
-    its matrix products on sharded operands come out 1% of a step off one process's after three steps.) Plain tensors
-    take ``torch.optim.Muon``'s own step."""
+    """``torch.optim.Muon`` (its arguments, state, momentum, weight decay and learning-rate adjustment) whose
+    orthogonalisation runs on all the matrices of one shape at once (:func:`newton_schulz`): PyTorch's runs matrix by
+    matrix, a few dozen small kernels each, and on an H200 the 48 matrices of a 125M model cost 22 ms a step that way
+    (the step time nearly doubled), launch-bound.
+
+    Matrices sharded by FSDP2 (``DTensor``) are orthogonalised whole: each sharded update (momentum applied on the
+    shards) is gathered on every rank, orthogonalised there with the others of its shape, and each rank keeps its own
+    rows of the result. Every rank computes every matrix's orthogonalisation (one GPU's work, repeated) in exchange for
+    one all-gather per matrix per step and results equal to one process's bit for bit, whatever the number of ranks;
+    the momentum buffers stay sharded like the parameters, so checkpoints reshard as AdamW's do. (Letting DTensor run
+    the iteration on the shards does not work: its products on sharded operands came out 1% of a step off one
+    process's after three steps.)"""
 
     @torch.no_grad()
     def step(self, closure=None):
         from torch.distributed.tensor import DTensor, distribute_tensor
-        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz, muon
+        from torch.optim._muon import _adjust_lr
 
         loss = None
         if closure is not None:
@@ -79,22 +99,23 @@ class Muon(torch.optim.Muon):
         for group in self.param_groups:
             params, grads, bufs = [], [], []
             self._init_group(group, params, grads, bufs)
-            plain = [i for i, p in enumerate(params) if not isinstance(p, DTensor)]
-            options = {
-                k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
-            }
-            if plain:
-                muon([params[i] for i in plain], [grads[i] for i in plain], [bufs[i] for i in plain], **options, has_complex=False)
             lr, decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
-            for p, grad, buf in zip(params, grads, bufs, strict=True):
-                if not isinstance(p, DTensor):
-                    continue
-                buf.lerp_(grad, 1 - momentum)  # as torch.optim._muon._single_tensor_muon, on the shards
+            updates = []
+            for grad, buf in zip(grads, bufs, strict=True):  # as torch.optim._muon._single_tensor_muon
+                buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                whole = _zeropower_via_newtonschulz(update.full_tensor(), group["ns_coefficients"], group["ns_steps"], group["eps"])
-                mine = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)  # this rank's rows, no traffic
-                p.mul_(1 - lr * decay)
-                p.add_(mine, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+                updates.append(update.full_tensor() if isinstance(update, DTensor) else update)
+            by_shape: dict[tuple, list[int]] = {}
+            for i, update in enumerate(updates):
+                by_shape.setdefault((tuple(update.shape), update.dtype, update.device), []).append(i)
+            for members in by_shape.values():
+                ortho = newton_schulz(torch.stack([updates[i] for i in members]), group["ns_coefficients"], group["ns_steps"], group["eps"])
+                for i, o in zip(members, ortho, strict=True):
+                    p = params[i]
+                    if isinstance(p, DTensor):  # this rank's rows of the whole result, no traffic
+                        o = distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None)
+                    p.mul_(1 - lr * decay)
+                    p.add_(o, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
 
 
