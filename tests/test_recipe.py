@@ -381,3 +381,30 @@ def test_muon_runs_resume_exactly_and_across_world_sizes_follow_the_uninterrupte
     kinds = sorted(tuple(sorted(v)) for v in state["state"].values())
     assert kinds.count(("momentum_buffer",)) == 8 and kinds.count(("exp_avg", "exp_avg_sq", "step")) == 7
     assert [g["muon"] for g in state["param_groups"]] == [True, False, False]
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        (["module.z_loss=-1"], "module.z_loss=-1 must be a finite number >= 0"),
+        (["module.z_loss=nan"], "module.z_loss=nan must be a finite number >= 0"),
+        (["model.qk_norm=maybe"], "model.qk_norm='maybe' must be true or false"),
+        (["scheduler=wsd", "scheduler.decay=exp"], "scheduler.decay='exp' is not one of ['linear', 'cosine', '1-sqrt']"),
+        (["scheduler=wsd", "scheduler.decay_steps=500"], "scheduler.decay_steps=500 must be in 1..scheduler.total_steps=4"),
+        (["optimizer=muon", "optimizer.ns_steps=0"], "optimizer.ns_steps=0 must be a whole number of Newton-Schulz steps"),
+        (["optimizer=muon", "optimizer.adjust_lr_fn=sqrt"], "optimizer.adjust_lr_fn='sqrt' is not one of"),
+        (
+            ["optimizer=muon", "+optimizer.momentun=0.9"],
+            "unknown key 'optimizer.momentun' for lmtrain.nn.optim.MuonWithAdamW (did you mean 'momentum'?)",
+        ),
+    ],
+)
+def test_each_new_key_refuses_a_bad_value_in_one_line_naming_it(tmp_path, overrides, said):
+    from lmtrain.training.config import ConfigError, validate_config
+    from tests.conftest import TINY, make_cfg
+
+    cfg = make_cfg([*TINY, "scheduler.warmup_steps=0", *overrides], tmp_path)
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    lines = str(err.value).splitlines()[1:]
+    assert len(lines) == 1 and said in lines[0], str(err.value)
