@@ -62,7 +62,10 @@ def markers(run_dir: Path) -> list[dict]:
     out = []
     for e in corrections.load(run_dir):
         what = e.get("reason", "correction")
-        label = f"rollback x{e['scale']:g}" if what == "rollback" else f"{what} lr x{e['scale']:.3g}"
+        if what == "decay":  # an operator's WSD cooldown
+            label = f"decay over {e.get('decay_steps')} steps"
+        else:
+            label = f"rollback x{e['scale']:g}" if what == "rollback" else f"{what} lr x{e['scale']:.3g}"
         out.append({"step": int(e["from_step"]), "kind": what, "label": label})
     for e in logbook.read(run_dir):
         if e.get("kind") == "divergence_signal" and e.get("step") is not None:
@@ -70,7 +73,10 @@ def markers(run_dir: Path) -> list[dict]:
     return out
 
 
-STYLE = {"rollback": ("tab:red", "--"), "operator": ("tab:orange", ":"), "config": ("tab:purple", ":"), "signal": ("tab:red", ":")}
+STYLE = {
+    "rollback": ("tab:red", "--"), "operator": ("tab:orange", ":"), "config": ("tab:purple", ":"), "signal": ("tab:red", ":"),
+    "decay": ("tab:green", "-."),
+}  # fmt: skip
 
 
 def _figure(title: str):
