@@ -15,6 +15,7 @@ from torch.distributed.tensor import distribute_tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lmtrain.nn.model import Decoder, ModelConfig  # noqa: E402
 from lmtrain.nn.optim import MuonWithAdamW, muon_param_groups  # noqa: E402
+from lmtrain.train import _close_process_group  # noqa: E402
 
 
 def main() -> None:
@@ -44,7 +45,8 @@ def main() -> None:
         for (n, p), q in zip(sharded.named_parameters(), whole.parameters(), strict=True)
     }
     Path(f"rank{dist.get_rank()}.json").write_text(json.dumps(diffs))
-    dist.destroy_process_group()
+    del sharded, opts  # the FSDP state and DTensors that hold the gloo groups, then the groups, as train.py ends
+    _close_process_group()
 
 
 if __name__ == "__main__":

@@ -343,8 +343,8 @@ def test_muon_on_sharded_matrices_is_one_processs_muon_bit_for_bit(tmp_path, lay
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_muon_runs_resume_exactly_and_across_world_sizes_follow_the_uninterrupted_run(tmp_path, dataset_dir):
-    """optimizer=muon from the command line: fsdp on 2 ranks to step 4, resumed on fsdp 2 to 8, then on one process to
-    10 and on ddp 2 to 12. The same-layout resume is the uninterrupted fsdp run to the last digit (the sharded state
+    """optimizer=muon from the command line: fsdp on 2 ranks to step 4, resumed on fsdp 2 to 8, then on hsdp 2 x 2 (4
+    ranks) to 10 and on ddp 2 to 12 (a single-file checkpoint from a sharded one). The same-layout resume is the uninterrupted fsdp run to the last digit (the sharded state
     saved and read exactly); across world sizes the losses follow the uninterrupted one-process run to 1e-3 (relative):
     the gradients' reduction order differs between layouts, and Muon's bf16 Newton-Schulz iteration magnifies such
     differences (measured: an uninterrupted fsdp run is 1.8e-4 off the one-process run by step 4; AdamW's 1e-6)."""
@@ -356,7 +356,12 @@ def test_muon_runs_resume_exactly_and_across_world_sizes_follow_the_uninterrupte
     runs = {
         "single": [(["strategy=single"], 4, 12)],
         "fsdp": [(fsdp, 2, 8)],
-        "moved": [(fsdp, 2, 4), (fsdp, 2, 8), (["strategy=single"], 4, 10), (["strategy=ddp", "trainer.devices=2"], 2, 12)],
+        "moved": [
+            (fsdp, 2, 4),
+            (fsdp, 2, 8),
+            (["strategy=hsdp", "strategy.shard_size=2", "trainer.devices=4"], 1, 10),
+            (["strategy=ddp", "trainer.devices=2"], 2, 12),
+        ],  # fmt: skip
     }
     for name, chain in runs.items():
         for layout, batch, until in chain:
