@@ -13,7 +13,7 @@ Planner keys (everything else is a training override: ``model=``, ``model.*``, `
 
 Memory per GPU: lmtrain.training.memory's count (its docstring says what is counted and how it compares with
 measured peaks). Checkpoints: fp32 weights and AdamW's two moments, 12 B/param on disk per save (llama-7b: 80.86 GB counted, 80.864 GB
-saved on 2 H100s); an asynchronous save first copies that state to host memory, per node: all of it on rank zero's
+saved on 2 H100s; ``optimizer=muon``: 8 B for the blocks' matrices, one momentum buffer); an asynchronous save first copies that state to host memory, per node: all of it on rank zero's
 node (ddp, one file), the node's shards (fsdp over every GPU), a whole replica (hsdp). ``async_save=auto`` wants twice
 the copy available; the copy's pinned buffers are exactly its size (callbacks.checkpoint.HostCopy registers memory of
 its own rather than PyTorch's pinned allocator, which rounded llama-7b's shards up to x1.39).
@@ -32,9 +32,10 @@ STRATEGIES = ("ddp", "fsdp", "hsdp")
 DEFAULT_TFLOPS = 0.5 * 989.0
 
 
-def checkpoint_bytes(params: int, gpus: int, node: int) -> dict:
-    """A save's size on disk and, per strategy, the host copy an asynchronous save holds on one node (module docstring)."""
-    size = 12 * params
+def checkpoint_bytes(params: int, gpus: int, node: int, muon_params: int = 0) -> dict:
+    """A save's size on disk and, per strategy, the host copy an asynchronous save holds on one node (module docstring);
+    ``muon_params``: parameters with Muon's one state buffer instead of AdamW's two."""
+    size = 12 * params - 4 * muon_params
     nodes = max(1, gpus // node)
     return {"size": size, "host_copy_per_node": {"ddp": size, "fsdp": size / nodes, "hsdp": size}}
 
@@ -59,6 +60,7 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
     out["loss_chunk_counted"] = not c["chunk_uncounted"]
     out["fp8"] = c["fp8_recipe"]
     out["head"] = c["head"]
+    out["optimizer"] = "muon" if c["muon_params"] else "adamw"
     out["reshard_after_forward"] = c["reshard"]
     out["cluster"] = {"gpus": gpus, "gpus_per_node": node, "memory_gb": cluster["memory_gb"]}
     if cluster.get("tokens_per_sec_per_gpu"):
@@ -73,7 +75,7 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
         seconds = flops / (gpus * rate_flops)
         out["run"] = {"flops": flops, "tokens": tokens, "days": seconds / 86400, "gpu_hours": gpus * seconds / 3600}
     out["memory_gb_per_gpu"] = {s: {ac: {k: v / GB for k, v in breakdown(c, s, gpus, node, ac).items()} for ac in AC} for s in STRATEGIES}
-    ckpt = checkpoint_bytes(nums["params"], gpus, node)
+    ckpt = checkpoint_bytes(nums["params"], gpus, node, c["muon_params"])
     out["checkpoint_gb"] = ckpt["size"] / GB
     out["async_host_copy_gb_per_node"] = {s: v / GB for s, v in ckpt["host_copy_per_node"].items()}
     out["fits"] = {s: {ac: out["memory_gb_per_gpu"][s][ac]["total"] * GB <= MARGIN * mem_bytes for ac in AC} for s in STRATEGIES}
@@ -123,7 +125,8 @@ def table(p: dict) -> str:
         + (f" with {p['fp8']} fp8 products in the blocks" if p.get("fp8") else "")
         + (f", the output head {p['head']}" if p.get("head", "plain") != "plain" else "")
         + ("" if p.get("reshard_after_forward", True) else ", fsdp/hsdp keeping every gathered parameter from forward to backward")
-        + ", AdamW; total: the larger of the peaks at the end of the forward and of the backward pass:"
+        + (", Muon on the blocks' matrices and AdamW on the rest" if p.get("optimizer") == "muon" else ", AdamW")
+        + "; total: the larger of the peaks at the end of the forward and of the backward pass:"
     )
     lines.append("| strategy | activation ckpt | weights | gradients | optimizer | activations | logits | total | peak at | fits |")
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
@@ -137,7 +140,7 @@ def table(p: dict) -> str:
             )
     copy = p["async_host_copy_gb_per_node"]
     lines.append(
-        f"checkpoint: {p['checkpoint_gb']:.2f} GB per save on disk (fp32 weights, AdamW state); an asynchronous save's host "
+        f"checkpoint: {p['checkpoint_gb']:.2f} GB per save on disk (fp32 weights, optimizer state); an asynchronous save's host "
         f"copy per node: ddp {copy['ddp']:.2f}, fsdp {copy['fsdp']:.2f}, hsdp {copy['hsdp']:.2f} GB "
         "(async_save=auto wants twice that available)"
     )

@@ -321,3 +321,20 @@ def test_keeping_the_gathered_parameters_costs_what_was_measured(capsys, fp8):
     peaks = {(f, nr): gib for f, nr, gib, _ in GATHER8}
     measured = peaks[fp8, "false"] - peaks[fp8, "true"]
     assert (kept - resharded) * 1e9 / 2**30 == pytest.approx(measured, abs=0.15)
+
+
+def test_muon_counts_one_buffer_for_the_blocks_matrices(capsys):
+    """optimizer=muon: the optimizer state is AdamW's 8 B/param less 4 B for every matrix of the blocks (Muon keeps one
+    momentum buffer where AdamW keeps two moments), so data.batch_size=auto and the plan see the memory it frees."""
+    from lmtrain.formats.presets import preset
+    from lmtrain.training.memory import model_numbers
+
+    args = ["model=opt-1.3b", "data.seq_len=2048", "data.batch_size=4", "cluster.gpus=2"]
+    adamw, muon = (_plan(capsys, *args, *extra) for extra in ([], ["optimizer=muon"]))
+    matrices = model_numbers(preset("opt-1.3b"), 2048)["block_linear_params"]
+    for strategy, shard in (("ddp", 1), ("fsdp", 2)):
+        a, m = adamw["memory_gb_per_gpu"][strategy]["none"], muon["memory_gb_per_gpu"][strategy]["none"]
+        assert a["optimizer"] - m["optimizer"] == pytest.approx(4 * matrices / shard / 1e9, rel=1e-3)
+        assert m["weights"] == a["weights"] and m["total"] < a["total"]
+    assert adamw["checkpoint_gb"] - muon["checkpoint_gb"] == pytest.approx(4 * matrices / 1e9, rel=1e-3)
+    assert (adamw["optimizer"], muon["optimizer"]) == ("adamw", "muon")

@@ -2,7 +2,7 @@
 ``data.batch_size=auto`` (lmtrain.training.batch) fills a card with.
 
 Memory per GPU, bf16 mixed precision with fp32 master weights and AdamW: weights 4 B/param, gradients 4 B/param,
-optimizer state 8 B/param, each divided by the shard group (ddp: 1, fsdp: all GPUs, hsdp: one node); activations
+optimizer state 8 B/param (``optimizer=muon``: 4 B for the blocks' matrices, Muon's one momentum buffer), each divided by the shard group (ddp: 1, fsdp: all GPUs, hsdp: one node); activations
 per micro-batch from Korthikanti et al. (2022) with flash attention: 34 x seq x batch x d_model bytes per layer
 without recomputation for an OPT block, 37.5 for llama-7b's gated MLP (:func:`block_activations`), 2 x seq x batch x d_model per layer (the saved block inputs) plus one layer's full set with
 full activation checkpointing, half of the layers each way with selective (every other block), and with ``op`` (every
@@ -96,8 +96,10 @@ def memory(
     fp8: bool = False,
     reshard: bool = True,
     float8_gathered: int = 0,
+    muon_params: int = 0,
 ) -> dict:
-    """Bytes per GPU (see the module docstring): each term, and ``total``, the larger of the two peaks."""
+    """Bytes per GPU (see the module docstring): each term, and ``total``, the larger of the two peaks. ``muon_params``:
+    the parameters whose state is Muon's one buffer instead of AdamW's two."""
     shard = {"ddp": 1, "fsdp": world, "hsdp": min(node, world)}[strategy]
     L, d, V = cfg.n_layers, cfg.d_model, cfg.vocab_size
     per_layer_full = block_activations(cfg, fp8) * seq * batch * d
@@ -113,7 +115,7 @@ def memory(
     out = {
         "weights": 4 * params / shard,
         "gradients": 4 * params / shard,
-        "optimizer": 8 * params / shard,
+        "optimizer": (8 * params - 4 * muon_params) / shard,
         "activations": act,
         "logits": 6 * batch * seq * V if not loss_chunk else 6 * min(loss_chunk, batch * seq) * V + 4 * (batch * seq + V) * cfg.emb_dim,
     }
@@ -176,7 +178,9 @@ def counted(cfg, gpus: int, node: int) -> dict:
     nums = model_numbers(mcfg, seq)
     # the blocks' weights fsdp/hsdp gather in float8 (counted only where parameters are gathered: not under ddp)
     float8_gathered = nums["block_linear_params"] if fp8 and gathers_in_float8(fp8_cfg.recipe, sharded=True) else 0
+    muon = str((cfg.get("optimizer") or {}).get("_target_", "")) == "lmtrain.nn.optim.MuonWithAdamW"  # its matrices: the blocks'
     return {
+        "muon_params": nums["block_linear_params"] if muon else 0,
         "mcfg": mcfg, "nums": nums, "seq": seq, "batch": batch, "chunk": chunk, "accum": accum, "fp8": fp8, "reshard": reshard,
         "float8_gathered": float8_gathered, "chunk_uncounted": chunk_uncounted, "fp8_recipe": fp8_cfg.recipe, "head": head_cfg.kind,
     }  # fmt: skip
@@ -186,7 +190,7 @@ def breakdown(c: dict, strategy: str, gpus: int, node: int, ac: str) -> dict:
     """:func:`memory`'s terms and peaks (bytes per GPU) for what :func:`counted` read from a config."""
     return memory(
         c["mcfg"], c["nums"]["params"], c["seq"], c["batch"], strategy, gpus, node, ac, c["chunk"], c["accum"], c["fp8"], c["reshard"],
-        c["float8_gathered"],
+        c["float8_gathered"], c["muon_params"],
     )  # fmt: skip
 
 
