@@ -75,9 +75,9 @@ def newton_schulz(updates: torch.Tensor, coefficients: tuple[float, float, float
 
 class Muon(torch.optim.Muon):
     """``torch.optim.Muon`` (its arguments, state, momentum, weight decay and learning-rate adjustment) whose
-    orthogonalisation runs on all the matrices of one shape at once (:func:`newton_schulz`): PyTorch's runs matrix by
-    matrix, a few dozen small kernels each, and on an H200 the 48 matrices of a 125M model cost 22 ms a step that way
-    (the step time nearly doubled), launch-bound.
+    orthogonalisation runs on all the matrices of one shape at once (:func:`newton_schulz`) and its momentum and update
+    as foreach operations: PyTorch's runs matrix by matrix, a few dozen small kernels each, launch-bound on a GPU
+    (docs/benchmarks/2026-12-03.md).
 
     Matrices sharded by FSDP2 (``DTensor``) are orthogonalised whole: each sharded update (momentum applied on the
     shards) is gathered on every rank, orthogonalised there with the others of its shape, and each rank keeps its own
@@ -99,23 +99,25 @@ class Muon(torch.optim.Muon):
         for group in self.param_groups:
             params, grads, bufs = [], [], []
             self._init_group(group, params, grads, bufs)
+            if not params:
+                continue
             lr, decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
-            updates = []
-            for grad, buf in zip(grads, bufs, strict=True):  # as torch.optim._muon._single_tensor_muon
-                buf.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                updates.append(update.full_tensor() if isinstance(update, DTensor) else update)
+            # torch.optim._muon._single_tensor_muon's arithmetic, one foreach operation over the group or a shape
+            torch._foreach_lerp_(bufs, grads, 1 - momentum)
+            updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else list(bufs)
+            updates = [u.full_tensor() if isinstance(u, DTensor) else u for u in updates]
             by_shape: dict[tuple, list[int]] = {}
             for i, update in enumerate(updates):
                 by_shape.setdefault((tuple(update.shape), update.dtype, update.device), []).append(i)
             for members in by_shape.values():
                 ortho = newton_schulz(torch.stack([updates[i] for i in members]), group["ns_coefficients"], group["ns_steps"], group["eps"])
-                for i, o in zip(members, ortho, strict=True):
-                    p = params[i]
-                    if isinstance(p, DTensor):  # this rank's rows of the whole result, no traffic
-                        o = distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None)
-                    p.mul_(1 - lr * decay)
-                    p.add_(o, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+                mine = [params[i] for i in members]
+                ortho = [
+                    distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor) else o
+                    for p, o in zip(mine, ortho, strict=True)
+                ]  # a sharded matrix: this rank's rows of the whole result, no traffic
+                torch._foreach_mul_(mine, 1 - lr * decay)
+                torch._foreach_add_(mine, ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], mine[0].shape))
         return loss
 
 
