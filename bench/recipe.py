@@ -5,9 +5,10 @@ and a WSD cooldown started by ``lmtrain control`` against the same decay configu
 
 PART is one of:
 
-* ``stability``: the opt-125m shape with plain AdamW at rising peak rates (``--lrs``, ``--stability-steps`` steps, a
-  short warmup), stopping at the first rate the divergence detector acts on (a rollback or a stop in the logbook);
-  then the same rate with ``model.qk_norm=true module.z_loss=1e-4``.
+* ``stability``: the opt-125m shape with plain AdamW at rising peak rates (``--lrs``, ``--stability-steps`` steps,
+  ``--stability-warmup``), stopping at the first rate the divergence detector acts on (a rollback or a stop in the
+  logbook); then the same rate with ``model.qk_norm=true module.z_loss=1e-4`` (``--stability-pairs``: both at
+  every rate).
 * ``muon``: ``optimizer=adamw`` and ``optimizer=muon`` at each of ``--muon-lrs``, ``--muon-steps`` steps each at
   equal tokens (the same data, batch and schedule).
 * ``wsd``: ``scheduler=wsd`` whose decay an operator starts (``lmtrain control RUN decay --steps N``, issued once the
@@ -125,11 +126,15 @@ def train(out: Path, ds: Path, name: str, overrides: list[str], operator=None) -
 
 
 def stability(out: Path, ds: Path, args) -> None:
+    """At each rate, plain AdamW and then the same with QK-norm and z-loss (``--stability-pairs``: the guarded run only
+    where the plain one diverged, stopping there)."""
     for lr in args.lrs:
         (plain, plain_args), (guarded, guarded_args) = stability_runs(lr, args.stability_steps, args.stability_warmup).items()
         result = train(out, ds, plain, plain_args)
-        if result["rollbacks"] or result["exit"] != 0:
+        diverged = bool(result["rollbacks"]) or result["exit"] != 0
+        if diverged or args.stability_pairs:
             train(out, ds, guarded, guarded_args)
+        if diverged and not args.stability_pairs:
             return
 
 
@@ -235,6 +240,7 @@ def main() -> int:
     p.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 6e-3, 1.2e-2, 2.4e-2])
     p.add_argument("--stability-steps", type=int, default=300)
     p.add_argument("--stability-warmup", type=int, default=100)
+    p.add_argument("--stability-pairs", action="store_true", help="both runs at every rate (default: stop at the first divergence)")
     p.add_argument("--muon-lrs", type=float, nargs="+", default=[6e-4])
     p.add_argument("--muon-steps", type=int, default=1000)
     p.add_argument("--wsd-steps", type=int, default=1500)
