@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from lightning.pytorch.callbacks import Checkpoint
 
 from lmtrain.console import log
@@ -35,7 +34,6 @@ from lmtrain.formats.checkpoint import CheckpointError
 from lmtrain.training.checkpoint.rng import every_rank_rng_state, set_rng_state
 from lmtrain.training.checkpoint.writer import CheckpointWriter, SaveEvents, state_bytes
 from lmtrain.training.contracts import CheckpointStore, SaveGuard, WatchesProgress
-
 
 AUTO_STEPS = 100  # every_n_steps=auto: the first save's step, the shortest interval, and the unit of the others
 AUTO_STALL_SHARE = 0.01  # every_n_steps=auto: a save's stall is at most this share of the steps between saves
