@@ -340,10 +340,11 @@ def test_flex_attention_block_mask_trains_like_the_dense_document_mask(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="liger-kernel's Triton kernels run on a GPU (checked there: docs/BENCHMARKS.md)")
-@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
-def test_the_liger_fused_head_equals_the_plain_head_under_bf16(name):
-    """module.loss_kernel=liger: the loss and every gradient equal the plain head's to bf16 tolerance, with targets
-    that include ignored ones (-100); the tied embedding (OPT) gets both of its gradients."""
+@pytest.mark.parametrize("name, z_loss", [("tiny", 0.0), ("tiny-llama", 0.0), ("tiny-llama", 1e-3)])
+def test_the_liger_fused_head_equals_the_plain_head_under_bf16(name, z_loss):
+    """module.head.kind=liger: the loss and every gradient equal the plain head's to bf16 tolerance, with targets
+    that include ignored ones (-100); the tied embedding (OPT) gets both of its gradients; with module.z_loss, the
+    (objective, cross-entropy, z) parts too (liger's own lse_square_scale)."""
     pytest.importorskip("liger_kernel")
     torch.manual_seed(0)
     model = Decoder(preset(name), vocab_size=50304).cuda()
@@ -353,12 +354,13 @@ def test_the_liger_fused_head_equals_the_plain_head_under_bf16(name):
     results = {}
     from lmtrain.training.kernels import loss_kernel
 
+    model.z_loss = z_loss
     for kernel in (None, "liger"):
         model.zero_grad()
         model.loss_kernel = kernel and loss_kernel(kernel)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(idx, targets)
-        loss.backward()
+        (loss[0] if loss.dim() else loss).backward()
         results[kernel] = (loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters()})
     torch.testing.assert_close(results["liger"][0], results[None][0], rtol=2e-3, atol=2e-3)
     errors = {n: float((results["liger"][1][n] - g).norm() / g.norm()) for n, g in results[None][1].items()}

@@ -23,9 +23,10 @@ def liger_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     with torch.autocast(hidden.device.type, enabled=False):
         if not z_loss:
             return liger_fused_linear_cross_entropy(hidden.to(dtype), weight.to(dtype), targets, accum_dtype=torch.float32)
-        loss, z_term = liger_fused_linear_cross_entropy(
+        out = liger_fused_linear_cross_entropy(
             hidden.to(dtype), weight.to(dtype), targets, lse_square_scale=z_loss, return_z_loss=True, accum_dtype=torch.float32
-        )  # loss: cross-entropy + z_term, z_term = z_loss * mean(lse**2)
+        )  # loss: cross-entropy + z_term, z_term = z_loss * mean(lse**2), as (loss, z_term) or, in later releases, an object
+    loss, z_term = (out.loss, out.z_loss) if hasattr(out, "z_loss") else out
     z_term = z_term.detach().float()
     return torch.stack([loss.float(), loss.detach().float() - z_term, z_term / z_loss])
 
