@@ -201,12 +201,30 @@ def muon_problems(opt) -> list[str]:
 
 def state_bytes_before_first_step(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of state ``optimizer`` will hold once it has stepped (a disk-space estimate before its first step):
-    AdamW's two fp32 moments per parameter; Muon's one momentum buffer per matrix."""
+    AdamW's two fp32 moments per parameter; Muon's one momentum buffer per matrix (MuonWithAdamW: per group)."""
     name = type(optimizer).__name__
-    per = {"MuonWithAdamW": None, "AdamW": 8, "Adam": 8, "Muon": 4}.get(name, 0)
-    if per is None:
-        return sum(p.numel() * (4 if g["muon"] else 8) for g in optimizer.param_groups for p in g["params"])
-    return per * sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+    if name not in ("AdamW", "Adam", "Muon", "MuonWithAdamW"):
+        return 0
+    return sum(p.numel() * (4 if name == "Muon" or g.get("muon") else 8) for g in optimizer.param_groups for p in g["params"])
+
+
+SHAPES = ("linear", "cosine", "1-sqrt")  # scheduler=wsd's decay shapes
+WSD_DEFAULT_DECAY_FRACTION = 0.2  # scheduler.decay_steps=null: the last fifth of the run (Haegele et al. 2024)
+
+
+def default_decay_steps(total_steps: int) -> int:
+    """``scheduler=wsd``'s decay length when ``decay_steps`` is null: a fifth of the run, at least one step."""
+    return max(1, round(WSD_DEFAULT_DECAY_FRACTION * total_steps))
+
+
+def decay_shape(shape: str, progress: float) -> float:
+    """From 1 at ``progress`` 0 to 0 at 1: ``linear``, ``cosine`` (half a cosine) or ``1-sqrt`` (1 - sqrt(progress):
+    most of the drop at the start, the shape Haegele et al. 2024 found best for a WSD cooldown). Both schedules'."""
+    if shape == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if shape == "1-sqrt":
+        return 1.0 - math.sqrt(progress)
+    return 1.0 - progress
 
 
 class WarmupDecay:
@@ -226,25 +244,7 @@ class WarmupDecay:
             return 1.0
         span = max(1, self.total_steps - self.warmup_steps)
         progress = min(1.0, (step - self.warmup_steps) / span)
-        if self.decay == "cosine":
-            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-        else:
-            shape = 1.0 - progress
-        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
-
-
-SHAPES = ("linear", "cosine", "1-sqrt")  # scheduler=wsd's decay shapes
-WSD_DEFAULT_DECAY_FRACTION = 0.2  # scheduler.decay_steps=null: the last fifth of the run (Haegele et al. 2024)
-
-
-def decay_shape(shape: str, progress: float) -> float:
-    """From 1 at ``progress`` 0 to 0 at 1: ``linear``, ``cosine`` (half a cosine) or ``1-sqrt`` (1 - sqrt(progress):
-    most of the drop at the start, the shape Haegele et al. 2024 found best for a WSD cooldown)."""
-    if shape == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    if shape == "1-sqrt":
-        return 1.0 - math.sqrt(progress)
-    return 1.0 - progress
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay_shape(self.decay, progress)
 
 
 class WarmupStableDecay:
@@ -266,7 +266,7 @@ class WarmupStableDecay:
         min_lr_ratio: float = 0.0,
     ) -> None:
         if decay_steps is None:
-            decay_steps = max(1, round(WSD_DEFAULT_DECAY_FRACTION * total_steps))
+            decay_steps = default_decay_steps(total_steps)
         self.warmup_steps, self.total_steps, self.decay_steps = warmup_steps, total_steps, decay_steps
         self.decay_start = total_steps - decay_steps if decay_start is None else decay_start
         self.decay, self.min_lr_ratio = decay, min_lr_ratio
@@ -280,12 +280,6 @@ class WarmupStableDecay:
     def cooldown(self, value: tuple[int, int] | None) -> None:
         self._cooldown = None if value is None else (int(value[0]), int(value[1]))
 
-    def decay_window(self) -> tuple[int, int, str]:
-        """(first step, steps, whose: "configured" or "operator") of the decay in force."""
-        if self._cooldown is not None:
-            return self._cooldown[0], self._cooldown[1], "operator"
-        return self.decay_start, self.decay_steps, "configured"
-
     def under_way(self, cooldown: tuple[int, int] | None, step: int) -> str | None:
         """Why an operator's cooldown cannot start at ``step`` (``cooldown``: one in force; or the configured decay
         has begun), or None."""
@@ -298,7 +292,7 @@ class WarmupStableDecay:
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
-        start, steps, _ = self.decay_window()
+        start, steps = self._cooldown or (self.decay_start, self.decay_steps)  # the operator's decay, else the configured one
         if step < start:
             return 1.0
         progress = min(1.0, (step - start) / max(1, steps))
@@ -321,7 +315,7 @@ def wsd_problems(sched) -> list[str]:
     if steps is not None and not (whole(steps) and 1 <= steps <= total):
         out.append(f"scheduler.decay_steps={steps!r} must be in 1..scheduler.total_steps={total} (or null: a fifth of the run)")
         return out
-    length = steps if steps is not None else max(1, round(WSD_DEFAULT_DECAY_FRACTION * total))
+    length = steps if steps is not None else default_decay_steps(total)
     if not (whole(warmup) and 0 <= warmup <= total - length):
         out.append(
             f"scheduler.warmup_steps={warmup!r} must be in 0..{total - length} (the steps before a decay of {length} steps that ends the run)"
