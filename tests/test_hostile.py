@@ -207,6 +207,7 @@ def test_every_control_request_is_checked_where_it_is_applied(tmp_path, dataset_
         "a-negative": b'{"scale": -1}', "b-zero": b'{"value": 0}', "c-bytes": b'{"scale": "\xff\xfe"}', "d-list": b"[1, 2]",
         "e-empty": b"{}", "f-text": b'{"scale": "abc"}', "g-huge": b'{"scale": 1e30}', "h-nan": b'{"scale": NaN}',
         "i-inf": b'{"value": 1e400}', "j-both": b'{"scale": 0.5, "value": 1e-4}', "k-bool": b'{"scale": true}',
+        "l-decay": b'{"decay_steps": 2}',  # a cooldown for a run without scheduler=wsd
     }  # fmt: skip
     for name, body in bad.items():
         (folder / f"lr-{name}.json").write_bytes(body)
@@ -221,6 +222,7 @@ def test_every_control_request_is_checked_where_it_is_applied(tmp_path, dataset_
     assert "not a finite positive number" in rejected["lr-a-negative.json"] and "not UTF-8 text" in rejected["lr-c-bytes.json"]
     assert "not a JSON object but list" in rejected["lr-d-list.json"] and "exactly one of" in rejected["lr-e-empty.json"]
     assert "outside callbacks.lr_control.factor_bounds=[0.0001, 10]" in rejected["lr-g-huge.json"]
+    assert "decay needs scheduler=wsd" in rejected["lr-l-decay.json"]
     lrs = {int(k): v for k, v in json.loads((tmp_path / "lr.rank0.json").read_text()).items()}
     assert lrs[0] == pytest.approx(2e-4, rel=1e-9)  # set to 2e-4, not 2e-4 x the 0.5 in force
     entries = corrections.load(run)
@@ -239,7 +241,7 @@ def test_every_control_request_is_checked_where_it_is_applied(tmp_path, dataset_
     assert main([str(run), "status"]) == 0
     out = capsys.readouterr().out
     assert "  0  from step        0: x0.5  operator" in out and ": in force" in out.splitlines()[0]
-    assert "REVOKED by 2 (revoke)" in out.splitlines()[1] and "rejected requests: 11" in out
+    assert "REVOKED by 2 (revoke)" in out.splitlines()[1] and "rejected requests: 12" in out
     assert main([str(run), "lr", "--value", "inf"]) == 2 and "finite positive" in capsys.readouterr().err
 
 

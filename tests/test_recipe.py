@@ -138,9 +138,19 @@ def _expected(steps: int, peak: float, **schedule) -> dict[int, float]:
 
 def test_a_configured_wsd_decay_is_the_learning_rate_every_step_used(tmp_path, dataset_dir):
     """scheduler=wsd with the decay at a configured step: ``train/lr`` of every step is the schedule's (warmup 2, peak
-    from 2 to 7, linear decay over 4 steps from step 8 to x0.1, kept to the end)."""
+    from 2 to 7, linear decay over 4 steps from step 8 to x0.1, kept to the end). Decay requests that cannot apply,
+    waiting when it starts (a bad N, one ending after trainer.max_steps), are rejected, naming why, and change nothing."""
+    import json
+
+    from lmtrain.formats import logbook
     from lmtrain.training.run import train
     from tests.conftest import TINY, make_cfg
+
+    (folder := tmp_path / "run" / "control").mkdir(parents=True)
+    bad = {"decay-a-bool": b'{"decay_steps": true}', "decay-b-zero": b'{"decay_steps": 0}', "decay-c-text": b'{"decay_steps": "10"}',
+           "decay-d-long": json.dumps({"decay_steps": 15}).encode()}  # fmt: skip
+    for name, body in bad.items():
+        (folder / f"{name}.json").write_bytes(body)
 
     extra = ["trainer.max_steps=14", "scheduler.decay_steps=4", "scheduler.decay_start=8", "scheduler.decay=linear",
              "scheduler.min_lr_ratio=0.1", "optimizer.lr=0.002"]  # fmt: skip
@@ -150,6 +160,12 @@ def test_a_configured_wsd_decay_is_the_learning_rate_every_step_used(tmp_path, d
     assert sorted(got) == list(range(14))
     assert [round(got[s], 12) for s in got] == [round(want[s], 12) for s in got]
     assert got[7] == 0.002 and got[12] == got[13] == pytest.approx(0.0002)
+    rejected = {e["file"]: e["message"] for e in logbook.read(tmp_path / "run") if e["kind"] == "control_rejected"}
+    assert sorted(rejected) == sorted(f"{n}.json" for n in bad) and not (folder / "applied").exists()
+    assert "decay_steps=True is not a positive number of steps" in rejected["decay-a-bool.json"]
+    assert "decay_steps=0 is not a positive number of steps" in rejected["decay-b-zero.json"]
+    assert "decay_steps='10' is not a positive number of steps" in rejected["decay-c-text.json"]
+    assert "would end at step 15, after trainer.max_steps=14: give at most --steps 14" in rejected["decay-d-long.json"]
 
 
 @pytest.mark.slow
