@@ -8,7 +8,10 @@ PART is one of:
 * ``stability``: the opt-125m shape with plain AdamW at rising peak rates (``--lrs``, ``--stability-steps`` steps,
   ``--stability-warmup``), stopping at the first rate the divergence detector acts on (a rollback or a stop in the
   logbook); then the same rate with ``model.qk_norm=true module.z_loss=1e-4`` (``--stability-pairs``: both at
-  every rate).
+  every rate; ``--jobs N``: N runs at once on the card, for the losses, not the speed). ``--stability-overrides``
+  replaces or adds Hydra overrides of both runs (a schedule, the weight decay). After each run, the largest attention
+  logit of each layer (q.k / sqrt(head_dim) over the causal positions of the first validation blocks) at every
+  checkpoint it kept.
 * ``muon``: ``optimizer=adamw`` and ``optimizer=muon`` at each of ``--muon-lrs``, ``--muon-steps`` steps each at
   equal tokens (the same data, batch and schedule).
 * ``wsd``: ``scheduler=wsd`` whose decay an operator starts (``lmtrain control RUN decay --steps N``, issued once the
@@ -30,11 +33,14 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH, SEQ = 8, 1024
+_RESULTS = threading.Lock()  # one recipe.jsonl line at a time (--jobs)
 
 
 def corpus(out: Path, tokenizer: str) -> Path:
@@ -69,11 +75,14 @@ def base(ds: Path, run: Path, name: str) -> list[str]:
             "trainer.val_check_interval=100000"]  # fmt: skip
 
 
-def stability_runs(lr: float, steps: int, warmup: int = 100) -> dict[str, list[str]]:
-    """Plain AdamW, then with QK-norm and z-loss; checkpoints every 25 steps, for the detector's rollbacks."""
-    common = [f"trainer.max_steps={steps}", f"scheduler.warmup_steps={warmup}", "scheduler=cosine", f"optimizer.lr={lr}",
-              "callbacks.checkpoint.every_n_steps=25"]  # fmt: skip
-    return {f"adamw-lr{lr:g}": common, f"adamw-qknorm-zloss-lr{lr:g}": [*common, "model.qk_norm=true", "module.z_loss=1e-4"]}
+def stability_runs(lr: float, steps: int, warmup: int = 100, extra: list[str] = ()) -> dict[str, list[str]]:
+    """Plain AdamW, then with QK-norm and z-loss; checkpoints every 25 steps, for the detector's rollbacks. ``extra``
+    overrides replace those of the same key (Hydra refuses a key given twice) or add to them."""
+    common = {o.split("=", 1)[0]: o for o in [f"trainer.max_steps={steps}", f"scheduler.warmup_steps={warmup}", "scheduler=cosine",
+                                              f"optimizer.lr={lr}", "callbacks.checkpoint.every_n_steps=25"]}  # fmt: skip
+    common.update({o.split("=", 1)[0]: o for o in extra})
+    group_first = sorted(common.values(), key=lambda o: "." in o.split("=", 1)[0])  # a group's choice before its keys
+    return {f"adamw-lr{lr:g}": group_first, f"adamw-qknorm-zloss-lr{lr:g}": [*group_first, "model.qk_norm=true", "module.z_loss=1e-4"]}
 
 
 def muon_runs(lr: float, steps: int) -> dict[str, list[str]]:
@@ -91,8 +100,9 @@ def wsd_runs(steps: int, decay_start: int, decay_steps: int) -> dict[str, list[s
             "wsd-configured": [*common, f"scheduler.decay_start={decay_start}", f"scheduler.decay_steps={decay_steps}"]}  # fmt: skip
 
 
-def train(out: Path, ds: Path, name: str, overrides: list[str], operator=None) -> dict:
-    """One ``train.py`` run on the GPU (:func:`base`); ``operator(run_dir, proc)`` runs beside it."""
+def train(out: Path, ds: Path, name: str, overrides: list[str], operator=None, attention: bool = False) -> dict:
+    """One ``train.py`` run on the GPU (:func:`base`); ``operator(run_dir, proc)`` runs beside it; ``attention``: the
+    largest attention logits at its checkpoints (:func:`attention_logits`)."""
     sys.path.insert(0, str(ROOT))
     from lmtrain.formats import corrections, logbook, metrics
 
@@ -118,23 +128,76 @@ def train(out: Path, ds: Path, name: str, overrides: list[str], operator=None) -
         "signals": [(e.get("step"), e.get("signals")) for e in entries if e["kind"] == "divergence_signal"],
         "stopped": [e.get("message") for e in entries if e["kind"] in ("stop", "stopped")],
         "corrections": corrections.load(run) if (run / corrections.FILE).exists() else [],
+        # the losses of the steps a rollback abandoned (the record keeps them; the timeline above does not)
+        "abandoned": [(r["step"], r["values"]["train/loss"]) for r in metrics.record_rows(run) if r["abandoned"] and "train/loss" in r["values"]],
     }  # fmt: skip
-    with open(out / "recipe.jsonl", "a") as fh:
-        fh.write(json.dumps(result) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k not in ("loss", "lr", "z_loss", "grad_norm", "command")}), flush=True)
+    if attention:
+        result["attn_logit_max"] = attention_logits(run, ds)
+    with _RESULTS:
+        with open(out / "recipe.jsonl", "a") as fh:
+            fh.write(json.dumps(result) + "\n")
+        print(
+            json.dumps({k: v for k, v in result.items() if k not in ("loss", "lr", "z_loss", "grad_norm", "command", "abandoned")}),
+            flush=True,
+        )
     return result
 
 
+def attention_logits(run: Path, ds: Path, blocks: int = 4, seq: int = SEQ) -> dict[int, list[float]]:
+    """At every checkpoint the run kept (step: one figure per layer): the largest attention logit, q.k / sqrt(head_dim)
+    over the causal positions of the first ``blocks`` validation blocks, in float32 (Wortsman et al. 2023 follow it:
+    without QK-norm it grows with the learning rate until attention collapses onto single tokens)."""
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(ROOT))
+    from lmtrain.data.datamodule import PackedBlocks
+    from lmtrain.formats import checkpoint as ck
+    from lmtrain.formats.trained import load_run
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    val = PackedBlocks(ds, "val", seq)
+    idx = torch.stack([val[i][0] for i in range(min(blocks, len(val)))]).to(device)
+    sdpa, seen = F.scaled_dot_product_attention, []
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kw):
+        scores = (q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, T, T)
+        allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+        if attn_mask is not None:
+            allowed = allowed & attn_mask
+        seen.append(scores.masked_fill(~allowed, float("-inf")).amax().item())
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+
+    out = {}
+    for saved in ck.scan(run / "checkpoints", quiet=True):
+        model = load_run(run, saved.path.name, device)[0]
+        seen.clear()
+        F.scaled_dot_product_attention = spy
+        try:
+            with torch.no_grad():
+                model.hidden_states(idx)
+        finally:
+            F.scaled_dot_product_attention = sdpa
+        out[saved.step] = [round(x, 2) for x in seen]
+        del model
+    return out
+
+
 def stability(out: Path, ds: Path, args) -> None:
-    """At each rate, plain AdamW and then the same with QK-norm and z-loss (``--stability-pairs``: the guarded run only
-    where the plain one diverged, stopping there)."""
+    """At each rate, plain AdamW and then the same with QK-norm and z-loss (without ``--stability-pairs``: the guarded
+    run only where the plain one diverged, stopping there; with it, every pair, ``--jobs`` runs at a time)."""
+    runs = {lr: stability_runs(lr, args.stability_steps, args.stability_warmup, args.stability_overrides) for lr in args.lrs}
+    if args.stability_pairs:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            done = [pool.submit(train, out, ds, name, o, attention=True) for pairs in runs.values() for name, o in pairs.items()]
+            for future in done:
+                future.result()
+        return
     for lr in args.lrs:
-        (plain, plain_args), (guarded, guarded_args) = stability_runs(lr, args.stability_steps, args.stability_warmup).items()
-        result = train(out, ds, plain, plain_args)
-        diverged = bool(result["rollbacks"]) or result["exit"] != 0
-        if diverged or args.stability_pairs:
-            train(out, ds, guarded, guarded_args)
-        if diverged and not args.stability_pairs:
+        (plain, plain_args), (guarded, guarded_args) = runs[lr].items()
+        result = train(out, ds, plain, plain_args, attention=True)
+        if result["rollbacks"] or result["exit"] != 0:
+            train(out, ds, guarded, guarded_args, attention=True)
             return
 
 
@@ -241,6 +304,8 @@ def main() -> int:
     p.add_argument("--stability-steps", type=int, default=300)
     p.add_argument("--stability-warmup", type=int, default=100)
     p.add_argument("--stability-pairs", action="store_true", help="both runs at every rate (default: stop at the first divergence)")
+    p.add_argument("--stability-overrides", nargs="*", default=[], help="Hydra overrides of both stability runs (KEY=VALUE)")
+    p.add_argument("--jobs", type=int, default=1, help="stability runs at once on the card (with --stability-pairs)")
     p.add_argument("--muon-lrs", type=float, nargs="+", default=[6e-4])
     p.add_argument("--muon-steps", type=int, default=1000)
     p.add_argument("--wsd-steps", type=int, default=1500)

@@ -352,3 +352,56 @@ def test_the_recipe_benchmarks_runs_compose_and_validate(tmp_path):
     for name, overrides in runs.items():
         cfg = make_cfg([*recipe.base(tmp_path / "ds", tmp_path / "runs" / name, name), *overrides], tmp_path)
         validate_config(cfg)
+
+
+def test_the_recipe_benchmarks_stability_overrides_and_attention_logits(tmp_path, dataset_dir):
+    """The stability sweep's extra overrides replace the defaults of their key (a Hydra group too) and compose; and
+    the largest attention logit the benchmark reports at each checkpoint is the one the checkpoint's own q and k give
+    (recomputed here from each block's attention input, its norms and its rotary positions)."""
+    import torch
+
+    from lmtrain.data.datamodule import PackedBlocks
+    from lmtrain.formats.trained import load_run
+    from lmtrain.nn.model import apply_rope
+    from tests.conftest import TINY, run_train_cli
+
+    spec = importlib.util.spec_from_file_location("bench_recipe", BENCH / "recipe.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    extra = ["scheduler=constant", "optimizer.weight_decay=0", "callbacks.checkpoint.every_n_steps=200"]
+    (plain, plain_args), (guarded, guarded_args) = recipe.stability_runs(3e-2, 2000, 100, extra).items()
+    for name, overrides in ((plain, plain_args), (guarded, guarded_args)):
+        cfg = make_cfg([*recipe.base(tmp_path / "ds", tmp_path / "runs" / name, name), *overrides], tmp_path)
+        validate_config(cfg)
+        assert (cfg.scheduler.decay, cfg.scheduler.warmup_steps, cfg.optimizer.lr, cfg.optimizer.weight_decay) == ("constant", 100, 3e-2, 0)
+        assert cfg.callbacks.checkpoint.every_n_steps == 200 and cfg.model.qk_norm == (name == guarded)
+
+    run = tmp_path / "trained"
+    res = run_train_cli([*TINY, f"data.path={dataset_dir}", "data.prepare=null", f"run_dir={run}", "model.family=llama",
+                         "model.qk_norm=true", "optimizer.lr=3e-2", "callbacks=[checkpoint]", "callbacks.checkpoint.every_n_steps=2"], tmp_path)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    seq = 64
+    got = recipe.attention_logits(run, dataset_dir, blocks=2, seq=seq)
+    assert sorted(got) == [2, 4], got
+    val = PackedBlocks(dataset_dir, "val", seq)
+    idx = torch.stack([val[0][0], val[1][0]])
+    for step, per_layer in got.items():
+        model = load_run(run, f"step-{step:07d}")[0]
+        inputs = []
+        hooks = [b.attn.register_forward_pre_hook(lambda m, args, seen=inputs: seen.append((m, args[0], args[1]))) for b in model.blocks]
+        with torch.no_grad():
+            model.hidden_states(idx)
+            want = []
+            for attn, x, (cos, sin) in inputs:
+                B, T, _ = x.shape
+                q, k, _ = attn.qkv(x).split(
+                    [attn.n_heads * attn.head_dim, attn.kv_heads * attn.head_dim, attn.kv_heads * attn.head_dim], -1
+                )
+                q = apply_rope(attn.q_norm(q.view(B, T, attn.n_heads, -1).transpose(1, 2)), cos, sin)
+                k = apply_rope(attn.k_norm(k.view(B, T, attn.kv_heads, -1).transpose(1, 2)), cos, sin)
+                scores = (q @ k.transpose(-2, -1)) / attn.head_dim**0.5
+                want.append(scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).amax().item())
+        for h in hooks:
+            h.remove()
+        assert len(per_layer) == len(model.blocks) == 2
+        assert per_layer == pytest.approx(want, abs=0.006), (step, per_layer, want)  # the benchmark rounds to 2 decimals
