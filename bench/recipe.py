@@ -8,7 +8,7 @@ PART is one of:
 * ``stability``: the opt-125m shape with plain AdamW at rising peak rates (``--lrs``, ``--stability-steps`` steps,
   ``--stability-warmup``), stopping at the first rate the divergence detector acts on (a rollback or a stop in the
   logbook); then the same rate with ``model.qk_norm=true module.z_loss=1e-4`` (``--stability-pairs``: both at
-  every rate; ``--jobs N``: N runs at once on the card, for the losses, not the speed). ``--stability-overrides``
+  every rate; ``--stability-arms`` adds QK-norm or z-loss alone; ``--jobs N``: N runs at once on the card, for the losses, not the speed). ``--stability-overrides``
   replaces or adds Hydra overrides of both runs (a schedule, the weight decay). After each run, the largest attention
   logit of each layer (q.k / sqrt(head_dim) over the causal positions of the first validation blocks) at every
   checkpoint it kept.
@@ -75,14 +75,24 @@ def base(ds: Path, run: Path, name: str) -> list[str]:
             "trainer.val_check_interval=100000"]  # fmt: skip
 
 
-def stability_runs(lr: float, steps: int, warmup: int = 100, extra: list[str] = ()) -> dict[str, list[str]]:
-    """Plain AdamW, then with QK-norm and z-loss; checkpoints every 25 steps, for the detector's rollbacks. ``extra``
-    overrides replace those of the same key (Hydra refuses a key given twice) or add to them."""
+ARMS = {
+    "plain": [],
+    "both": ["model.qk_norm=true", "module.z_loss=1e-4"],
+    "qknorm": ["model.qk_norm=true"],
+    "zloss": ["module.z_loss=1e-4"],
+}
+
+
+def stability_runs(lr: float, steps: int, warmup: int = 100, extra: list[str] = (), arms=("plain", "both")) -> dict[str, list[str]]:
+    """Plain AdamW, then with QK-norm and z-loss (``arms``: which of :data:`ARMS`, in order); checkpoints every 25
+    steps, for the detector's rollbacks. ``extra`` overrides replace those of the same key (Hydra refuses a key given
+    twice) or add to them."""
     common = {o.split("=", 1)[0]: o for o in [f"trainer.max_steps={steps}", f"scheduler.warmup_steps={warmup}", "scheduler=cosine",
                                               f"optimizer.lr={lr}", "callbacks.checkpoint.every_n_steps=25"]}  # fmt: skip
     common.update({o.split("=", 1)[0]: o for o in extra})
     group_first = sorted(common.values(), key=lambda o: "." in o.split("=", 1)[0])  # a group's choice before its keys
-    return {f"adamw-lr{lr:g}": group_first, f"adamw-qknorm-zloss-lr{lr:g}": [*group_first, "model.qk_norm=true", "module.z_loss=1e-4"]}
+    names = {"plain": "adamw", "both": "adamw-qknorm-zloss", "qknorm": "adamw-qknorm", "zloss": "adamw-zloss"}
+    return {f"{names[arm]}-lr{lr:g}": [*group_first, *ARMS[arm]] for arm in arms}
 
 
 def muon_runs(lr: float, steps: int) -> dict[str, list[str]]:
@@ -185,8 +195,10 @@ def attention_logits(run: Path, ds: Path, blocks: int = 4, seq: int = SEQ) -> di
 
 def stability(out: Path, ds: Path, args) -> None:
     """At each rate, plain AdamW and then the same with QK-norm and z-loss (without ``--stability-pairs``: the guarded
-    run only where the plain one diverged, stopping there; with it, every pair, ``--jobs`` runs at a time)."""
-    runs = {lr: stability_runs(lr, args.stability_steps, args.stability_warmup, args.stability_overrides) for lr in args.lrs}
+    run only where the plain one diverged, stopping there; with it, every arm of ``--stability-arms``, ``--jobs`` runs
+    at a time)."""
+    arms = args.stability_arms if args.stability_pairs else ("plain", "both")
+    runs = {lr: stability_runs(lr, args.stability_steps, args.stability_warmup, args.stability_overrides, arms) for lr in args.lrs}
     if args.stability_pairs:
         with ThreadPoolExecutor(args.jobs) as pool:
             done = [pool.submit(train, out, ds, name, o, attention=True) for pairs in runs.values() for name, o in pairs.items()]
@@ -249,8 +261,9 @@ def raw(out: Path) -> None:
 
 
 def plot(results: Path, out: Path) -> list[Path]:
-    """The curves of a ``recipe.jsonl``: Muon against AdamW (loss, a 25-step mean), and the two WSD runs (learning
-    rate and loss), as PNG files in ``out``."""
+    """The curves of a ``recipe.jsonl``: Muon against AdamW (loss, a 25-step mean), the stability runs (loss with the
+    detector's signals, and the largest attention logit at each kept checkpoint), and the two WSD runs (learning rate
+    and loss), as PNG files in ``out``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -276,6 +289,29 @@ def plot(results: Path, out: Path) -> list[Path]:
         fig.tight_layout()
         fig.savefig(out / "muon_vs_adamw.png")
         written.append(out / "muon_vs_adamw.png")
+    stable = sorted(n for n in runs if n.startswith(("adamw-lr", "adamw-qknorm-", "adamw-zloss-")))
+    if stable:
+        fig = Figure(figsize=(8, 6), dpi=100)
+        FigureCanvasAgg(fig)
+        top, bottom = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2)
+        for name in stable:
+            r = runs[name]
+            style = "--" if "qknorm" in name else "-"  # dashed: with QK-norm
+            (line,) = top.plot(smooth(r["loss"]), style, label=f"{name}: {len(r['rollbacks'])} rollbacks, exit {r['exit']}")
+            for step, _ in r.get("signals", []):
+                top.axvline(step, color=line.get_color(), alpha=0.3, lw=0.8)
+            logits = {int(k): max(v) for k, v in r.get("attn_logit_max", {}).items()}
+            if logits:
+                bottom.plot(sorted(logits), [logits[k] for k in sorted(logits)], style + "o", color=line.get_color(), label=name)
+        top.set(title="opt-125m, H200, AdamW, no weight decay (dashed: QK-norm; thin lines: signals)",
+                ylabel="train loss (25-step mean)")  # fmt: skip
+        bottom.set(xlabel="optimizer step", ylabel="largest attention logit (any layer)", yscale="log")
+        for ax in (top, bottom):
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "stability.png")
+        written.append(out / "stability.png")
     if "wsd-control" in runs and "wsd-configured" in runs:
         fig = Figure(figsize=(8, 6), dpi=100)
         FigureCanvasAgg(fig)
@@ -305,6 +341,8 @@ def main() -> int:
     p.add_argument("--stability-warmup", type=int, default=100)
     p.add_argument("--stability-pairs", action="store_true", help="both runs at every rate (default: stop at the first divergence)")
     p.add_argument("--stability-overrides", nargs="*", default=[], help="Hydra overrides of both stability runs (KEY=VALUE)")
+    p.add_argument("--stability-arms", nargs="+", choices=list(ARMS), default=["plain", "both"], help="with --stability-pairs: "
+                   "plain AdamW, both QK-norm and z-loss, or one of them (an ablation)")  # fmt: skip
     p.add_argument("--jobs", type=int, default=1, help="stability runs at once on the card (with --stability-pairs)")
     p.add_argument("--muon-lrs", type=float, nargs="+", default=[6e-4])
     p.add_argument("--muon-steps", type=int, default=1000)

@@ -20,18 +20,25 @@ def _head_outputs(model: Decoder, kind: str, z_loss: float, x, y):
     return out.detach(), model.lm_head.weight.grad.clone(), model.blocks[0].attn.qkv.weight.grad.clone()
 
 
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="the float8 head's products on a GPU")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("family", ["opt", "llama"])
-def test_the_z_loss_is_the_same_in_every_head_and_its_gradient_is_the_penaltys(family):
+def test_the_z_loss_is_the_same_in_every_head_and_its_gradient_is_the_penaltys(family, device):
     """module.z_loss: the plain head (autograd), the chunked one (its gradient written in the forward) and the float8
     one give the same (objective, cross-entropy, z); z is the mean squared log-partition of the logits over counted
     tokens; the chunked head's gradients are autograd's; the float8 head's stay within float8's error even at a
     coefficient that makes the gradient exceed softmax-minus-one-hot's bound of 1 (its e5m2 scale follows the bound: left
     at 1, the gradients are NaN)."""
     torch.manual_seed(0)
-    model = Decoder(ModelConfig(family=family, vocab_size=96, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, qk_norm=True))
+    model = Decoder(ModelConfig(family=family, vocab_size=96, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, qk_norm=True)).to(device)
     with torch.no_grad():  # peaked softmaxes, so that the z term's gradient exceeds 1 (seen: 1.3 at 1e-2, 35 at 1.0)
         model.lm_head.weight.mul_(20)
-    x, y = torch.randint(0, 96, (2, 16)), torch.randint(0, 96, (2, 16))
+    x, y = torch.randint(0, 96, (2, 16)).to(device), torch.randint(0, 96, (2, 16)).to(device)
     y[0, 3] = -100  # an ignored target: neither in the cross-entropy nor in z
     with torch.no_grad():
         logits = model(x).flatten(0, 1).float()
