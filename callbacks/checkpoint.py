@@ -31,6 +31,7 @@ from lmtrain.console import log
 from lmtrain.formats import checkpoint as ck
 from lmtrain.formats import logbook
 from lmtrain.formats.checkpoint import CheckpointError
+from lmtrain.training import compat
 from lmtrain.training.checkpoint.rng import every_rank_rng_state, set_rng_state
 from lmtrain.training.checkpoint.writer import CheckpointWriter, SaveEvents, state_bytes
 from lmtrain.training.contracts import CheckpointStore, SaveGuard, WatchesProgress
@@ -94,6 +95,7 @@ class Checkpointer(Checkpoint, CheckpointStore, SaveEvents):
         self.stall_seconds = 0.0
         self.prepare_seconds = 0.0  # the first step's host-buffer pinning (lmtrain.training.goodput: first steps)
         self._rng_to_restore: list | None = None
+        self._after_validation: tuple[int, bool] | None = None  # (step, periodic): a save due after this step's validation
         self._wall_before = 0.0  # wall-clock seconds of earlier segments of this run
         self._t_start = time.time()
 
@@ -124,6 +126,8 @@ class Checkpointer(Checkpoint, CheckpointStore, SaveEvents):
         # Lightning runs Checkpoint callbacks after all others, so a stop requested in this hook is seen here.
         # The final save happens here too, not in on_train_end: by then Lightning has marked the epoch finished,
         # and a run extended from that checkpoint would start a new epoch instead of continuing this one.
+        # A step that validates is saved after its validation (on_validation_end), as Lightning's own ModelCheckpoint
+        # does: the checkpoint then holds the state the next step starts from, and its values are in the record.
         step = trainer.global_step
         if not self._prepared and step > 0:  # the attempt's first step: an asynchronous save's host buffers pinned now
             self._prepared = True
@@ -139,10 +143,27 @@ class Checkpointer(Checkpoint, CheckpointStore, SaveEvents):
             periodic = bool(self.every_n_steps) and step % self.every_n_steps == 0
         periodic = periodic or bool(self.keep_every and step % self.keep_every == 0)
         last = self.save_on_train_end and (trainer.should_stop or (trainer.max_steps > 0 and step >= trainer.max_steps))
-        if periodic or last:
-            self._judge_and_save(trainer)
-            if periodic and self.auto:
-                self._plan_next(trainer, step)
+        if self._after_validation is not None:  # a save kept for a validation that did not come (not expected)
+            log.warning(f"checkpoints: step {self._after_validation[0]}'s save waited for a validation that did not run; not saved")
+            self._after_validation = None
+        if not (periodic or last):
+            return
+        if compat.validates_after_this_batch(trainer):
+            self._after_validation = (step, periodic)  # saved once this step's validation and evals are logged
+            return
+        self._save_step(trainer, periodic)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        # Lightning runs this after the validation's values are logged and the other callbacks' hooks (the evals):
+        # the record holds them, flushed, before this step's checkpoint counts, so a kill after it loses none of them.
+        pending, self._after_validation = self._after_validation, None
+        if pending is not None and not trainer.sanity_checking and pending[0] == trainer.global_step:
+            self._save_step(trainer, pending[1])
+
+    def _save_step(self, trainer, periodic: bool) -> None:
+        self._judge_and_save(trainer)
+        if periodic and self.auto:
+            self._plan_next(trainer, trainer.global_step)
 
     def _plan_next(self, trainer, step: int) -> None:
         """``every_n_steps=auto``: the step of the next periodic save (see the module), the same on every rank."""

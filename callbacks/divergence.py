@@ -40,6 +40,7 @@ import lightning as L
 from lmtrain.console import log
 from lmtrain.errors import InputError
 from lmtrain.formats import corrections, logbook
+from lmtrain.training import compat
 from lmtrain.training.checkpoint.resume import rollback_target
 from lmtrain.training.contracts import CheckpointStore, RequestsRollback, StepChecker, StopsTraining
 from lmtrain.training.logs import log_direct
@@ -300,6 +301,7 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
         self.stop_reason = message
         self.stopping = True
         trainer.should_stop = True
+        compat.skip_validation_after_this_batch(trainer)  # the diverged state is not validated either
         if self.checkpointer is not None:
             self.checkpointer.discard_current_state()  # never save the diverged state as the newest checkpoint
 
@@ -337,6 +339,7 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
             "why": why,
         }
         trainer.should_stop = True
+        compat.skip_validation_after_this_batch(trainer)
         self.checkpointer.discard_current_state()
         return True
 

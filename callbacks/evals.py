@@ -39,6 +39,7 @@ import torch
 
 from lmtrain.console import log
 from lmtrain.errors import InputError
+from lmtrain.training import compat
 
 BUILTIN = ("line-order", "next-line")
 
@@ -238,7 +239,9 @@ class DownstreamEvals(L.Callback):
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if self.tasks and not trainer.sanity_checking and trainer.state.fn == "fit":
-            self.evaluate(trainer, pl_module)
+            # logged beside the validation's own values, at the step the loggers hold them at: a resume from this
+            # step's checkpoint keeps them (a later step of a dead attempt is abandoned)
+            self.evaluate(trainer, pl_module, log_step=compat.logged_step(trainer))
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.tasks and self._last_step != trainer.global_step:
@@ -260,7 +263,8 @@ class DownstreamEvals(L.Callback):
         return items
 
     # -- what ---------------------------------------------------------------------------------
-    def evaluate(self, trainer, pl_module) -> dict[str, dict[str, float]]:
+    def evaluate(self, trainer, pl_module, log_step: int | None = None) -> dict[str, dict[str, float]]:
+        """Score every task now; the values go to the loggers at ``log_step`` (None: the optimizer steps done)."""
         model = pl_module.model
         was_training = model.training
         model.eval()
@@ -268,7 +272,7 @@ class DownstreamEvals(L.Callback):
         try:
             for name, items in self.tasks.items():
                 scores = self.score(trainer, model, items, name)
-                self.results[name] = self._record(trainer, name, items, scores, step)
+                self.results[name] = self._record(trainer, name, items, scores, step, step if log_step is None else log_step)
         finally:
             model.train(was_training)
         self._last_step = step
@@ -281,7 +285,9 @@ class DownstreamEvals(L.Callback):
             limit = int(getattr(getattr(model, "cfg", None), "max_seq_len", 0) or 1 << 30)
             requests = []
             for i, item in enumerate(items):
-                ctx = self._enc.encode_ordinary(item.context)
+                # an empty context is the start of a document: the separator before it (as lm-evaluation-harness
+                # puts its end-of-text token), so that the choice's first token is scored too
+                ctx = self._enc.encode_ordinary(item.context) or [self._eos]
                 for j, choice in enumerate(item.choices):
                     cont = self._enc.encode_ordinary(choice)[:limit]
                     requests.append((i, j, (ctx + cont)[-(limit + 1) :], len(cont)))
@@ -312,7 +318,7 @@ class DownstreamEvals(L.Callback):
                     out[i, j] = logp[k, t - n : t].gather(-1, targets[:, None]).sum().double()
         return trainer.strategy.reduce(out, reduce_op="sum") if world > 1 else out
 
-    def _record(self, trainer, name: str, items: list[Item], scores: torch.Tensor, step: int) -> dict[str, float]:
+    def _record(self, trainer, name: str, items: list[Item], scores: torch.Tensor, step: int, log_step: int) -> dict[str, float]:
         scores = scores.cpu()
         right = right_norm = 0
         rows = []
@@ -328,7 +334,7 @@ class DownstreamEvals(L.Callback):
         if trainer.is_global_zero:
             metrics = {f"eval/{name}/{k}": v for k, v in acc.items()}
             for lg in trainer.loggers:
-                lg.log_metrics(metrics, step=step)
+                lg.log_metrics(metrics, step=log_step)
             try:
                 folder = self.run_dir / "evals" / name
                 folder.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,8 @@ resumed run goes on):
   the full suite's load); a crash during a save is ``crash_mid_save``;
 * ``crash_mid_save``: killed while writing the first checkpoint at or after ``step``, after its files and
   before its completion (``meta.json``, rename);
+* ``crash_after_save``: killed right after the first checkpoint at or after ``step`` is complete (renamed into
+  place), before anything else of that step (its logbook entry, retention, the step's later values);
 * ``enospc``: the first save at or after ``step`` fails with ENOSPC (no space left on device);
 * ``truncate``: the first checkpoint at or after ``step`` has its largest file cut in half right after it is
   written (the post-save verification must catch it);
@@ -40,7 +42,7 @@ from lmtrain.console import log
 from lmtrain.errors import InputError
 from lmtrain.training.contracts import CheckpointStore, SaveGuard
 
-KINDS = ("crash", "crash_mid_save", "enospc", "truncate", "loss_spike", "nan_loss", "act_growth", "grad_overflow", "hang", "slow_rank")
+KINDS = ("crash", "crash_mid_save", "crash_after_save", "enospc", "truncate", "loss_spike", "nan_loss", "act_growth", "grad_overflow", "hang", "slow_rank")
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -145,6 +147,8 @@ class FaultInjector(L.Callback, SaveGuard):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         if self.kind == "crash_mid_save" and point == "before_commit" and self._arm():
             self._kill(f"crash while saving step {step}")
+        if self.kind == "crash_after_save" and point == "after_commit" and self._arm():
+            self._kill(f"crash right after saving step {step}")
         if self.kind == "truncate" and point == "after_commit" and self._arm():
             files = [p for p in path.rglob("*") if p.is_file() and p.name != "meta.json"]
             victim = max(files, key=lambda p: p.stat().st_size)

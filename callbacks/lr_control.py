@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from pathlib import Path
 
 import lightning as L
@@ -163,7 +165,7 @@ class LRControl(L.Callback):
 
     def _judge(self, f: Path, step: int, scheduled: float, entries: list[dict]) -> tuple[dict, str]:
         try:
-            req = json.loads(f.read_bytes().decode("utf-8"))
+            req = json.loads(read_request(f).decode("utf-8"))
         except UnicodeDecodeError:
             raise _Rejected("not UTF-8 text") from None
         except (OSError, json.JSONDecodeError) as exc:
@@ -227,6 +229,41 @@ class LRControl(L.Callback):
             raise _Rejected(f"correction {target} is itself a revocation")
         entry = {"from_step": step, "scale": 1.0, "reason": "revoke", "revokes": [target], "request": req}
         return entry, f"revoked correction {target} ({corrections.describe(entries[target])})"
+
+
+REQUEST_MAX_BYTES = 64 << 10  # a request is a few dozen bytes; more is not one
+
+
+def read_request(f: Path) -> bytes:
+    """A request file's bytes, read without ever blocking the training process: only a regular file (not a named
+    pipe, a device, a socket, a directory or a symbolic link, any of which could stall rank zero's poll in ``open`` or
+    ``read``), opened non-blocking, at most :data:`REQUEST_MAX_BYTES`; anything else is :class:`_Rejected`."""
+    try:
+        st = os.lstat(f)
+    except OSError as exc:
+        raise _Rejected(f"cannot be read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _Rejected(f"not a regular file ({_file_kind(st.st_mode)})")
+    try:
+        fd = os.open(f, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise _Rejected(f"cannot be read ({exc.strerror or exc})") from None
+    try:
+        st = os.fstat(fd)  # what was opened: replaced after the lstat, it is judged again here
+        if not stat.S_ISREG(st.st_mode):
+            raise _Rejected(f"not a regular file ({_file_kind(st.st_mode)})")
+        data = os.read(fd, REQUEST_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > REQUEST_MAX_BYTES:
+        raise _Rejected(f"larger than {REQUEST_MAX_BYTES:,} bytes: not a request")
+    return data
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))  # fmt: skip
+    return next((name for test, name in kinds if test(mode)), "not a plain file")
 
 
 class _Rejected(Exception):

@@ -294,6 +294,43 @@ def test_identical_continuation_after_kill_9_and_kill_mid_save(tmp_path, dataset
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-0000008", "step-0000012", "step-0000014"]
 
 
+# Checkpoints at the validations' steps (5, 10) and the end (12), the evals on: what a kill there may lose.
+AT_VALIDATION = ["callbacks=[checkpoint,evals]", "callbacks.evals.max_items=8", "callbacks.checkpoint.every_n_steps=5", "trainer.max_steps=12"]
+
+
+def _logged(run_dir: Path) -> dict[int, dict[str, str]]:
+    """Every value of the run's current timeline per step, from its record, train/, val/ and eval/ keys."""
+    from lmtrain.formats import metrics
+
+    keep = ("train/loss", "train/lr", "val/", "eval/")
+    return {s: {k: v for k, v in row.items() if k.startswith(keep)} for s, row in metrics.by_step(run_dir).items()}
+
+
+def test_a_kill_in_the_first_save_starts_the_run_again_and_one_after_a_validations_save_loses_nothing(tmp_path, dataset_dir):
+    """Issue 57 (1, 2): a kill -9 inside the run's first save (step 5) left only ``.step-0000005.partial``: the next
+    launch starts from step 0 (nothing was saved) instead of refusing forever, saying so in the logbook. That launch is
+    killed right after step 10's checkpoint is complete (a step that validates and runs the evals): the third launch
+    resumes from it, and every value an uninterrupted run logs (train, val, evals) is in the record once, equal."""
+    ref = make_cfg(TINY + CKPT + AT_VALIDATION, tmp_path / "ref", dataset_dir)
+    train(ref)
+    want = _logged(Path(ref.run_dir))
+    assert {s for s, v in want.items() if "val/loss" in v} == {4, 9} and any("eval/line-order/acc" in v for v in want.values())
+    run, root = tmp_path / "runs" / "cut", tmp_path / "runs" / "cut" / "checkpoints"
+    first = _cli(tmp_path, dataset_dir, "cut", *AT_VALIDATION, "fault=crash_mid_save", "callbacks.fault.step=1")
+    assert first.returncode == -9, first.stderr[-3000:]
+    assert (root / ck.partial_name(5)).is_dir() and ck.newest(root) is None
+    again = _cli(tmp_path, dataset_dir, "cut", *AT_VALIDATION, "fault=crash_after_save", "callbacks.fault.step=10")
+    assert again.returncode == -9, again.stderr[-3000:]
+    assert "save of step 5 did not finish, so nothing was saved" in again.stderr and "continuing from" not in again.stderr
+    assert [c.step for c in ck.scan(root)] == [5, 10] and not (root / ck.partial_name(5)).exists()
+    final = _cli(tmp_path, dataset_dir, "cut", *AT_VALIDATION)
+    assert final.returncode == 0 and "step-0000010" in final.stderr, final.stderr[-3000:]
+    assert _logged(run) == want  # every step's values once (the current timeline), to the last digit
+    entries = [e for e in logbook.read(run) if e["kind"] not in ("checkpoint", "config_change")]
+    assert [e["kind"] for e in entries] == ["start", "died", "start", "partial_removed", "died", "resume", "end"], entries
+    assert "step 5 did not finish" in entries[2]["message"]
+
+
 def _cfg(tmp_path, dataset_dir, *extra):
     return make_cfg(TINY + CKPT + [f"paths.runs={tmp_path / 'runs'}", "run_name=r", *extra], tmp_path, dataset_dir)
 

@@ -79,7 +79,8 @@ def test_a_bad_task_file_refuses_the_run_before_anything_is_written(tmp_path, da
 def test_the_scores_of_a_trained_model_are_transformers_scores_item_by_item(tmp_path, dataset_dir, corpus_jsonl):
     """A tiny model trained 4 steps with the built-in task and a task file: at every evaluation (start, validations,
     end) the logged accuracies are those of the item scores it wrote; at the end each item's choice scores equal
-    transformers' on the exported model (its own tokenizer.json), to 1e-4, and so each prediction."""
+    transformers' on the exported model (its own tokenizer.json), to 1e-4, and so each prediction. An item with an
+    empty context (it crashed the run at step 0: issue 57, 5) is scored after the document separator."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lmtrain import export
@@ -87,8 +88,9 @@ def test_the_scores_of_a_trained_model_are_transformers_scores_item_by_item(tmp_
 
     texts = [json.loads(line)["text"] for line in corpus_jsonl.read_text(encoding="utf-8").splitlines()][:10]
     task = tmp_path / "code.jsonl"
+    empty = {"context": "", "choices": ["import os", "os import"], "answer": 0}  # a document's start: scored after the separator
     task.write_text(
-        "".join(
+        json.dumps(empty) + "\n" + "".join(
             json.dumps({"context": t[:80], "choices": [t[80:100], t[200:220], " x"], "answer": 0}) + "\n" for t in texts if len(t) > 220
         )
     )
@@ -114,13 +116,14 @@ def test_the_scores_of_a_trained_model_are_transformers_scores_item_by_item(tmp_
     }
     assert export.main([str(run), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    eos = json.loads((dataset_dir / "manifest.json").read_text())["eos_id"]
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     for name, items_file in (("next-line", run / "evals" / "next-line" / "items.jsonl"), ("code", task)):
         items = [json.loads(line) for line in items_file.read_text().splitlines()]
         rows = [json.loads(line) for line in (run / "evals" / name / "step-0000004.jsonl").read_text().splitlines()]
         assert len(rows) == len(items) > 3
         for item, row in zip(items, rows):
-            ctx = tok(item["context"])["input_ids"]
+            ctx = tok(item["context"])["input_ids"] or [eos]
             theirs = []
             for choice in item["choices"]:
                 cont = tok(choice)["input_ids"]

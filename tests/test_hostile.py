@@ -211,18 +211,27 @@ def test_every_control_request_is_checked_where_it_is_applied(tmp_path, dataset_
     }  # fmt: skip
     for name, body in bad.items():
         (folder / f"lr-{name}.json").write_bytes(body)
+    # Files that are not plain files would block rank zero's poll in open() or read() (issue 57, 6): a named pipe with
+    # no writer, a symbolic link to an endless device, a directory; and a file far larger than any request.
+    os.mkfifo(folder / "lr-m-fifo.json")
+    (folder / "lr-n-link.json").symlink_to("/dev/zero")
+    (folder / "lr-o-dir.json").mkdir()
+    (folder / "lr-p-large.json").write_bytes(b" " * (1 << 20) + b'{"scale": 0.5}')
+    odd = {"m-fifo": "not a regular file (a named pipe)", "n-link": "not a regular file (a symbolic link)",
+           "o-dir": "not a regular file (a directory)", "p-large": "larger than 65,536 bytes"}  # fmt: skip
     (folder / "lr-x-good.json").write_text(json.dumps({"scale": 0.5}))
     (folder / "lr-y-good.json").write_text(json.dumps({"value": 2e-4}))
     rec = ["+callbacks.rec._target_=tests.plugins.RecordLR", f"+callbacks.rec.path={tmp_path / 'lr'}"]
     args = [*TINY, "callbacks=[checkpoint,stability]", "callbacks.disk_guard.margin_gb=0", "callbacks.checkpoint.every_n_steps=2", *rec]
     train(make_cfg(args, tmp_path, dataset_dir))  # trains to its end
-    assert sorted(p.name for p in (folder / "rejected").iterdir()) == sorted(f"lr-{n}.json" for n in bad)
+    assert sorted(p.name for p in (folder / "rejected").iterdir()) == sorted(f"lr-{n}.json" for n in [*bad, *odd])
     assert sorted(p.name for p in (folder / "applied").iterdir()) == ["lr-x-good.json", "lr-y-good.json"]
     rejected = {e["file"]: e["message"] for e in logbook.read(run) if e["kind"] == "control_rejected"}
     assert "not a finite positive number" in rejected["lr-a-negative.json"] and "not UTF-8 text" in rejected["lr-c-bytes.json"]
     assert "not a JSON object but list" in rejected["lr-d-list.json"] and "exactly one of" in rejected["lr-e-empty.json"]
     assert "outside callbacks.lr_control.factor_bounds=[0.0001, 10]" in rejected["lr-g-huge.json"]
     assert "decay needs scheduler=wsd" in rejected["lr-l-decay.json"]
+    assert all(why in rejected[f"lr-{n}.json"] for n, why in odd.items()), rejected
     lrs = {int(k): v for k, v in json.loads((tmp_path / "lr.rank0.json").read_text()).items()}
     assert lrs[0] == pytest.approx(2e-4, rel=1e-9)  # set to 2e-4, not 2e-4 x the 0.5 in force
     entries = corrections.load(run)
@@ -241,7 +250,7 @@ def test_every_control_request_is_checked_where_it_is_applied(tmp_path, dataset_
     assert main([str(run), "status"]) == 0
     out = capsys.readouterr().out
     assert "  0  from step        0: x0.5  operator" in out and ": in force" in out.splitlines()[0]
-    assert "REVOKED by 2 (revoke)" in out.splitlines()[1] and "rejected requests: 12" in out
+    assert "REVOKED by 2 (revoke)" in out.splitlines()[1] and "rejected requests: 16" in out
     assert main([str(run), "lr", "--value", "inf"]) == 2 and "finite positive" in capsys.readouterr().err
 
 

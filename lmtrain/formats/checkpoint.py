@@ -36,6 +36,7 @@ from lmtrain.errors import InputError
 from lmtrain.formats.rundir import write_text_atomic
 
 NAME_RE = re.compile(r"^step-(\d{7,})$")
+PARTIAL_RE = re.compile(r"^\.step-(\d{7,})\.partial$")
 META = "meta.json"
 LATEST = "latest"
 SINGLE_FILE = "checkpoint.pt"
@@ -335,9 +336,14 @@ def inventory(root: Path) -> list[tuple[str, str]]:
             out.append((d.name, why or "complete, but not usable (named above)"))
         elif d.name.startswith(".step-") and ".corrupt-" in d.name:
             out.append((d.name, "moved aside as damaged"))
-        elif d.name.startswith(".step-") and d.name.endswith(".partial"):
+        elif is_partial(d.name):
             out.append((d.name, "a save that did not finish"))
     return out
+
+
+def is_partial(name: str) -> bool:
+    """Whether a name of the checkpoint directory is a save that did not finish (``.step-N.partial``)."""
+    return PARTIAL_RE.match(name) is not None
 
 
 def retention_victims(steps: list[int], keep_last: int, keep_every: int | None) -> list[int]:

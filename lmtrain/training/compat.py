@@ -30,6 +30,27 @@ def logged_step(trainer) -> int:
     return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
+def validates_after_this_batch(trainer) -> bool:
+    """Whether Lightning will run its scheduled validation right after the current training batch's end hooks: its own
+    decision (``fit_loop.epoch_loop._should_check_val_fx`` and ``_skip_next_val``), asked with ``should_stop`` cleared,
+    because a stop requested at this step adds a validation of its own that lmtrain does not run
+    (:func:`skip_validation_after_this_batch`). No public API says whether a validation follows."""
+    loop = trainer.fit_loop.epoch_loop
+    if loop._skip_next_val or not trainer.training:
+        return False
+    stop, trainer.should_stop = trainer.should_stop, False
+    try:
+        return bool(loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+    finally:
+        trainer.should_stop = stop
+
+
+def skip_validation_after_this_batch(trainer) -> None:
+    """No validation after the current training batch (``fit_loop.epoch_loop._skip_next_val``, which Lightning itself
+    sets when a resume lands after a validation): a stop requested at a step runs none (Lightning would run one)."""
+    trainer.fit_loop.epoch_loop._skip_next_val = True
+
+
 def dump_checkpoint(trainer) -> dict:
     """The full training state as Lightning would save it (``trainer._checkpoint_connector.dump_checkpoint``): our
     checkpointer writes it itself (atomic directories, verification, async, sharded layouts), and

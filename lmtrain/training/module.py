@@ -266,6 +266,13 @@ class LMModule(L.LightningModule):
             self._train_z.append(parts[1])
         return loss
 
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        # A stop asked for at this step (a preemption, a guard) ends the run after it; Lightning would first run a
+        # validation of its own, outside the schedule: a row an uninterrupted run lacks, and time an exit may not have.
+        # (Lightning calls this after every callback's hook, so every stop of this step is seen here.)
+        if self.trainer.should_stop and not compat.validates_after_this_batch(self.trainer):
+            compat.skip_validation_after_this_batch(self.trainer)
+
     def _record_activation(self, module: nn.Module, args: tuple) -> None:
         """Forward pre-hook on the final norm: mean square of the last block's output (the residual stream)."""
         if self.training:

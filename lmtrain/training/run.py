@@ -26,7 +26,7 @@ from lmtrain.formats import metrics as metrics_record
 from lmtrain.formats.checkpoint import CheckpointError, check_compatible, config_hash
 from lmtrain.formats.rundir import CONFIG, write_text_atomic
 from lmtrain.training import batch, compat, init_from, restarts, speed
-from lmtrain.training.checkpoint.resume import checked_here, resume_identity, resume_point
+from lmtrain.training.checkpoint.resume import checked_here, resume_identity, resume_point, unfinished_saves
 from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data
 from lmtrain.training.contracts import CheckpointStore, Preempts, RequestsRollback, SaveGuard, StopsTraining
 from lmtrain.training.goodput import Goodput
@@ -522,13 +522,23 @@ def _accept(att: _Attempt) -> None:
             run_dir, "branch", f"started from {parent['lmtrain.parent_checkpoint']} (run {parent['lmtrain.parent_run']}{mlflow}, "
             f"step {resume.step}){_layout_change(resume, trainer, cfg)}", step=resume.step, parent=parent,
         )  # fmt: skip
-    elif resume is not None:
+        return
+    if resume is not None:
         logbook.append(run_dir, "resume", f"resumed from {resume.path.name}{_layout_change(resume, trainer, cfg)}", step=resume.step)
         if changes:
             shown = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items())
             log.info(f"config changed since the last attempt (accepted): {shown}")
             logbook.append(run_dir, "config_change", f"config: {shown} at step {resume.step}", step=resume.step, changes=changes)
-    elif att.weights is not None:
+        return
+    unfinished = unfinished_saves(att.checkpointer.root if att.checkpointer is not None else None)
+    again = ""
+    if unfinished:  # an earlier attempt died in the run's first save: nothing was saved, so the run starts again
+        again = (
+            f"; an earlier attempt's save of step {unfinished[-1]} did not finish, so nothing was saved: what it logged is kept "
+            "in the record (metrics.jsonl), marked abandoned"
+        )
+        log.warning(f"starting run {cfg.run_name} from step 0{again}")
+    if att.weights is not None:
         try:
             att.weights.keep(run_dir)
         except OSError as exc:
@@ -536,10 +546,10 @@ def _accept(att: _Attempt) -> None:
         src = att.weights.src
         logbook.append(
             run_dir, "start", f"training from the weights of {src.path.resolve()} ({src.architecture}, config.json {src.config_sha256[:23]}), "
-            f"run {cfg.run_name}", init_from=src.record(),
+            f"run {cfg.run_name}{again}", init_from=src.record(),
         )  # fmt: skip
     else:
-        logbook.append(run_dir, "start", f"training from scratch, run {cfg.run_name}")
+        logbook.append(run_dir, "start", f"training from scratch, run {cfg.run_name}{again}")
 
 
 def _fit(att: _Attempt, clock: Goodput):

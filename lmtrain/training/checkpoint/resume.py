@@ -52,11 +52,13 @@ def resume_point(cfg: DictConfig, root: Path | None, check=lambda c: True) -> ck
 def refuse_fresh_start(cfg: DictConfig, root: Path) -> None:
     """A run that saved steps before but has no usable checkpoint now is refused, naming each checkpoint and why it is
     not usable (or the logbook's saves, where the checkpoint directory is gone): training it from step 0 would discard
-    its progress and, through the loggers, its metrics. A fresh start is asked for with ``resume=false overwrite=true``."""
-    found = ck.inventory(root)
+    its progress and, through the loggers, its metrics. A fresh start is asked for with ``resume=false overwrite=true``.
+    A save that did not finish (``.step-N.partial``: killed during the run's first save) saved nothing: that run
+    starts from step 0 (:func:`unfinished_saves` names it for the logbook; the checkpointer removes it)."""
+    found = [(name, why) for name, why in ck.inventory(root) if not ck.is_partial(name)]
     saved = logbook.saved_steps(Path(cfg.run_dir))
     if not found and not saved:
-        return
+        return  # nothing was ever saved (an unfinished save is not a checkpoint): the run starts from step 0
     lines = [f"{name}: {why}" for name, why in found]
     if saved and not any(ck.NAME_RE.match(name) for name, _ in found):
         where = "holds none" if root.is_dir() else "does not exist (moved or deleted?)"
@@ -66,6 +68,11 @@ def refuse_fresh_start(cfg: DictConfig, root: Path) -> None:
         f"but damaged checkpoints moved aside):\n  - " + "\n  - ".join(lines) + f"\nrestore a checkpoint into {root} (or "
         "resume from one elsewhere with ckpt_path=...), or start the run again from step 0: resume=false overwrite=true"
     )
+
+
+def unfinished_saves(root: Path | None) -> list[int]:
+    """The steps of the saves under ``root`` that did not finish (``.step-N.partial``), oldest first."""
+    return sorted(int(m.group(1)) for name, _ in ck.inventory(root) if (m := ck.PARTIAL_RE.match(name))) if root else []
 
 
 def checked_here(cfg: DictConfig):
