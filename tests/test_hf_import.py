@@ -307,6 +307,12 @@ def test_init_from_refuses_a_missing_partial_or_mismatched_weight_file_naming_it
     save_file(dict(weights, **{"model.norm.weight": torch.ones(32, dtype=torch.int8)}), str(g / "model.safetensors"))
     with pytest.raises(InputError, match=re.escape("tensor model.norm.weight in") + ".*" + re.escape("is I8, not floating point")):
         loader(g)
+    # config.json claiming a million layers over the weights of 2 (issue 57, 3): refused from the headers, nothing built
+    h = _copy(folders / "llama", tmp_path / "c")
+    config = json.loads((h / "config.json").read_text())
+    (h / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1000000}))
+    with pytest.raises(InputError, match=re.escape("config.json says 1000000 layers (num_hidden_layers) but the weights hold layers 0..1 (2)")):
+        init_from.check_counts(init_from.read(h))
 
 
 def test_init_from_refuses_a_dataset_of_another_tokenizer_before_writing_anything(tmp_path, folders, dataset_dir):

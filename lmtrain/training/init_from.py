@@ -72,6 +72,31 @@ def read(path: str | Path) -> Source:
     return Source(folder, config, fields, "sha256:" + hashlib.sha256(raw).hexdigest())
 
 
+def check_counts(src: Source) -> None:
+    """config.json's layer count and embedding size against the weights' own tensors (file headers only), before
+    anything is built: a config that claims more (``num_hidden_layers: 1000000`` over the weights of 2 layers) would
+    build a model without end. The full check of every tensor follows once the model's shape is known (:class:`Loader`)."""
+    import re
+
+    weights = hf.Weights(src.path)
+    layers = {int(m.group(1)) for name in weights.shapes if (m := re.search(r"\.layers\.(\d+)\.", name))}
+    want = int(src.fields.get("n_layers") or 0)
+    if layers != set(range(want)):
+        held = f"layers 0..{max(layers)} ({len(layers)})" if layers else "no layers"
+        raise InputError(
+            f"init_from={src.path}: config.json says {want} layers (num_hidden_layers) but the weights hold {held}: "
+            "the config and the weights are of different models"
+        )
+    root = "model.decoder." if src.fields.get("family") == "opt" else "model."
+    emb = weights.shapes.get(f"{root}embed_tokens.weight")
+    dim = src.fields.get("embed_dim") or src.fields.get("d_model")
+    if emb is not None and tuple(emb) != (src.fields.get("vocab_size"), dim):
+        raise InputError(
+            f"init_from={src.path}: tensor {root}embed_tokens.weight has shape {list(emb)}; config.json's model needs "
+            f"[{src.fields.get('vocab_size')}, {dim}]"
+        )
+
+
 def _architecture(fields: dict) -> dict:
     """What makes two lmtrain models the same network (the defaults resolved: n_kv_heads null is n_heads, ...)."""
     from lmtrain.nn.model import ModelConfig
@@ -97,6 +122,7 @@ def apply(cfg: DictConfig, overrides: list[str]) -> Source | None:
             f"init_from={cfg.init_from} builds {DECODER}; model._target_={model and model.get('_target_')!r} is another network"
         )
     src = read(cfg.init_from)
+    check_counts(src)
     keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
     chose = [
         o for o, k in zip(overrides, keys) if k in ("model", "experiment") or (k.startswith("model.") and k[6:] not in TRAINING_FIELDS)
