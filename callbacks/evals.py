@@ -269,10 +269,11 @@ class DownstreamEvals(L.Callback):
         was_training = model.training
         model.eval()
         step = trainer.global_step
+        log_step = step if log_step is None else log_step
         try:
             for name, items in self.tasks.items():
                 scores = self.score(trainer, model, items, name)
-                self.results[name] = self._record(trainer, name, items, scores, step, step if log_step is None else log_step)
+                self.results[name] = self._record(trainer, name, items, scores, step, log_step)
         finally:
             model.train(was_training)
         self._last_step = step

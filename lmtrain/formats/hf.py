@@ -88,7 +88,7 @@ def state_dict(state: dict[str, torch.Tensor], model_cfg, offset_rows: torch.Ten
     c = model_cfg
     q, kv = c.n_heads * c.head_dim, c.kv_heads * c.head_dim
     opt = c.family == "opt"
-    root = "model.decoder." if opt else "model."
+    root = decoder_root(c.family)
     out = {f"{root}embed_tokens.weight": state["tok_emb.weight"]}
     if opt:
         pos = state["pos_emb.weight"]
@@ -257,6 +257,11 @@ def model_fields(cfg: dict, where: str = "config.json") -> dict:
     }  # fmt: skip
 
 
+def decoder_root(family: str) -> str:
+    """The prefix of ``transformers``' decoder tensors for a model family (OPT nests its decoder one level deeper)."""
+    return "model.decoder." if family == "opt" else "model."
+
+
 def our_layout(names, model_cfg) -> dict[str, list[tuple[str, int]]]:
     """Where each of our tensors lies in ``transformers``' (the inverse of :func:`state_dict`), without reading any:
     ``{ours: [(theirs, first row), ...]}``, each from that row to its end, concatenated (the separate projections
@@ -264,7 +269,7 @@ def our_layout(names, model_cfg) -> dict[str, list[tuple[str, int]]]:
     A tensor missing is refused in one line naming it (InputError); one left over, too."""
     c = model_cfg
     opt = c.family == "opt"
-    root = "model.decoder." if opt else "model."
+    root = decoder_root(c.family)
     left = set(names)
 
     def take(name: str, start: int = 0) -> tuple[str, int]:

@@ -87,7 +87,7 @@ def check_counts(src: Source) -> None:
             f"init_from={src.path}: config.json says {want} layers (num_hidden_layers) but the weights hold {held}: "
             "the config and the weights are of different models"
         )
-    root = "model.decoder." if src.fields.get("family") == "opt" else "model."
+    root = hf.decoder_root(src.fields.get("family"))
     emb = weights.shapes.get(f"{root}embed_tokens.weight")
     dim = src.fields.get("embed_dim") or src.fields.get("d_model")
     if emb is not None and tuple(emb) != (src.fields.get("vocab_size"), dim):

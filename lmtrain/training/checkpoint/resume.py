@@ -72,7 +72,9 @@ def refuse_fresh_start(cfg: DictConfig, root: Path) -> None:
 
 def unfinished_saves(root: Path | None) -> list[int]:
     """The steps of the saves under ``root`` that did not finish (``.step-N.partial``), oldest first."""
-    return sorted(int(m.group(1)) for name, _ in ck.inventory(root) if (m := ck.PARTIAL_RE.match(name))) if root else []
+    if root is None or not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for d in root.iterdir() if (m := ck.PARTIAL_RE.match(d.name)))
 
 
 def checked_here(cfg: DictConfig):
