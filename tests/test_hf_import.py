@@ -313,12 +313,40 @@ def test_init_from_refuses_a_missing_partial_or_mismatched_weight_file_naming_it
     (h / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1000000}))
     with pytest.raises(InputError, match=re.escape("config.json says 1000000 layers (num_hidden_layers) but the weights hold layers 0..1 (2)")):
         init_from.check_counts(init_from.read(h))
+    # a NaN or an infinity in a weight (issue 57, 4): named with its place, read in pieces of rows
+    from lmtrain.formats import hf
+
+    k = _copy(folders / "llama", tmp_path / "d")
+    up = weights["model.layers.1.mlp.up_proj.weight"].clone()
+    up[37, 5] = float("-inf")
+    save_file(dict(weights, **{"model.layers.1.mlp.up_proj.weight": up}), str(k / "model.safetensors"))
+    said = f"tensor model.layers.1.mlp.up_proj.weight in {k / 'model.safetensors'} holds -inf at [37, 5]"
+    with pytest.raises(InputError, match=re.escape(f"init_from={k}: {said}: the weights are damaged")):
+        loader(k)
+    assert hf.Weights(k).first_non_finite(["model.layers.1.mlp.up_proj.weight"], chunk_bytes=3 * 32 * 4) == said
+    assert hf.Weights(k).first_non_finite(sorted(w for w in weights if "up_proj" not in w), chunk_bytes=1) is None
 
 
-def test_init_from_refuses_a_dataset_of_another_tokenizer_before_writing_anything(tmp_path, folders, dataset_dir):
+def test_init_from_refuses_a_dataset_of_another_tokenizer_or_a_nan_weight_before_writing_anything(tmp_path, folders, dataset_dir):
     """The session's dataset (the same BPE, as tiktoken ranks) is not one prepared with the folder's tokenizer.json: one
-    line that says how to prepare it, exit 2, no run directory."""
+    line that says how to prepare it, exit 2, no run directory. A NaN in one of the folder's weights: one line naming
+    the tensor and the place, exit 2, no run directory (not a divergence at step 0, exit 3)."""
+    from safetensors.torch import load_file, save_file
+
     from tests.conftest import run_train_cli
+
+    nan = _copy(folders / "opt", tmp_path / "nan")
+    weights = load_file(nan / "model.safetensors")
+    weights["model.decoder.layers.0.fc1.weight"][3, 2] = float("nan")
+    save_file(weights, str(nan / "model.safetensors"))
+    run = tmp_path / "run"
+    res = run_train_cli([f"init_from={nan}", f"data.path={folders / 'ds'}", f"run_dir={run}", *INIT_RUN, "data.batch_size=4"], tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"error: init_from={nan}: tensor model.decoder.layers.0.fc1.weight in {nan / 'model.safetensors'} holds nan at [3, 2]: "
+        "the weights are damaged (saved after a divergence?); nothing was started"
+    )
+    assert not run.exists()
 
     run = tmp_path / "run"
     res = run_train_cli(

@@ -418,6 +418,26 @@ class Weights:
 
         return math.prod(self.shapes[name]) * FLOAT_DTYPES[self.dtypes[name]].itemsize if self.dtypes[name] in FLOAT_DTYPES else 0
 
+    def first_non_finite(self, names, chunk_bytes: int = 64 << 20) -> str | None:
+        """The first of ``names`` holding a NaN or an infinity, said with where and what (None: every value finite).
+        Read in pieces of rows (``chunk_bytes`` at most, one row at least) from the memory-mapped files."""
+        for name in names:
+            shape = self.shapes[name]
+            if not shape:
+                pieces = [(0, self.handles[self.where[name]].get_tensor(name).reshape(1))]
+            else:
+                step = max(1, chunk_bytes // max(1, self.nbytes(name) // max(1, shape[0])))
+                pieces = ((a, self(name, a, min(shape[0], a + step))) for a in range(0, shape[0], step))
+            for first, t in pieces:
+                bad = ~torch.isfinite(t)
+                if bool(bad.any()):
+                    at = [int(i) for i in bad.nonzero()[0]]
+                    value = float(t[tuple(at)])
+                    if shape:
+                        at[0] += first
+                    return f"tensor {name} in {self.folder / self.where[name]} holds {value} at {at if shape else '[]'}"
+        return None
+
     def check(self, model_cfg, ours: dict[str, torch.Tensor]) -> dict[str, list]:
         """Every tensor against what the model needs (``ours``: its state dict, on the meta device serves): a tensor
         missing, left over, of another shape or not of a floating-point type is refused in one line naming it. Returns

@@ -5,10 +5,10 @@ The architecture comes from the directory (lmtrain.formats.hf.model_fields): it 
 config is checked, and a ``model=``/``model.KEY=``/``experiment=`` on the command line that says otherwise is one
 error naming the difference (``model.dropout`` and ``model.attention_dropout``, training settings, may be changed).
 Everything about the directory is checked before anything of the run is written: its config, every tensor's name,
-shape and type (file headers only), and that the dataset was prepared with the directory's ``tokenizer.json``. The
-weights are read once the model is built: into the shards of each rank under fsdp/hsdp (each rank reads only its own
-rows, from memory-mapped files, onto a model built on the meta device), whole under single/ddp. The optimizer starts
-fresh. A resumed run reads its checkpoint, not the directory.
+shape and type (file headers only), that every value is finite (one read of the weights), and that the dataset was
+prepared with the directory's ``tokenizer.json``. The weights are read into the model once it is built: into the
+shards of each rank under fsdp/hsdp (each rank reads only its own rows, from memory-mapped files, onto a model built on
+the meta device), whole under single/ddp. The optimizer starts fresh. A resumed run reads its checkpoint, not the directory.
 
 What the run started from is kept in the run directory (``init_from/``: the directory's path, its config.json and
 that file's hash, and OPT's two rows of position offset, which OPT never reads and ``lmtrain export --format hf``
@@ -182,6 +182,20 @@ class Loader:
             self.layout = self.weights.check(shape.cfg, shape.state_dict())
         except InputError as exc:
             raise InputError(f"init_from={src.path}: {exc}") from None
+        self.check_finite()
+
+    def check_finite(self) -> None:
+        """Every value the model will read is a number: a NaN or an infinity (weights saved after a divergence, a
+        damaged file) would otherwise train as a divergence at step 0. Read once here, before anything is written; the
+        model's own read follows from the page cache."""
+        import time
+
+        start = time.perf_counter()
+        used = sorted({name for parts in self.layout.values() for name, _ in parts})
+        bad = self.weights.first_non_finite(used)
+        if bad:
+            raise InputError(f"init_from={self.src.path}: {bad}: the weights are damaged (saved after a divergence?); nothing was started")
+        log.info(f"weights checked finite: {len(used)} tensors in {time.perf_counter() - start:.1f} s")
 
     def load_into(self, model: torch.nn.Module) -> None:
         import time
