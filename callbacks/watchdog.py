@@ -11,11 +11,20 @@ each rank's place (or that a rank never reported), releases the run's lock, and 
 then resumes the run from its newest checkpoint like any resume.
 
 The limits (``timeout_s: auto``): an attempt's first interval of each phase (start-up and the first training steps,
-the first validation, the first save: compilation, warm-up, pinning host memory) gets ``startup_s``; after that a phase
-gets ten times the longest interval measured in it, at least :data:`FLOOR_S`, at most :data:`CEILING_S`. No limit is
-above :data:`GROUP_SHARE` of the process group's timeout (``strategy.timeout_s``), so that a hung collective is
-reported here before the communication library aborts without a word. A number instead of ``auto`` is the limit of
-every phase (refused when it is too close to that timeout); ``null`` turns the watchdog off.
+the first validation, the first save: warm-up, pinning host memory) gets ``startup_s``; after that a phase gets ten
+times the longest interval measured in it, at least :data:`FLOOR_S`, at most :data:`CEILING_S`. No limit is above
+:data:`GROUP_SHARE` of the process group's timeout (``strategy.timeout_s``), so that a hung collective is reported here
+before the communication library aborts without a word. A number instead of ``auto`` is the limit of every phase
+(refused when it is too close to that timeout); ``null`` turns the watchdog off.
+
+Two kinds of time are not counted against a phase:
+
+- **compilation**: while ``torch.compile`` compiles (a new frame, a backward compiled at its first call, CUDA graphs
+  recorded: PyTorch's compilation callbacks say when) the limit is ``startup_s``, fixed limit or not (a 7B model's
+  float8 compile takes minutes), and the phase's clock starts again when it ends;
+- **a pause of the whole process**: SIGSTOP and SIGCONT, a VM paused, a debugger stopping every thread stop the
+  watch too. A wake-up of the watch more than :data:`MISSED_S` late is time in which nothing ran; it is added to the
+  phase's allowance, said on the console and in the logbook (``paused``), not called a hang.
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ CEILING_S = 1500.0  # auto: the most
 FACTOR = 10.0  # auto: a phase's limit over the longest interval measured in it
 REPORT_WAIT_S = 20.0  # rank zero waits this long for the other ranks' reports; they wait for its entry twice as long
 GROUP_SHARE = 5 / 6  # every limit at most this share of the process group's timeout (1800 s: 1500), time for the reports
+POLL_S = 0.5  # the watch's interval
+MISSED_S = 2.0  # a wake-up later than this beyond POLL_S: the whole process did not run (SIGSTOP, a VM pause, a debugger)
 
 
 class Watchdog(L.Callback, WatchesProgress):
@@ -76,6 +87,9 @@ class Watchdog(L.Callback, WatchesProgress):
         self.timeout_s, self.startup_s = (float(timeout_s) if fixed else timeout_s), float(startup_s)
         self._longest: dict[str, float] = {}  # per phase: the longest interval measured
         self._phase, self._last = "start", time.monotonic()
+        self._resume = "start"  # the phase a compilation interrupted
+        self._paused: list[float] = []  # pauses of the whole process not yet said (the main thread says them)
+        self.paused_s = 0.0  # the attempt's pauses, in all
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -86,6 +100,8 @@ class Watchdog(L.Callback, WatchesProgress):
     # -- limits ----------------------------------------------------------------------------------
     def limit(self, phase: str) -> float:
         """Seconds a sign of progress may take in ``phase`` now."""
+        if phase == "compile":
+            return min(self.startup_s, self.ceiling_s)
         if self.timeout_s != "auto":
             return float(self.timeout_s)
         longest = self._longest.get(phase)
@@ -98,9 +114,38 @@ class Watchdog(L.Callback, WatchesProgress):
         ``save``)."""
         now = time.monotonic()
         with self._lock:
-            if self._phase != "start":  # the start-up interval is no measure of a step
-                self._longest[self._phase] = max(self._longest.get(self._phase, 0.0), now - self._last)
-            self._phase, self._last = phase, now
+            if self._phase == "compile":  # a beat from inside a compilation: the phase to resume when it ends
+                self._resume = phase
+            else:
+                if self._phase != "start":  # the start-up interval is no measure of a step
+                    self._longest[self._phase] = max(self._longest.get(self._phase, 0.0), now - self._last)
+                self._phase, self._last = phase, now
+            paused, self._paused = self._paused, []
+        if paused:
+            self._say_paused(paused)
+
+    def _compile_start(self, args) -> None:
+        with self._lock:
+            if self._phase != "compile":
+                self._resume, self._phase, self._last = self._phase, "compile", time.monotonic()
+
+    def _compile_end(self, args) -> None:
+        with self._lock:
+            if self._phase == "compile":  # the phase's clock starts again: compilation is not counted against it
+                self._phase, self._last = self._resume, time.monotonic()
+
+    def _say_paused(self, paused: list[float]) -> None:
+        """The main thread says the pauses the watch saw (on the console; on rank zero in the logbook too)."""
+        from lmtrain.formats import logbook
+
+        trainer = self._trainer
+        message = (
+            f"this process did not run for {sum(paused):.0f} s at step {trainer.global_step} (stopped by a signal, a paused "
+            "machine or a debugger): not counted as a hang"
+        )
+        print(f"[lmtrain] rank {trainer.global_rank}: {message}", file=sys.stderr, flush=True)
+        if trainer.is_global_zero:
+            logbook.append(self.run_dir, "paused", message, step=trainer.global_step, seconds=round(sum(paused), 1))
 
     # -- hooks -------------------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
@@ -110,6 +155,10 @@ class Watchdog(L.Callback, WatchesProgress):
         self._phase, self._last = "start", time.monotonic()
         self._attempt = _attempt_id(self.run_dir)
         self._stop.clear()
+        callbacks = compat.compile_callbacks()
+        if callbacks is not None:
+            callbacks.register_start_callback(self._compile_start)
+            callbacks.register_end_callback(self._compile_end)
         self._thread = threading.Thread(target=self._watch, name="lmtrain-watchdog", daemon=True)
         self._thread.start()
 
@@ -129,19 +178,36 @@ class Watchdog(L.Callback, WatchesProgress):
         self.beat("train")
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self._stop.set()
+        self._end()
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        self._stop.set()
+        self._end()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._end()
+
+    def _end(self) -> None:
         self._stop.set()
+        callbacks = compat.compile_callbacks()
+        if callbacks is not None:
+            for remove, fn in ((callbacks.remove_start_callback, self._compile_start), (callbacks.remove_end_callback, self._compile_end)):
+                try:
+                    remove(fn)
+                except ValueError:  # not registered (the watchdog is off, or already ended)
+                    pass
 
     # -- the watch -------------------------------------------------------------------------------
     def _watch(self) -> None:
-        while not self._stop.wait(0.5):
+        tick = time.monotonic()
+        while not self._stop.wait(POLL_S):
+            now = time.monotonic()
+            missed, tick = now - tick - POLL_S, now
             with self._lock:
-                phase, waited = self._phase, time.monotonic() - self._last
+                if missed > MISSED_S:  # the whole process stood still, this thread too: that time judges nothing
+                    self._last += missed
+                    self._paused.append(missed)
+                    self.paused_s += missed
+                phase, waited = self._phase, now - self._last
             if waited > self.limit(phase):
                 self._fire(phase, waited)
                 return

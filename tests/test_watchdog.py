@@ -30,6 +30,67 @@ def test_a_fixed_limit_the_process_groups_timeout_would_beat_is_refused():
         Watchdog(run_dir="/x", timeout_s=1700)
 
 
+def test_compilation_is_not_counted_against_a_fixed_limit():
+    """A real ``torch.compile`` (dynamo, with a backend that takes 1.5 s) under a 1-s fixed limit: while it compiles
+    the phase is ``compile`` with the start-up allowance, and when it ends the interrupted phase's clock starts again."""
+    import time
+
+    import torch
+
+    from lmtrain.callbacks.watchdog import Watchdog
+    from lmtrain.training import compat
+
+    dog = Watchdog(run_dir="/x", timeout_s=1, startup_s=60)
+    handler = compat.compile_callbacks()
+    assert handler is not None, "torch.compile's compilation callbacks are gone: the watchdog would count compilation"
+    seen = []
+
+    def slow_backend(gm, inputs):
+        time.sleep(1.5)
+        seen.append((dog._phase, dog.limit(dog._phase), round(time.monotonic() - dog._last, 1)))
+        return gm.forward
+
+    torch._dynamo.reset()  # (which clears the callbacks too)
+    dog.beat("train")
+    handler.register_start_callback(dog._compile_start)
+    handler.register_end_callback(dog._compile_end)
+    try:
+        torch.compile(lambda x: x * 2 + 1, backend=slow_backend)(torch.ones(3))
+    finally:
+        dog._end()
+    assert seen == [("compile", 60.0, 1.5)], seen
+    assert dog._phase == "train" and time.monotonic() - dog._last < 1.0 and dog.limit("train") == 1.0
+    assert dog._compile_start not in handler.start_callbacks and dog._compile_end not in handler.end_callbacks
+
+
+@pytest.mark.slow
+def test_a_paused_process_is_not_a_hang(tmp_path, dataset_dir):
+    """A real run under a 4-s limit is stopped whole (SIGSTOP) for 10 s, then continued (SIGCONT): the watch, stopped
+    with it, counts that time as a pause, not as a hang; the run finishes (exit 0) and its logbook says `paused`."""
+    import os
+    import signal
+    import time
+
+    base = [a for a in TINY if a != "callbacks=none"] + [
+        "callbacks=[watchdog]", "callbacks.watchdog.timeout_s=4", "trainer.max_steps=300", "scheduler.total_steps=300",
+        "trainer.val_check_interval=1000", "logger=csv", f"paths.runs={tmp_path / 'runs'}", f"data.path={dataset_dir}",
+        "data.prepare=null", "run_name=paused",
+    ]  # fmt: skip
+    run = tmp_path / "runs" / "paused"
+    proc, _ = _train_until_stepping(base, tmp_path, run, workers=False)
+    os.kill(proc.pid, signal.SIGSTOP)
+    time.sleep(10)
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.wait(timeout=300)
+    err = (tmp_path / "paused.err").read_text()
+    assert proc.returncode == 0, err[-3000:]
+    entries = [json.loads(line) for line in (run / "logbook.jsonl").read_text().splitlines()]
+    assert [e["kind"] for e in entries if e["kind"] in ("hang", "paused")] == ["paused"], entries
+    (paused,) = [e for e in entries if e["kind"] == "paused"]
+    assert 8 <= paused["seconds"] <= 14 and "not counted as a hang" in paused["message"], paused
+    assert "did not run for" in err and "HANG" not in err
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_rank_that_hangs_is_reported_on_every_rank_and_the_run_resumes_exactly(tmp_path, dataset_dir):
@@ -126,9 +187,10 @@ def _next_or_error(it) -> str:
         return str(exc)
 
 
-def _train_until_stepping(args, tmp_path, run):
-    """`train.py ARGS` started, returned once its record shows step 2 trained, with its loader workers' pids. Its
-    output goes to RUN.err (a pipe would stay open as long as the workers, which inherit it, live)."""
+def _train_until_stepping(args, tmp_path, run, workers=True):
+    """`train.py ARGS` started, returned once its record shows step 2 trained, with its loader workers' pids
+    (``workers``: it has some). Its output goes to RUN.err (a pipe would stay open as long as the workers, which inherit
+    it, live, and one not read would stop the run once full)."""
     import subprocess
     import sys
     import time
@@ -137,9 +199,8 @@ def _train_until_stepping(args, tmp_path, run):
     from tests.conftest import ROOT, user_env
 
     env = {**user_env(), "PYTHONPATH": str(ROOT), "LMTRAIN_RUN_ID": ""}
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    with open(tmp_path / f"{run.name}.err", "w") as err:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env, stdout=err, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
         record = run / "metrics.jsonl"
@@ -148,7 +209,7 @@ def _train_until_stepping(args, tmp_path, run):
         time.sleep(0.2)
     assert proc.poll() is None, (tmp_path / f"{run.name}.err").read_text()[-3000:]
     kids = [int(c) for t in Path(f"/proc/{proc.pid}/task").iterdir() for c in (t / "children").read_text().split()]
-    assert kids, "no loader worker processes"
+    assert kids or not workers, "no loader worker processes"
     return proc, kids
 
 

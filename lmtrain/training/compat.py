@@ -255,3 +255,14 @@ def awaited_loader_worker(thread_id: int) -> dict | None:
             return {"worker": worker, "pid": process.pid, "alive": process.is_alive(), "batch": it._rcvd_idx}
         frame = frame.f_back
     return None
+
+
+def compile_callbacks():
+    """``torch.compile``'s compilation callbacks (``torch._dynamo.callback.callback_handler``: its start callbacks run
+    when a compilation begins, a backward compiled at its first call and CUDA graph recording included, its end
+    callbacks when it ends), or None on a PyTorch without them. No public API says when compilation happens."""
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:
+        return None
+    return callback_handler if hasattr(callback_handler, "register_start_callback") else None
