@@ -10,7 +10,8 @@ memory bandwidth (a device-to-device copy of 1 GiB, 64 MiB on the CPU, counting 
 the best of three timed loops, beside the card's datasheet figures (the table MFU uses: lmtrain.training.cards).
 Across the job's ranks: the all-reduce bus bandwidth (NCCL on GPUs, gloo on the CPU; 256 MiB, 8 MiB on the CPU;
 bus bandwidth as nccl-tests reports it, algorithm bandwidth x 2(n-1)/n) within each node, and across all ranks when
-the job spans nodes. GPUs are measured all at once, as they train; CPU ranks share the host's cores, so they take turns.
+the job spans nodes. GPUs are measured all at once, as they train; CPU ranks share the host's cores, so they take turns, and each
+CPU figure is one core's, timed by the measuring thread's own CPU time (other work on the host does not lower it).
 
 One table comes out, with every figure below ``--min-share`` of the other ranks' (or nodes') median, below
 ``--min-card-share`` of the card's datasheet figure, or an all-reduce below ``--min-busbw``, flagged. The exit status

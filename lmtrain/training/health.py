@@ -20,9 +20,10 @@ DRILL_TIMES = 3  # --slow-rank: the rank does each measured operation this many 
 REPEATS = 3  # timed loops per figure; the best is kept (a loop disturbed by the host is not the card's rate)
 
 
-def _timer(device: torch.device):
+def _timer(device: torch.device, own: bool = False):
     """(start, stop) of an interval on ``device``: CUDA events on a GPU (no host timing of queued work), the host clock
-    on the CPU. stop() returns seconds."""
+    on the CPU, or with ``own`` the calling thread's CPU time (work done on one core by this thread, which the other
+    processes sharing the host's cores do not lengthen). stop() returns seconds."""
     if device.type == "cuda":
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
@@ -33,16 +34,29 @@ def _timer(device: torch.device):
             return start.elapsed_time(end) / 1e3
 
         return start.record, stop
+    clock = time.thread_time if own else time.perf_counter
     t0 = []
-    return (lambda: t0.append(time.perf_counter())), (lambda: time.perf_counter() - t0[-1])
+    return (lambda: t0.append(clock())), (lambda: clock() - t0[-1])
 
 
 def _best_rate(device: torch.device, op, work: float, seconds: float, drill: bool, repeats: int = REPEATS) -> float:
     """The best of ``repeats`` timed loops of ``op`` (``work`` units each: FLOPs, bytes), each loop about ``seconds``
-    long; units per second."""
+    long; units per second. On the CPU, one core's rate: one thread, timed by its own CPU time, so that other work on
+    the host's cores (another rank, another job) does not make this one look slow."""
+    if device.type != "cuda":
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return _best_rate_timed(device, op, work, seconds, drill, repeats, own=True)
+        finally:
+            torch.set_num_threads(threads)
+    return _best_rate_timed(device, op, work, seconds, drill, repeats)
+
+
+def _best_rate_timed(device, op, work: float, seconds: float, drill: bool, repeats: int, own: bool = False) -> float:
     for _ in range(2):  # warm-up: kernels chosen, memory touched
         op()
-    start, stop = _timer(device)
+    start, stop = _timer(device, own)
     start()
     op()
     once = max(stop(), 1e-6)
