@@ -358,7 +358,17 @@ class TokenDataModule(L.LightningDataModule):
         return read_manifest(self.path)
 
     def tokenizer(self):
-        return load_tokenizer(self.manifest["tokenizer"], self.path)
+        """The dataset's tokenizer, whose document separator must be the manifest's ``eos_id``."""
+        from lmtrain.formats.tokenizer import eos_id
+
+        manifest = self.manifest
+        enc = load_tokenizer(manifest["tokenizer"], self.path)
+        if eos_id(enc) != manifest["eos_id"]:
+            raise PrepareError(
+                f"dataset {self.path}: manifest.json says the document separator is token {manifest['eos_id']}, but its "
+                f"tokenizer ({manifest['tokenizer']}) separates documents with {eos_id(enc)}: prepare the dataset again"
+            )
+        return enc
 
     def _check_sources_agree(self) -> None:
         if len(self.val_paths) == 1:

@@ -32,7 +32,7 @@ import numpy as np
 from lmtrain.console import help_text
 from lmtrain.data.corpus import expand_inputs, iter_documents
 from lmtrain.errors import InputError
-from lmtrain.formats.manifest import PrepareError, read_manifest  # noqa: F401  (read_manifest: re-exported for data.datamodule and users)
+from lmtrain.formats.manifest import CHECKSUM_KEY, PrepareError, manifest_checksum, read_manifest, token_dtype  # noqa: F401  (read_manifest: re-exported for data.datamodule and users)
 from lmtrain.formats.tokenizer import JSON_CONFIG, TokenizerError, encoding_from_ranks, eos_id, load_tokenizer, save_ranks, train_bpe
 
 FORMAT_VERSION = 1
@@ -298,7 +298,7 @@ def _build(files, tmp: Path, settings: dict, fp: str, workers: int, shard_tokens
             tok_ref, tok_base = TOKENIZER_FILE, str(tmp)
     check_lossless(enc, iter_documents(files, text_key))
     vocab_size = enc.n_vocab
-    dtype = np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+    dtype = np.dtype(token_dtype(vocab_size))
     writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
     counts = {s: {"num_documents": 0, "num_tokens": 0} for s in SPLITS}
     empty = 0
@@ -365,6 +365,7 @@ def _build(files, tmp: Path, settings: dict, fp: str, workers: int, shard_tokens
         "splits": {s: {**counts[s], "shards": writers[s].shards} for s in SPLITS},
         "seconds": round(time.perf_counter() - t0, 3),
     }
+    manifest[CHECKSUM_KEY] = manifest_checksum(manifest)
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 

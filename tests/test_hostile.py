@@ -175,6 +175,10 @@ def test_a_manifest_naming_a_shard_outside_its_directory_is_refused(shard, tmp_p
     manifest = json.loads((ds / "manifest.json").read_text())
     manifest["splits"]["train"]["shards"][0]["path"] = shard
     (ds / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PrepareError, match="was changed after the dataset was prepared"):  # its checksum
+        read_manifest(ds)
+    del manifest["manifest_blake2b"]  # a crafted manifest without one, as a dataset prepared before there was one
+    (ds / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(PrepareError, match=f"names the shard '{re.escape(shard)}', which is not a file inside the dataset directory"):
         read_manifest(ds)
 
@@ -256,7 +260,8 @@ def test_every_control_request_is_checked_where_it_is_applied(tmp_path, dataset_
 
 def test_a_manifest_edited_under_a_run_is_refused_at_the_resume(tmp_path, dataset_dir):
     """The separator id edited in the dataset's manifest after the run saved (the fingerprint, of the inputs, unchanged):
-    the resume is refused naming it, before anything of the run is written."""
+    the resume is refused naming it, before anything of the run is written. Refused by the manifest's checksum; a
+    manifest without one (prepared before there was one) by its tokenizer's separator."""
     from lmtrain.errors import InputError
 
     ds = tmp_path / "ds"
@@ -268,6 +273,38 @@ def test_a_manifest_edited_under_a_run_is_refused_at_the_resume(tmp_path, datase
     (ds / "manifest.json").write_text(json.dumps(manifest))
     run = tmp_path / "run"
     before = (run / "config.yaml").read_bytes()
-    with pytest.raises(InputError, match=r"belongs to another data stream \(format: .*'eos_id'"):
+    with pytest.raises(InputError, match=r"manifest.json was changed after the dataset was prepared \(its manifest_blake2b"):
+        train(make_cfg([*args, "trainer.max_steps=6"], tmp_path, ds))
+    del manifest["manifest_blake2b"]
+    (ds / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match=r"manifest.json says the document separator is token \d+, but its tokenizer"):
         train(make_cfg([*args, "trainer.max_steps=6"], tmp_path, ds))
     assert (run / "config.yaml").read_bytes() == before
+
+
+def test_a_manifest_whose_separator_or_token_type_was_changed_is_refused(tmp_path, dataset_dir):
+    """Issue 57, 8: ``eos_id`` or ``dtype: int16`` edited in a fresh dataset's manifest. With its checksum: refused
+    naming the file. Without one (a dataset prepared before there was one): the token type against the vocabulary, the
+    separator against the tokenizer; from the command line each is exit 2 with no run directory."""
+    from lmtrain.formats.manifest import PrepareError, read_manifest
+    from tests.conftest import run_train_cli
+
+    for key, value, said in [
+        ("dtype", "int16", "dtype 'int16', but a vocabulary of 1,024 tokens is stored as uint16"),
+        ("eos_id", 5, "manifest.json says the document separator is token 5, but its tokenizer"),
+        ("eos_id", 10**6, "eos_id 1000000 is not a token of the vocabulary of 1024"),
+    ]:
+        ds = tmp_path / f"ds-{key}-{value}"
+        shutil.copytree(dataset_dir, ds)
+        manifest = json.loads((ds / "manifest.json").read_text())
+        assert manifest["vocab_size"] == 1024 and manifest["eos_id"] != 5
+        manifest[key] = value
+        (ds / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(PrepareError, match=re.escape(f"dataset manifest {ds / 'manifest.json'} was changed after the dataset was prepared")):
+            read_manifest(ds)
+        del manifest["manifest_blake2b"]
+        (ds / "manifest.json").write_text(json.dumps(manifest))
+        run = tmp_path / f"run-{key}-{value}"
+        res = run_train_cli([*TINY, f"data.path={ds}", "data.prepare=null", f"run_dir={run}"], tmp_path)
+        assert res.returncode == 2 and said in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]
+        assert not run.exists()

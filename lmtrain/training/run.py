@@ -341,6 +341,7 @@ def _build(att: _Attempt) -> None:
     datamodule.prepare_data()
     datamodule.setup("fit")
     validate_data(cfg, datamodule.manifest, len(datamodule.train_set))
+    datamodule.tokenizer()  # loaded once before anything is written: its separator must be the manifest's eos_id
 
     shape = meta_model(model_factory)
     if rollback is None:  # said once a run, not again at each rollback's attempt
