@@ -157,6 +157,49 @@ def test_hf_export_loads_in_transformers_with_the_same_logits_and_token_ids(tmp_
     assert tok.eos_token_id == enc.encode_single_token("<|endoftext|>") and tok.decode(enc.encode_ordinary(texts[1])) == texts[1]
 
 
+@pytest.mark.slow
+def test_a_run_continues_from_its_own_hf_export_on_its_dataset(tmp_path, dataset_dir):
+    """Issue 57, 9: ``export --format hf`` writes the run's ranks file as a tokenizer.json; ``init_from=`` that folder
+    on the dataset the run was trained on is the same tokenizer (compared by what it does, not by file hash) and
+    trains, from the run's weights: its first loss is the exported run's loss on the same first batch. Another
+    vocabulary in the same format is another tokenizer."""
+    import json
+
+    from lmtrain import export
+    from lmtrain.formats import metrics as record
+    from lmtrain.formats.tokenizer import tokenizer_identity
+    from tests.conftest import run_train_cli
+
+    base = [*TINY, "callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0", "scheduler.warmup_steps=0"]
+    train(make_cfg([*base, "trainer.max_steps=3"], tmp_path, dataset_dir))
+    run, out = tmp_path / "run", tmp_path / "hf"
+    assert export.main([str(run), "--out", str(out), "--format", "hf"]) == 0
+    ours = tokenizer_identity(json.loads((dataset_dir / "manifest.json").read_text())["tokenizer"], dataset_dir)
+    assert tokenizer_identity(str(out / "tokenizer.json")) == ours
+    other = json.loads((out / "tokenizer.json").read_text())
+    other["model"]["merges"] = other["model"]["merges"][:-1]  # one merge fewer: another tokenizer
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert tokenizer_identity(str(tmp_path / "other.json")) != ours
+
+    again = tmp_path / "again"
+    res = run_train_cli(
+        [*base, f"init_from={out}", f"data.path={dataset_dir}", "data.prepare=null", f"run_dir={again}", "trainer.max_steps=1", "optimizer.lr=0"],
+        tmp_path,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    # its first loss: the exported run's weights on the same first batch (the data's seed)
+    from lmtrain.data.datamodule import TokenDataModule
+    from lmtrain.formats.trained import load_run
+
+    model = load_run(run)[0].eval()
+    dm = TokenDataModule(str(dataset_dir), seq_len=64, batch_size=4, num_workers=0, seed=1234)
+    dm.setup("fit")
+    x, y = next(iter(dm.train_dataloader()))
+    with torch.no_grad():
+        want = float(torch.nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()))
+    assert record.metric(again, "train/loss")[0] == pytest.approx(want, abs=1e-4)
+
+
 def test_hf_export_refuses_what_transformers_cannot_express(tmp_path, dataset_dir):
     train(make_cfg(TINY + ["model.norm_eps=1e-6", "callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0", "trainer.max_steps=1"],
                    tmp_path, dataset_dir))  # fmt: skip

@@ -235,6 +235,12 @@ def test_init_from_takes_the_architecture_from_the_folder_and_refuses_a_command_
     same = _cfg(tmp_path, folders / "opt")  # the default model (mini) replaced, said by no one: no conflict
     init_from.apply(same, [])
     assert same.model.name == "opt" and same.model.vocab_size == 1031
+    # a dataset of a larger vocabulary: the cause is another tokenizer, not model.vocab_size (which the folder sets)
+    from lmtrain.training.config import ConfigError, validate_data
+
+    with pytest.raises(ConfigError, match=re.escape(f"more than model.vocab_size=1031: the model's size is init_from={folders / 'opt'}'s, so the "
+                                                    "dataset was prepared with another tokenizer")):  # fmt: skip
+        validate_data(same, {"vocab_size": 4096, "tokenizer": "tokenizer.tiktoken"})
 
 
 def _copy(folder, to):
@@ -327,13 +333,17 @@ def test_init_from_refuses_a_missing_partial_or_mismatched_weight_file_naming_it
     assert hf.Weights(k).first_non_finite(sorted(w for w in weights if "up_proj" not in w), chunk_bytes=1) is None
 
 
-def test_init_from_refuses_a_dataset_of_another_tokenizer_or_a_nan_weight_before_writing_anything(tmp_path, folders, dataset_dir):
-    """The session's dataset (the same BPE, as tiktoken ranks) is not one prepared with the folder's tokenizer.json: one
-    line that says how to prepare it, exit 2, no run directory. A NaN in one of the folder's weights: one line naming
-    the tensor and the place, exit 2, no run directory (not a divergence at step 0, exit 3)."""
+def test_init_from_refuses_a_dataset_of_another_tokenizer_or_a_nan_weight_before_writing_anything(
+    tmp_path, tmp_path_factory, folders, corpus_jsonl
+):
+    """A dataset of another BPE (300 tokens, trained on a part of the corpus) is not one prepared with the folder's
+    tokenizer.json: one line that says how to prepare it, exit 2, no run directory (the session's dataset, whose
+    ranks file holds the same BPE as the folder's tokenizer.json, is the same tokenizer: the tests above train on it).
+    A NaN in one of the folder's weights: one line naming the tensor and the place, exit 2, no run directory (not a
+    divergence at step 0, exit 3)."""
     from safetensors.torch import load_file, save_file
 
-    from tests.conftest import run_train_cli
+    from tests.conftest import run_train_cli, short_dataset
 
     nan = _copy(folders / "opt", tmp_path / "nan")
     weights = load_file(nan / "model.safetensors")
@@ -348,15 +358,13 @@ def test_init_from_refuses_a_dataset_of_another_tokenizer_or_a_nan_weight_before
     )
     assert not run.exists()
 
-    run = tmp_path / "run"
-    res = run_train_cli(
-        [f"init_from={folders / 'opt'}", f"data.path={dataset_dir}", f"run_dir={run}", *INIT_RUN, "data.batch_size=4"], tmp_path
-    )
+    other = short_dataset(tmp_path_factory, corpus_jsonl, 2000)
+    res = run_train_cli([f"init_from={folders / 'opt'}", f"data.path={other}", f"run_dir={run}", *INIT_RUN, "data.batch_size=4"], tmp_path)
     assert res.returncode == 2, res.stderr[-2000:]
     assert (
         res.stderr.strip()
         .splitlines()[-1]
-        .startswith(f"error: init_from={folders / 'opt'}: the dataset {dataset_dir} was prepared with another tokenizer")
+        .startswith(f"error: init_from={folders / 'opt'}: the dataset {other} was prepared with another tokenizer")
     )
     assert f"prepare it with `lmtrain prepare --tokenizer {folders / 'opt' / 'tokenizer.json'} ...`" in res.stderr
     assert not run.exists()

@@ -155,14 +155,41 @@ def load_tokenizer(spec: str, base_dir: str | Path | None = None) -> tiktoken.En
 
 
 def tokenizer_identity(spec: str, base_dir: str | Path | None = None) -> str:
-    """What makes two tokenizers the same: a named encoding's name, a ranks file's content hash."""
+    """What makes two tokenizers the same: what they do, not the file they are in. A named encoding: its name. A
+    ranks file or a ``tokenizer.json``: a hash of its behaviour (:func:`_behaviour`: the vocabulary, the merges, the
+    normalization and pre-tokenization, the added tokens), a ranks file taken as the ``tokenizer.json`` that
+    ``lmtrain export --format hf`` writes for it: a run's own export is the tokenizer its dataset was prepared with."""
     spec = str(spec)
     if spec.endswith((".tiktoken", ".json")) or "/" in spec:
         path = Path(spec) if Path(spec).is_absolute() or base_dir is None else Path(base_dir) / spec
         if not path.is_file():
             raise TokenizerError(f"tokenizer ranks file not found: {path}")
-        return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        import json
+
+        try:
+            if path.suffix == ".json":
+                doc = json.loads(path.read_text(encoding="utf-8"))
+            else:
+                from lmtrain.formats.hf import tokenizer_json
+
+                ranks = load_ranks(path)
+                doc = json.loads(tokenizer_json(ranks, GPT2_PATTERN, {EOS_TEXT: len(ranks)}))
+            text = json.dumps(_behaviour(doc), sort_keys=True, separators=(",", ":"))
+        except (ValueError, TypeError, AttributeError, KeyError):  # not one we can read as a whole: the file is all we know
+            return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        return "bpe:" + hashlib.sha256(text.encode()).hexdigest()[:16]
     return spec
+
+
+def _behaviour(doc: dict) -> dict:
+    """What of a ``tokenizer.json`` decides the ids of a text: its normalizer, pre-tokenizer and model (the merges as
+    pairs, whichever of the two forms tokenizers writes), and its added tokens (id, text, special); not its decoder,
+    post-processor, padding or truncation, which the data pipeline does not use."""
+    model = dict(doc["model"])
+    if "merges" in model:
+        model["merges"] = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model["merges"]]
+    added = sorted((t["id"], t["content"], bool(t.get("special"))) for t in doc.get("added_tokens") or [])
+    return {"normalizer": doc.get("normalizer"), "pre_tokenizer": doc.get("pre_tokenizer"), "model": model, "added_tokens": added}
 
 
 def encoding_from_ranks(ranks: dict[bytes, int], name: str = "lmtrain-bpe") -> tiktoken.Encoding:

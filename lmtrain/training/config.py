@@ -406,9 +406,15 @@ def validate_data(cfg: DictConfig, manifest: dict, num_train_blocks: int | None 
     problems: list[str] = []
     model = cfg.get("model")
     if model is not None and "vocab_size" in model and manifest["vocab_size"] > model.vocab_size:
+        fix = (
+            f"the model's size is init_from={cfg.init_from}'s, so the dataset was prepared with another tokenizer than "
+            f"the model's: prepare it with that folder's tokenizer"
+            if cfg.get("init_from")
+            else f"raise model.vocab_size to at least {manifest['vocab_size']}"
+        )
         problems.append(
             f"the dataset's tokenizer has {manifest['vocab_size']} tokens ({manifest['tokenizer']}), more than "
-            f"model.vocab_size={model.vocab_size}: raise model.vocab_size to at least {manifest['vocab_size']}"
+            f"model.vocab_size={model.vocab_size}: {fix}"
         )
     if num_train_blocks is not None:
         ws = world_size(cfg)

@@ -155,8 +155,9 @@ def apply(cfg: DictConfig, overrides: list[str]) -> Source | None:
 
 
 def check_tokenizer(src: Source, manifest: dict, data_path: Path) -> None:
-    """The dataset was prepared with the directory's ``tokenizer.json`` (the same file); a directory without one is
-    taken at its word (the vocabulary's size is still checked against the model's)."""
+    """The dataset was prepared with the directory's tokenizer: the same tokenizer by what it does (a ranks file
+    holding the BPE of the directory's ``tokenizer.json`` is), not the same file; a directory without one is taken at
+    its word (the vocabulary's size is still checked against the model's)."""
     from lmtrain.formats.tokenizer import tokenizer_identity
 
     theirs = src.path / "tokenizer.json"
