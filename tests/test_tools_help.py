@@ -45,6 +45,19 @@ def test_train_help_describes_the_groups_and_hides_the_fault_drills(tmp_path):
     res = _run(str(ROOT / "train.py"), "--help", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "model       mini" in res.stdout and "Exit status" in res.stdout and not re.search(r"\bfault\b", res.stdout)
+    # every option of the groups listed in full, and every exit status lmtrain uses (lmtrain.errors)
+    from lmtrain import errors
+
+    lines = {line.split()[0]: line for line in res.stdout.splitlines() if line.startswith("  ") and line.split()}
+    for group in ("data", "trainer", "speed", "strategy", "logger", "experiment", "debug"):
+        for option in sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml")):
+            assert re.search(rf"\b{re.escape(option)}\b", lines[group]), (group, option, lines[group])
+    both = lines["optimizer"]  # optimizer and scheduler share a line
+    for group in ("optimizer", "scheduler"):
+        assert all(re.search(rf"\b{p.stem}\b", both) for p in (ROOT / "conf" / group).glob("*.yaml")), both
+    statuses = sorted({v for k, v in vars(errors).items() if k.endswith("_EXIT") and isinstance(v, int)} | {0, 1, 2})
+    said = res.stdout[res.stdout.index("Exit status") :]
+    assert [n for n in statuses if not re.search(rf"\b{n} [a-z]", said)] == [], said
 
 
 @pytest.mark.parametrize("option", sorted(p.stem for p in (ROOT / "conf" / "debug").glob("*.yaml")))
