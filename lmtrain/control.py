@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.control")
         kind = "factor" if args.scale is not None else "value"
         print(f"error: the learning rate {kind} must be a finite positive number, got {value}", file=sys.stderr)
         return 2
+    if args.scale is not None and (problem := _scale_problem(run_dir, args.scale)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     request = {"scale": args.scale, "value": args.value, "note": args.note, "time": time.time()}
     _request(run_dir, "lr", request, f"learning rate {'x' + str(args.scale) if args.scale is not None else '= ' + str(args.value)}")
     return 0
@@ -93,6 +96,28 @@ def _request(run_dir: Path, kind: str, request: dict, what: str) -> None:
     final = folder / f"{kind}-{time.time_ns()}.json"
     os.replace(tmp, final)  # the run never sees a half-written request
     print(f"requested: {what} ({final})")
+
+
+def _scale_problem(run_dir: Path, scale: float) -> str | None:
+    """Why ``lr --scale F`` would be rejected by the run (callbacks.lr_control.factor_bounds, with the corrections in
+    force at its last logged step), or None: the same rule as the run's (callbacks/lr_control.py)."""
+    from lmtrain.formats import metrics
+    from lmtrain.formats.trained import read_config
+
+    try:
+        cfg = read_config(run_dir)
+    except InputError as exc:
+        return str(exc)
+    control = ((cfg.get("callbacks") or {}).get("lr_control")) or {}
+    low, high = (float(b) for b in control.get("factor_bounds", (1e-4, 10.0)))
+    step = max(metrics.by_step(run_dir), default=-1) + 1
+    total = corrections.multiplier(corrections.load(run_dir), step) * scale
+    if not low <= total <= high:
+        return (
+            f"--scale {scale:g} would make the learning rate x{total:.4g} of the schedule, outside the run's "
+            f"callbacks.lr_control.factor_bounds=[{low:g}, {high:g}]: the run would reject it"
+        )
+    return None
 
 
 def _decay_problem(run_dir: Path, steps: int) -> str | None:
@@ -117,9 +142,14 @@ def _decay_problem(run_dir: Path, steps: int) -> str | None:
     if pending:
         return f"a decay request is pending already ({pending[0]}): the run applies it within callbacks.lr_control.poll_every steps"
     steps_logged = max(metrics.by_step(run_dir), default=-1) + 1  # the run is at this step or later
+    max_steps = int((cfg.get("trainer") or {}).get("max_steps", schedule.total_steps))
+    if steps_logged >= max_steps:
+        return (
+            f"{run_dir} has trained all its trainer.max_steps={max_steps} steps: nothing is left to decay (continued with a "
+            "larger trainer.max_steps, it can be asked while it runs)"
+        )
     if (under_way := schedule.under_way(corrections.cooldown(corrections.load(run_dir)), steps_logged)) is not None:
         return under_way
-    max_steps = int((cfg.get("trainer") or {}).get("max_steps", schedule.total_steps))
     if steps_logged + steps > max_steps:
         return (
             f"--steps {steps}: the run has logged step {steps_logged - 1}, so the decay would end after trainer.max_steps={max_steps}; "

@@ -226,7 +226,9 @@ def test_an_operators_cooldown_survives_a_kill_and_a_resume_and_the_cli_refuses_
         assert res.returncode == 2 and said in res.stderr and res.stderr.count("\n") == 1, res.stderr
         assert sorted(p.name for p in (run / "control").rglob("*")) == before and len(corrections.load(run)) == 1
 
-    refused([str(run), "decay", "--steps", "5"], "a decay is under way already: the operator's, over 40 steps from step 6")
+    refused([str(run), "decay", "--steps", "5"], f"{run} has trained all its trainer.max_steps=60 steps: nothing is left to decay")
+    refused([str(run), "lr", "--scale", "1e30"], "--scale 1e+30 would make the learning rate x1e+30 of the schedule, outside the run's "
+            "callbacks.lr_control.factor_bounds=[0.0001, 10]")  # fmt: skip
     refused([str(run), "decay", "--steps", "0"], "--steps 0: the decay's length must be a positive number of steps")
     status = subprocess.run(
         [sys.executable, "-m", "lmtrain.control", str(run), "status"], capture_output=True, text=True, cwd=ROOT, env=env
