@@ -47,7 +47,7 @@ def test_compilation_is_not_counted_against_a_fixed_limit():
 
     def slow_backend(gm, inputs):
         time.sleep(1.5)
-        seen.append((dog._phase, dog.limit(dog._phase), round(time.monotonic() - dog._last, 1)))
+        seen.append((dog._phase, dog.limit(dog._phase), time.monotonic() - dog._last))
         return gm.forward
 
     torch._dynamo.reset()  # (which clears the callbacks too)
@@ -58,7 +58,8 @@ def test_compilation_is_not_counted_against_a_fixed_limit():
         torch.compile(lambda x: x * 2 + 1, backend=slow_backend)(torch.ones(3))
     finally:
         dog._end()
-    assert seen == [("compile", 60.0, 1.5)], seen
+    # in the compile phase since before the backend's 1.5 s (dynamo's tracing before it counts too: not a fixed figure)
+    assert [(phase, limit) for phase, limit, _ in seen] == [("compile", 60.0)] and seen[0][2] >= 1.5, seen
     assert dog._phase == "train" and time.monotonic() - dog._last < 1.0 and dog.limit("train") == 1.0
     assert dog._compile_start not in handler.start_callbacks and dog._compile_end not in handler.end_callbacks
 
