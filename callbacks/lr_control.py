@@ -35,7 +35,7 @@ class LRControl(L.Callback):
         corrections in force together); a request outside is rejected.
     """
 
-    def __init__(self, run_dir: str, scale: float | None = None, poll_every: int = 10, factor_bounds=(1e-4, 10.0)) -> None:
+    def __init__(self, run_dir: str, scale: float | None = None, poll_every: int = 10, factor_bounds=corrections.FACTOR_BOUNDS) -> None:
         try:
             low, high = factor_bounds
         except (TypeError, ValueError):

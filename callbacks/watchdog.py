@@ -89,7 +89,6 @@ class Watchdog(L.Callback, WatchesProgress):
         self._phase, self._last = "start", time.monotonic()
         self._resume = "start"  # the phase a compilation interrupted
         self._paused: list[float] = []  # pauses of the whole process not yet said (the main thread says them)
-        self.paused_s = 0.0  # the attempt's pauses, in all
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -206,7 +205,6 @@ class Watchdog(L.Callback, WatchesProgress):
                 if missed > MISSED_S:  # the whole process stood still, this thread too: that time judges nothing
                     self._last += missed
                     self._paused.append(missed)
-                    self.paused_s += missed
                 phase, waited = self._phase, now - self._last
             if waited > self.limit(phase):
                 self._fire(phase, waited)

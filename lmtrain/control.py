@@ -98,10 +98,16 @@ def _request(run_dir: Path, kind: str, request: dict, what: str) -> None:
     print(f"requested: {what} ({final})")
 
 
+def _steps_logged(run_dir: Path) -> int:
+    """The steps the run has logged: it is at this step or later."""
+    from lmtrain.formats import metrics
+
+    return max(metrics.by_step(run_dir), default=-1) + 1
+
+
 def _scale_problem(run_dir: Path, scale: float) -> str | None:
     """Why ``lr --scale F`` would be rejected by the run (callbacks.lr_control.factor_bounds, with the corrections in
     force at its last logged step), or None: the same rule as the run's (callbacks/lr_control.py)."""
-    from lmtrain.formats import metrics
     from lmtrain.formats.trained import read_config
 
     try:
@@ -109,9 +115,8 @@ def _scale_problem(run_dir: Path, scale: float) -> str | None:
     except InputError as exc:
         return str(exc)
     control = ((cfg.get("callbacks") or {}).get("lr_control")) or {}
-    low, high = (float(b) for b in control.get("factor_bounds", (1e-4, 10.0)))
-    step = max(metrics.by_step(run_dir), default=-1) + 1
-    total = corrections.multiplier(corrections.load(run_dir), step) * scale
+    low, high = (float(b) for b in control.get("factor_bounds", corrections.FACTOR_BOUNDS))
+    total = corrections.multiplier(corrections.load(run_dir), _steps_logged(run_dir)) * scale
     if not low <= total <= high:
         return (
             f"--scale {scale:g} would make the learning rate x{total:.4g} of the schedule, outside the run's "
@@ -123,7 +128,6 @@ def _scale_problem(run_dir: Path, scale: float) -> str | None:
 def _decay_problem(run_dir: Path, steps: int) -> str | None:
     """Why ``decay --steps N`` cannot start a cooldown of the run (judged from its config, corrections, pending requests
     and the last step it logged), or None."""
-    from lmtrain.formats import metrics
     from lmtrain.formats.trained import read_config
     from lmtrain.nn.optim import WarmupStableDecay
 
@@ -141,7 +145,7 @@ def _decay_problem(run_dir: Path, steps: int) -> str | None:
     pending = sorted((run_dir / "control").glob("decay-*.json")) if (run_dir / "control").is_dir() else []
     if pending:
         return f"a decay request is pending already ({pending[0]}): the run applies it within callbacks.lr_control.poll_every steps"
-    steps_logged = max(metrics.by_step(run_dir), default=-1) + 1  # the run is at this step or later
+    steps_logged = _steps_logged(run_dir)
     max_steps = int((cfg.get("trainer") or {}).get("max_steps", schedule.total_steps))
     if steps_logged >= max_steps:
         return (

@@ -25,6 +25,7 @@ from pathlib import Path
 from lmtrain.formats.logbook import read_jsonl
 
 FILE = "lr_corrections.jsonl"
+FACTOR_BOUNDS = (1e-4, 10.0)  # callbacks.lr_control.factor_bounds by default: the factors of the schedule a request may bring
 
 
 def load(run_dir: str | Path) -> list[dict]:

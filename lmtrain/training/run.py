@@ -339,8 +339,9 @@ def _build(att: _Attempt) -> None:
     )
     att.datamodule = datamodule = instantiate(cfg.data)
     datamodule.prepare_data()
-    if cfg.get("init_from"):  # the dataset's tokenizer the model's, first: a vocabulary too large is its symptom
-        init_from.check_tokenizer(init_from.read(cfg.init_from), datamodule.manifest, Path(datamodule.path))
+    src = init_from.read(cfg.init_from) if cfg.get("init_from") else None
+    if src is not None:  # the dataset's tokenizer the model's, first: a vocabulary too large is its symptom
+        init_from.check_tokenizer(src, datamodule.manifest, Path(datamodule.path))
     datamodule.setup("fit")
     validate_data(cfg, datamodule.manifest, len(datamodule.train_set))
     datamodule.tokenizer()  # loaded once before anything is written: its separator must be the manifest's eos_id
@@ -348,8 +349,7 @@ def _build(att: _Attempt) -> None:
     shape = meta_model(model_factory)
     if rollback is None:  # said once a run, not again at each rollback's attempt
         log.info(describe_model(shape))
-    if cfg.get("init_from"):  # a fresh start: every tensor checked against the model
-        src = init_from.read(cfg.init_from)
+    if src is not None:  # a fresh start: every tensor checked against the model
         if resume is None:
             att.weights = att.module.init_weights_from = init_from.Loader(src, shape)
             if getattr(strategy, "init_device", None) == "cpu":
