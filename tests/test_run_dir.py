@@ -272,6 +272,9 @@ cp -r {disk}/run {out}/after
     assert first_err.count("ALERT: not enough disk space") == 1, first_err[-2000:]
     full = out / "full"
     assert (full / "csv" / "metrics.csv").stat().st_size > 0
+    assert "could not write the logbook" not in first_err, first_err[-2000:]  # the reserve's room took them
+    kinds = [e["kind"] for e in logbook.read(full)]
+    assert kinds[-2:] == ["disk_full", "stopped"], kinds  # the alert and how the attempt ended, on the full disk
     steps_then = sorted(_current_losses(full))
     assert steps_then == list(range(len(steps_then))) and len(steps_then) >= 5, steps_then  # none lost, none twice
     second_err = (out / "second.err").read_text()
@@ -284,6 +287,60 @@ cp -r {disk}/run {out}/after
         view = {int(r["step"]): r["train/loss"] for r in csv.DictReader(fh) if r.get("train/loss")}
     assert view == ref
     assert not [p for p in (after / "checkpoints").iterdir() if p.name.startswith(".step-")]
+
+
+_FULL_LOGBOOK = """
+import json, os, sys
+from pathlib import Path
+from lmtrain.formats import logbook
+disk = Path(sys.argv[1])
+page = os.statvfs(disk).f_bsize
+runs = {"kept": disk / "kept", "without": disk / "without"}
+for name, run in runs.items():
+    run.mkdir()
+    logbook.append(run, "start", "training from scratch")
+    if name == "kept":
+        logbook.reserve(run)
+    room = 0 if name == "kept" else 10  # a page exactly full, and one with 10 bytes left: a write cut short
+    size = (run / logbook.FILE).stat().st_size
+    base = len(json.dumps({"time": "2026-12-04T00:00:00Z", "kind": "checkpoint", "message": ""})) + 1
+    logbook.append(run, "checkpoint", "x" * ((-size - base - room) % page))
+block = bytes(page)
+with open(disk / "filler", "wb", buffering=0) as fh:
+    while True:
+        try:
+            fh.write(block)
+        except OSError:
+            if len(block) == 1:
+                break
+            block = bytes(len(block) // 2)
+for run in (runs["without"], runs["kept"]):  # the one without first: the reserve given up frees room for both
+    logbook.append(run, "preempted", "SIGTERM at step 7: saved step-0000007; run again to continue", step=7)
+os.unlink(disk / "filler")
+logbook.append(runs["without"], "resume", "resumed from step-0000004", step=4)
+print(json.dumps({name: [e["kind"] for e in logbook.read(run)] for name, run in runs.items()}))
+"""
+
+
+def test_the_logbook_says_how_an_attempt_ended_on_a_full_disk(tmp_path):
+    """On a tmpfs of its own (``unshare -rm``) filled to the last byte: the entry saying how the attempt ended (here
+    ``preempted``) is written into the reserve's room; without a reserve it is lost (said on stderr), and a write the
+    full disk cut short is taken back, so the next entry, written once space is freed, is not hidden by a fragment."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux's unshare (a private tmpfs for the full disk)")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    probe = tmp_path / "probe.py"
+    probe.write_text(_FULL_LOGBOOK)
+    script = f"mount -t tmpfs -o size=2m tmpfs {disk} && {sys.executable} {probe} {disk}"
+    env = {**user_env(), "PYTHONPATH": str(ROOT)}
+    res = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    kinds = json.loads(res.stdout.strip().splitlines()[-1])
+    assert kinds["kept"] == ["start", "checkpoint", "preempted"], (kinds, res.stderr)
+    assert f"the logbook's reserve ({logbook.RESERVE}) was given up" in res.stderr, res.stderr
+    assert kinds["without"] == ["start", "checkpoint", "resume"], (kinds, res.stderr)  # lost whole, not in part
+    assert res.stderr.count("could not write the logbook") == 1, res.stderr
 
 
 SOAK_EVENTS = 16  # 4 of each kind with seed 41 (asserted below)
@@ -352,7 +409,7 @@ def test_chaos_soak_a_two_rank_run_survives_kills_sigterms_second_launches_and_a
     assert runlock.read(run) is None
     kinds = [e["kind"] for e in logbook.read(run)]
     preempted = len(by["sigterm"]) + sum(e["rc"] == PREEMPTED_EXIT for e in by["disk"])  # a disk event ends with a SIGTERM
-    assert kinds.count("died") == len(by["kill"]) and kinds.count("preempted") == preempted, kinds
+    assert kinds.count("died") == len(by["kill"]) and kinds.count("preempted") == preempted, (kinds, events, launches[-6000:])
     assert kinds.count("checkpoint_failed") + kinds.count("disk_full") + kinds.count("disk_pruned") >= len(by["disk"]), kinds
     assert kinds[-1] == "end"
 

@@ -18,11 +18,10 @@ stay: each further rollback lowers the rate again.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
-from lmtrain.formats.logbook import read_jsonl
+from lmtrain.formats.logbook import append_line, read_jsonl
 
 FILE = "lr_corrections.jsonl"
 FACTOR_BOUNDS = (1e-4, 10.0)  # callbacks.lr_control.factor_bounds by default: the factors of the schedule a request may bring
@@ -34,10 +33,7 @@ def load(run_dir: str | Path) -> list[dict]:
 
 def add(run_dir: str | Path, entry: dict) -> dict:
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **entry}
-    with open(Path(run_dir) / FILE, "a") as fh:
-        fh.write(json.dumps(entry) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    append_line(Path(run_dir) / FILE, (json.dumps(entry) + "\n").encode("utf-8"), sync=True)
     return entry
 
 

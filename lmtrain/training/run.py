@@ -485,6 +485,7 @@ def _accept(att: _Attempt) -> None:
             write_text_atomic(run_dir / "overrides.yaml", OmegaConf.to_yaml(_overrides()))
         except OSError as exc:
             raise InputError(f"cannot write {run_dir / CONFIG}: {exc.strerror or exc}") from exc
+        logbook.reserve(run_dir)  # room for the entries a full disk would refuse (how this attempt ends)
     console.start_file(run_dir, f"run {cfg.run_name}: {' '.join(_overrides()) or '(no overrides)'}", trainer.is_global_zero)
     att.trackers = _tracker_locations(trainer)
     if rollback is None:
