@@ -225,6 +225,29 @@ def test_an_attempt_refused_after_the_data_and_model_are_read_writes_nothing(ove
     assert _tree(run) == before
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_model_beyond_this_machines_memory_is_refused_with_the_planners_count(device, dataset_dir, tmp_path):
+    """``model.n_layers=1000000`` (the tiny model's blocks, 50 billion parameters): refused in a second with exit 2 and
+    the planner's count of the state per rank against the host's available memory, or on a GPU the card's, before
+    anything is built or written (it used to allocate until the host ran out)."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("the card's memory: run on a GPU (docs/BENCHMARKS.md)")
+    on = ["trainer.accelerator=gpu", "trainer.precision=bf16-mixed"] if device == "cuda" else []
+    run = tmp_path / "runs" / "huge"
+    args = [*TINY, *on, f"run_dir={run}", f"data.path={dataset_dir}", "data.prepare=null", "model.n_layers=1000000"]
+    res = run_train_cli(args, tmp_path)
+    last = res.stderr.strip().splitlines()[-1]
+    where = r"this GPU's [\d.,]+ GiB \(.+\)" if device == "cuda" else r"this host's [\d.,]+ GiB available"
+    assert res.returncode == 2 and re.fullmatch(
+        r"error: model tiny: 49,984,270,464 parameters need 744\.8 GiB per rank for their state alone \(weights 186\.2, gradients "
+        rf"186\.2, optimizer 372\.4 GiB: lmtrain\.plan's count, ddp on 1 rank\), more than {where}: nothing was started; .*",
+        last,
+    ), res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and not (tmp_path / "runs").exists()
+
+
 def test_a_bad_option_value_from_the_command_line(dataset_dir, tmp_path):
     args = [*TINY, f"paths.runs={tmp_path / 'runs'}", f"data.path={dataset_dir}", "data.prepare=null", "run_name=bad",
             "callbacks=default", "callbacks.checkpoint.keep_last=1"]  # fmt: skip

@@ -26,7 +26,7 @@ def test_auto_takes_the_largest_size_whose_counted_peak_fits(tmp_path, overrides
     cfg = make_cfg(["trainer=gpu", *overrides], tmp_path)
     cfg.module.compile = True  # what speed.adapt makes of auto on a GPU
     size, peak = batch.largest(cfg, memory_bytes=H200, world=world, node=world)
-    strategy, ac = batch._strategy(cfg)
+    strategy, ac = batch.planner_strategy(cfg)
 
     def counted(b):
         trial = cfg.copy()

@@ -7,6 +7,10 @@ the largest size whose counted peak fits. With ``global_batch_size`` set, only s
 are tried, and ``trainer.accumulate_grad_batches`` follows (lmtrain.training.config.apply_global_batch_size); without
 it the global batch is the chosen size times the ranks times the accumulation. The choice is said in one line at the
 start. On the CPU there is no card's memory to fill: ``auto`` is refused there, with the number to give instead.
+
+Whatever the batch, the model's state must fit (:func:`check_fits`): a run whose weights, gradients and optimizer state
+alone are counted beyond the card's memory (or on the CPU, the host's available memory) is refused with the count
+before anything is built.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from lmtrain.errors import InputError
 LIMIT = 4096  # the largest micro-batch tried
 
 
-def _strategy(cfg: DictConfig) -> tuple[str, str]:
+def planner_strategy(cfg: DictConfig) -> tuple[str, str]:
     """The planner's strategy (ddp, fsdp or hsdp) and activation-checkpointing mode for this run's strategy."""
     st = cfg.get("strategy") or {}
     target = str(st.get("_target_", ""))
@@ -36,7 +40,7 @@ def largest(cfg: DictConfig, *, memory_bytes: float, world: int, node: int) -> t
     bytes; an InputError naming the model when not even one sequence fits."""
     from lmtrain.training import memory
 
-    strategy, ac = _strategy(cfg)
+    strategy, ac = planner_strategy(cfg)
     gbs = cfg.get("global_batch_size")
     if gbs and gbs % world:
         raise InputError(
@@ -99,3 +103,57 @@ def resolve(cfg: DictConfig) -> str | None:
         f"data.batch_size=auto: {size} sequences of {cfg.data.seq_len} tokens per GPU, {peak / 2**30:.1f} GiB counted of "
         f"{total / 2**30:.1f} (lmtrain.plan, {1 - memory.MARGIN:.0%} kept free); {steps}"
     )
+
+
+STATE_BYTES = {"bf16-true": 0.5, "16-true": 0.5, "64-true": 2.0}  # the count's 16 B/param (fp32 weights, gradients, 2 moments) scaled
+
+
+def check_fits(cfg: DictConfig) -> None:
+    """The model's state per rank, counted as lmtrain.plan counts it (weights, gradients, optimizer state and, under
+    fsdp/hsdp, the gathered blocks: what no batch size changes), against this machine: each GPU's memory, or on the
+    CPU the host's available memory shared by its ranks. A model that cannot fit (``n_layers: 1000000``, a 70B on one
+    card) is one error with the count, before anything is built or written."""
+    import torch
+
+    from lmtrain.training import memory
+    from lmtrain.training.config import device_type, world_size
+
+    world = world_size(cfg)
+    node = max(1, world // int(cfg.trainer.get("num_nodes", 1) or 1))
+    strategy, ac = planner_strategy(cfg)
+    terms = memory.breakdown(memory.counted(cfg, world, node), strategy, world, node, ac)
+    scale = STATE_BYTES.get(str(cfg.trainer.get("precision")), 1.0)
+    state = scale * terms["backward_peak"]
+    if device_type(cfg.trainer.get("accelerator", "auto")) == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        need, have, where = state, float(props.total_memory), f"this GPU's {props.total_memory / 2**30:,.1f} GiB ({props.name})"
+    else:
+        have = _host_available()
+        if have is None:
+            return
+        need, where = state * node, f"this host's {have / 2**30:,.1f} GiB available" + (f" for its {node} ranks" if node > 1 else "")
+    if need <= have:
+        return
+    params = memory.model_numbers(memory.counted(cfg, world, node)["mcfg"], int(cfg.data.seq_len))["params"]
+    shown = ", ".join(f"{k} {scale * terms[k] / 2**30:,.1f}" for k in ("weights", "gradients", "optimizer", "gathered", "buckets") if k in terms)
+    raise InputError(
+        f"model {cfg.model.get('name')}: {params:,} parameters need {state / 2**30:,.1f} GiB per rank for their state alone "
+        f"({shown} GiB: lmtrain.plan's count, {strategy} on {world} rank{'s' if world != 1 else ''}), more than {where}: "
+        "nothing was started; shard it over more GPUs (strategy=fsdp), or check the model's size with `python -m lmtrain.plan`"
+    )
+
+
+def _host_available() -> float | None:
+    """Bytes of memory the host can give now (Linux: MemAvailable), None where unknown."""
+    try:
+        for line in open("/proc/meminfo", encoding="ascii"):
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import os
+
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -205,6 +205,7 @@ def _take_run(cfg: DictConfig, created: list[Path], said: list[str]) -> runlock.
     if sized:
         validate_config(cfg)  # the chosen size against global_batch_size and the rest
     apply_global_batch_size(cfg)
+    batch.check_fits(cfg)  # the model's state against this card's (or host's) memory, before anything is written
     said.append(speed.describe(cfg, turned_off))
     said += [sized] if sized else []
     run_dir = Path(cfg.run_dir)
