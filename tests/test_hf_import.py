@@ -299,6 +299,20 @@ def test_init_from_refuses_a_missing_partial_or_mismatched_weight_file_naming_it
         loader(f)
     save_file(rest, str(f / "model-00002-of-00002.safetensors"))
     assert loader(f).weights.shapes == {k: tuple(v.shape) for k, v in weights.items()}  # whole again: read across both files
+    # an index placing a tensor in a file outside the folder (that file exists): named as outside, not "missing", and not read
+    outside = tmp_path / "outside.safetensors"
+    save_file(rest, str(outside))
+    hostile = {**index, "weight_map": {**index["weight_map"], gone: f"../{outside.name}"}}
+    (f / "model.safetensors.index.json").write_text(json.dumps(hostile))
+    with pytest.raises(
+        InputError,
+        match=re.escape(f"places tensors in '../{outside.name}', which is not a file name inside {f} (a path elsewhere is not read)"),
+    ):
+        loader(f)
+    (f / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": {**index["weight_map"], gone: 7}}))
+    with pytest.raises(InputError, match=r"is not a readable safetensors index \(TypeError: weight_map must map tensor names"):
+        loader(f)
+    (f / "model.safetensors.index.json").write_text(json.dumps(index))
     # a tensor of another shape, or of an integer type
     g = _copy(folders / "llama", tmp_path / "b")
     bad = dict(weights, **{"model.layers.0.self_attn.k_proj.weight": torch.zeros(8, 32)})

@@ -368,6 +368,8 @@ class Weights:
             try:
                 index = json.loads((folder / INDEX).read_text())
                 weight_map = dict(index["weight_map"])
+                if not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                    raise TypeError("weight_map must map tensor names to file names")
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise InputError(f"{folder / INDEX} is not a readable safetensors index ({type(exc).__name__}: {exc})") from None
             files = sorted(set(weight_map.values()))
@@ -381,7 +383,12 @@ class Weights:
         self.handles, self.where = {}, {}
         for name in files:
             path = folder / name
-            if Path(name).name != name or not path.is_file():
+            if Path(name).name != name or name in (".", ".."):
+                raise InputError(
+                    f"{folder / INDEX} places tensors in {name!r}, which is not a file name inside {folder} (a path "
+                    "elsewhere is not read)"
+                )
+            if not path.is_file():
                 raise InputError(f"{path} is missing" + (f" ({INDEX} lists it)" if weight_map is not None else ""))
             try:
                 handle = safe_open(str(path), framework="pt")
