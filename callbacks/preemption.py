@@ -1,7 +1,8 @@
 """Preemption is a save: SIGTERM (what SLURM, Kubernetes and torchrun's agent send before they end a job), SIGUSR1
 (what ``sbatch --signal=USR1@90`` sends before the time limit) and a first Ctrl-C end the current optimizer step,
 save a checkpoint of it, and end the run with exit status 4 (lmtrain.errors.PREEMPTED_EXIT): run again, or let the
-scheduler requeue it, and it continues from there. A second Ctrl-C exits at once (status 130).
+scheduler requeue it, and it continues from there. A second Ctrl-C exits at once (status 130), the logbook saying
+so (``interrupted``) and the run's lock released, so that the next start needs no takeover.
 
 Every rank takes the same decision at the same step: the signal may reach one rank only (a ``kill`` of Lightning's
 first process), so the ranks agree at each step's end whether any of them was asked to stop (one boolean reduction
@@ -24,13 +25,19 @@ import threading
 
 import lightning as L
 
+from pathlib import Path
+
+from lmtrain import console
 from lmtrain.console import log
+from lmtrain.formats import logbook, runlock
 from lmtrain.errors import InputError
 from lmtrain.training.contracts import CheckpointStore, Preempts
 
 
 class Preemption(L.Callback, Preempts):
-    def __init__(self, signals: list[str] | tuple[str, ...] = ("SIGTERM", "SIGUSR1"), grace_s: float = 60.0) -> None:
+    def __init__(
+        self, signals: list[str] | tuple[str, ...] = ("SIGTERM", "SIGUSR1"), grace_s: float = 60.0, run_dir: str | None = None
+    ) -> None:
         names = [str(s).upper() for s in signals]
         unknown = [s for s in names if s in ("SIGKILL", "SIGSTOP") or not isinstance(getattr(signal, s, None), signal.Signals)]
         if unknown or not isinstance(grace_s, int | float) or isinstance(grace_s, bool) or not grace_s > 0:
@@ -39,6 +46,7 @@ class Preemption(L.Callback, Preempts):
                 f"not {', '.join(unknown) or '-'}) and grace_s={grace_s} must be a number of seconds > 0"
             )
         self.signals = [getattr(signal, s) for s in names]
+        self.run_dir = Path(run_dir) if run_dir else None  # its logbook and lock, for the second Ctrl-C's exit
         self.grace_s = float(grace_s)
         self.requested: str | None = None  # the signal this rank received
         self.preempted: dict | None = None  # signal, step, checkpoint (None: none saved): read by lmtrain.training.run
@@ -67,7 +75,7 @@ class Preemption(L.Callback, Preempts):
             self._interrupts += 1
             if self._interrupts > 1:
                 print("\n[lmtrain] second interrupt: exiting at once, without a checkpoint (status 130)", file=sys.stderr, flush=True)
-                os._exit(130)
+                self._leave_at_once()
         if self.requested is None:
             self.requested = name
             again = "; press Ctrl-C again to exit at once" if signum == signal.SIGINT else ""
@@ -75,6 +83,18 @@ class Preemption(L.Callback, Preempts):
             self._timer = threading.Timer(self.grace_s, self._late, args=(name,))
             self._timer.daemon = True
             self._timer.start()
+
+    def _leave_at_once(self) -> None:
+        """The second Ctrl-C: the logbook says so and the lock goes (rank zero, which holds it), then exit 130 without
+        waiting for anything (a save or a collective may be what is stuck)."""
+        if self.run_dir is not None and console.launched_rank() == 0:
+            step = max(self._last_step, 0)
+            logbook.append(
+                self.run_dir, "interrupted", f"a second Ctrl-C at step {step}: exited at once without a checkpoint (status 130); "
+                "the run resumes from the newest complete checkpoint", step=step,
+            )  # fmt: skip
+            runlock.release_mine(self.run_dir)
+        os._exit(130)
 
     def _late(self, name: str) -> None:
         if self.preempted is None or self.preempted.get("checkpoint") is None:

@@ -88,7 +88,7 @@ def test_a_second_launch_is_refused_and_a_dead_attempts_lock_is_taken_over(tmp_p
 def test_sigterm_sigusr1_and_ctrl_c_save_the_step_and_exit_4_a_second_ctrl_c_at_once(tmp_path, dataset_dir):
     """A real signal to a real run, each at a moment training is under way: the step then in progress ends, its
     checkpoint is saved (complete, the logbook says which), the run exits with status 4, and the next start
-    continues from exactly that step. Two Ctrl-Cs: status 130 at once."""
+    continues from exactly that step. Two Ctrl-Cs: status 130 at once, an ``interrupted`` entry, no lock left."""
     run = tmp_path / "run"
     long = ["trainer.max_steps=100000", "scheduler.total_steps=100000", "callbacks.checkpoint.every_n_steps=50"]
     seen: list[int] = []
@@ -130,6 +130,9 @@ def test_sigterm_sigusr1_and_ctrl_c_save_the_step_and_exit_4_a_second_ctrl_c_at_
             proc.communicate()
     err = log.read_text()
     assert proc.returncode == 130 and "second interrupt: exiting at once" in err, err[-3000:]
+    last = logbook.read(run)[-1]  # said, and the lock released: the next start takes nothing over
+    assert last["kind"] == "interrupted" and last["step"] > seen[-1], last
+    assert runlock.read(run) is None
 
 
 def _trained(tmp_path: Path, dataset_dir: Path, *extra: str):

@@ -23,7 +23,7 @@ from lmtrain.errors import RunStopped
 from lmtrain.formats import logbook
 from lmtrain.training.config import ConfigError
 
-ENDS = ("hang", "failed", "error", "preempted", "stopped", "died", "end")  # the logbook entries that end an attempt
+ENDS = ("hang", "failed", "error", "preempted", "interrupted", "stopped", "died", "end")  # the logbook entries that end an attempt
 
 
 def restart() -> tuple[str, int] | None:
@@ -70,6 +70,8 @@ def previous_end(run_dir: Path) -> str:
         return f"a kill{at}: {last.get('message', '')}"
     if kind == "preempted":
         return f"a preemption ({last.get('signal', 'a signal')}{at}, exit 4)"
+    if kind == "interrupted":
+        return f"a second Ctrl-C{at} (exit 130)"
     if kind == "stopped":
         return f"a guard's stop{at} (exit 3)"
     if kind in ("failed", "error"):
