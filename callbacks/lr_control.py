@@ -2,7 +2,8 @@
 
 Sources (see lmtrain.formats.corrections): automatic rollbacks (the divergence detector), an operator
 (``python -m lmtrain.control RUN_DIR lr --scale 0.5`` or ``--value 1e-4`` while the run runs; under
-``scheduler=wsd`` also ``decay --steps N``: the schedule's cooldown starts now and lasts N steps), and the config
+``scheduler=wsd`` also ``decay --steps N``: the schedule's cooldown starts now and lasts N steps, and training ends
+with it, since what follows would train at the floor's learning rate), and the config
 at a (re)start (``callbacks.lr_control.scale``). The learning rate used at each step is the scheduler's value
 times the corrections in force at that step, so ``train/lr`` in MLflow shows the schedule the run really
 followed (OPT's "empirical LR schedule"); the ``report`` callback plots it, corrections marked.
@@ -51,14 +52,14 @@ class LRControl(L.Callback):
         self.entries: list[dict] = []
         self._last_polled = -1
         self._schedule: WarmupStableDecay | None = None
-        self._max_steps = 0
+        self._max_steps = 0  # trainer.max_steps as configured (an operator's decay ends training sooner: _end_with_decay)
 
     def on_train_start(self, trainer, pl_module) -> None:
         # rank zero's reading, so that every rank applies the same corrections even while the file is being written
         self.entries = trainer.strategy.broadcast(corrections.load(self.run_dir) if trainer.is_global_zero else None, src=0)
         if bad := corrections.problems(self.entries):
             raise InputError(f"{self.run_dir / corrections.FILE}: {bad}; fix or remove that line (lmtrain's own record of the corrections)")
-        self._last_polled = -1  # an attempt's first step looks for requests given while the run was stopped
+        self._max_steps = trainer.max_steps
         self._log_schedule_changes(trainer)
         if self.scale is not None and corrections.config_scale(self.entries) != self.scale:
             entry = {"from_step": trainer.global_step, "scale": self.scale, "reason": "config"}
@@ -71,6 +72,12 @@ class LRControl(L.Callback):
                     step=trainer.global_step,
                 )
             self.entries.append(entry)
+        # the requests given while the run was stopped, judged before its first step (a decay's end, or its revocation,
+        # decides whether there is a step to take)
+        self._last_polled = trainer.global_step
+        applied = self._poll(trainer)
+        if (end := self._end_with_decay(trainer)) is not None and trainer.is_global_zero and not applied:
+            log.info(f"training ends at step {end}, where the operator's decay ends (trainer.max_steps={self._max_steps})")
 
     def _log_schedule_changes(self, trainer) -> None:
         """A resume follows the composed config's schedule (lmtrain.nn.optim.ConfiguredLR): say what changed."""
@@ -121,10 +128,11 @@ class LRControl(L.Callback):
         group = trainer.optimizers[0].param_groups[0]
         return float(group.get("lmtrain_base_lr", group["lr"]))
 
-    def _poll(self, trainer) -> None:
-        """Rank zero reads and checks the pending requests; every rank applies the accepted ones from this same step."""
+    def _poll(self, trainer) -> int:
+        """Rank zero reads and checks the pending requests; every rank applies the accepted ones from this same step.
+        Returns how many were."""
         step = trainer.global_step
-        self._schedule, self._max_steps = self._wsd(trainer), trainer.max_steps
+        self._schedule = self._wsd(trainer)
         accepted = self._read_requests(step, self._scheduled_lr(trainer)) if trainer.is_global_zero else None
         accepted = trainer.strategy.broadcast(accepted, src=0)
         for entry, what in accepted:
@@ -133,6 +141,17 @@ class LRControl(L.Callback):
                 corrections.add(self.run_dir, entry)
                 logbook.append(self.run_dir, "lr_correction", f"operator: {what} from step {step}", step=step)
                 log.info(f"{what} from step {step} (operator request)")
+        if accepted:
+            self._end_with_decay(trainer)
+        return len(accepted)
+
+    def _end_with_decay(self, trainer) -> int | None:
+        """The last step: where the operator's decay in force ends (the learning rate at its floor from there), else
+        trainer.max_steps as configured (a revoked decay gives it back). The step, when a decay ends training sooner."""
+        cooldown = corrections.cooldown(self.entries)
+        end = min(self._max_steps, cooldown[0] + cooldown[1]) if cooldown is not None else self._max_steps
+        trainer.fit_loop.epoch_loop.max_steps = end  # what trainer.max_steps reads
+        return end if end < self._max_steps else None
 
     def _read_requests(self, step: int, scheduled: float) -> list[tuple[dict, str]]:
         """Each request file under ``control/`` judged (any bytes, any content): the accepted ones as (correction,
@@ -212,9 +231,10 @@ class LRControl(L.Callback):
                 f"a decay of {n} steps from step {step} would end at step {step + n}, after trainer.max_steps={self._max_steps}: "
                 f"give at most --steps {self._max_steps - step}"
             )
-        end = schedule.min_lr_ratio
+        floor = schedule.min_lr_ratio
         entry = {"from_step": step, "scale": 1.0, "reason": "decay", "decay_steps": n, "request": req}
-        return entry, f"decay over {n} steps ({schedule.decay}, to x{end:g} of the peak at step {step + n})"
+        ends = f"; training ends there, not at trainer.max_steps={self._max_steps}" if step + n < self._max_steps else ""
+        return entry, f"decay over {n} steps ({schedule.decay}, to x{floor:g} of the peak at step {step + n}{ends})"
 
     @staticmethod
     def _revoke(req: dict, step: int, entries: list[dict]) -> tuple[dict, str]:

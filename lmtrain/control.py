@@ -15,8 +15,9 @@ correction stays in force across resumes until revoked. Given while the run is s
 restart's first step.
 
 ``decay`` (a run with ``scheduler=wsd``) starts the schedule's decay where the run picks the request up, over N steps
-to ``scheduler.min_lr_ratio``, instead of at ``scheduler.decay_start``; recorded and revoked like a correction (a
-rollback to a checkpoint before it revokes it). Refused at once when the run has no WSD schedule, a decay is under way
+to ``scheduler.min_lr_ratio``, instead of at ``scheduler.decay_start``, and training ends where it ends (the steps
+after it would train at the floor); recorded and revoked like a correction (a rollback to a checkpoint before it
+revokes it; a revocation given once the run ended lets a restart train on to ``trainer.max_steps``). Refused at once when the run has no WSD schedule, a decay is under way
 or pending, or N steps would end after ``trainer.max_steps``; the run checks it again when it applies it.
 """
 
@@ -147,6 +148,12 @@ def _decay_problem(run_dir: Path, steps: int) -> str | None:
         return f"a decay request is pending already ({pending[0]}): the run applies it within callbacks.lr_control.poll_every steps"
     steps_logged = _steps_logged(run_dir)
     max_steps = int((cfg.get("trainer") or {}).get("max_steps", schedule.total_steps))
+    cooldown = corrections.cooldown(corrections.load(run_dir))
+    if cooldown is not None and steps_logged >= sum(cooldown):
+        return (
+            f"{run_dir} ended at step {sum(cooldown)} with the operator's decay over {cooldown[1]} steps from step {cooldown[0]}: "
+            "nothing is left to decay (revoke it to train on: lmtrain control RUN status)"
+        )
     if steps_logged >= max_steps:
         return (
             f"{run_dir} has trained all its trainer.max_steps={max_steps} steps: nothing is left to decay (continued with a "

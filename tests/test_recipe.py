@@ -180,7 +180,9 @@ def test_an_operators_cooldown_survives_a_kill_and_a_resume_and_the_cli_refuses_
     """`lmtrain control RUN decay --steps 40` while the run is at step 6 (the configured decay would start at step 48):
     the cooldown starts at the next step boundary, is recorded (lr_corrections.jsonl, the logbook, `status`), the run is
     killed with SIGKILL mid-decay, a second launch resumes it, and every step's logged learning rate is the schedule
-    with the decay moved to that step; a second decay, a bad N and a run without WSD are one error each, writing nothing."""
+    with the decay moved to that step. Training ends with the decay (step 46, not trainer.max_steps=60: what follows
+    would train at the floor). A second decay, a bad N and a run without WSD are one error each, writing nothing; a
+    revocation given once the run ended lets the next launch train on to max_steps, on the configured schedule."""
     import signal
     import subprocess
     import sys
@@ -213,20 +215,26 @@ def test_an_operators_cooldown_survives_a_kill_and_a_resume_and_the_cli_refuses_
     assert res.returncode == 0, res.stderr[-3000:]
     got = _logged_lr(run)
     want = _expected(60, 0.002, warmup_steps=2, total_steps=60, decay_steps=None, cooldown=(6, 40))
-    assert sorted(got) == list(range(60)) and [round(got[s], 12) for s in got] == [round(want[s], 12) for s in got]
-    assert got[5] == 0.002 and got[6] == 0.002 and got[7] < 0.002 and got[46] == got[59] == 0.0
+    assert sorted(got) == list(range(46)) and [round(got[s], 12) for s in got] == [round(want[s], 12) for s in got]
+    assert got[5] == 0.002 and got[6] == 0.002 and got[7] < 0.002 and 0 < got[45] < got[44]
+    assert "training ends at step 46, where the operator's decay ends (trainer.max_steps=60)" in res.stderr
     said = [e for e in logbook.read(run) if e["kind"] == "lr_correction"]
-    assert len(said) == 1 and "operator: decay over 40 steps (1-sqrt, to x0 of the peak at step 46) from step 6" in said[0]["message"]
+    assert len(said) == 1 and (
+        "operator: decay over 40 steps (1-sqrt, to x0 of the peak at step 46; training ends there, not at trainer.max_steps=60) "
+        "from step 6" in said[0]["message"]
+    ), said
+    assert logbook.read(run)[-1]["kind"] == "end" and logbook.read(run)[-1]["step"] == 46
     resumed = [e for e in logbook.read(run) if e["kind"] == "resume"]
     assert len(resumed) == 1 and 12 <= resumed[0]["step"] <= killed_at + 1  # after the kill: from a checkpoint mid-decay
 
     def refused(argv: list[str], said: str) -> None:
-        before = sorted(p.name for p in (run / "control").rglob("*"))
+        before = sorted(p.name for p in (run / "control").rglob("*")), corrections.load(run)
         res = subprocess.run([sys.executable, "-m", "lmtrain.control", *argv], capture_output=True, text=True, cwd=ROOT, env=env)
         assert res.returncode == 2 and said in res.stderr and res.stderr.count("\n") == 1, res.stderr
-        assert sorted(p.name for p in (run / "control").rglob("*")) == before and len(corrections.load(run)) == 1
+        assert (sorted(p.name for p in (run / "control").rglob("*")), corrections.load(run)) == before
 
-    refused([str(run), "decay", "--steps", "5"], f"{run} has trained all its trainer.max_steps=60 steps: nothing is left to decay")
+    refused([str(run), "decay", "--steps", "5"], f"{run} ended at step 46 with the operator's decay over 40 steps from step 6: "
+            "nothing is left to decay")  # fmt: skip
     refused([str(run), "lr", "--scale", "1e30"], "--scale 1e+30 would make the learning rate x1e+30 of the schedule, outside the run's "
             "callbacks.lr_control.factor_bounds=[0.0001, 10]")  # fmt: skip
     refused([str(run), "decay", "--steps", "0"], "--steps 0: the decay's length must be a positive number of steps")
@@ -238,6 +246,12 @@ def test_an_operators_cooldown_survives_a_kill_and_a_resume_and_the_cli_refuses_
         and "decay started by the operator: over 40 steps from step 6 (to step 46)" in status.stdout
     )
     assert main([str(run), "revoke", "0"]) == 0  # an operator may take a decay back (the request is judged by the run)
+    res = run_train_cli(args, tmp_path)  # judged before the first step: there are steps to take again
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = _logged_lr(run)
+    again = _expected(60, 0.002, warmup_steps=2, total_steps=60, decay_steps=None)  # the configured decay (from step 48) again
+    assert sorted(got) == list(range(60)) and [round(got[s], 12) for s in range(46, 60)] == [round(again[s], 12) for s in range(46, 60)]
+    refused([str(run), "decay", "--steps", "5"], f"{run} has trained all its trainer.max_steps=60 steps: nothing is left to decay")
     (cosine := tmp_path / "cosine").mkdir()
     (cosine / "config.yaml").write_text("model: {}\ndata: {}\nscheduler: {_target_: lmtrain.nn.optim.warmup_decay, decay: cosine}\n")
     res = subprocess.run([sys.executable, "-m", "lmtrain.control", str(cosine), "decay", "--steps", "5"], capture_output=True, text=True,
