@@ -198,7 +198,11 @@ def _tree(root: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["data.batch_size=100000"], r"fewer than one batch across ranks \(data.batch_size=100000 x 1\)"),
+        (["data.batch_size=100000"], r"fewer than one optimizer step across ranks \(data.batch_size=100000 x 1 rank = 100000 blocks\)"),
+        (  # a micro-batch that fits, a global batch that does not (experiment=opt-125m on a small dataset)
+            ["global_batch_size=400000"],
+            r"fewer than one optimizer step across ranks \(data.batch_size=4 x 100000 micro-batches x 1 rank = 400000 blocks\)",
+        ),
         (["callbacks.disk_guard.margin_gb=1e9"], r"not enough disk space for checkpoints at .* 1000000000.000 GB margin"),
         (
             ["logger=mlflow", "logger.mlflow.tracking_uri=http://127.0.0.1:9"],

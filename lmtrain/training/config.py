@@ -417,12 +417,14 @@ def validate_data(cfg: DictConfig, manifest: dict, num_train_blocks: int | None 
             f"model.vocab_size={model.vocab_size}: {fix}"
         )
     if num_train_blocks is not None:
-        ws = world_size(cfg)
-        need = cfg.data.batch_size * ws
+        ws, accumulate = world_size(cfg), int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
+        need = cfg.data.batch_size * ws * accumulate
         if num_train_blocks < need:
+            micro = f" x {accumulate} micro-batches" if accumulate > 1 else ""
             problems.append(
                 f"the dataset's train split has {num_train_blocks} blocks of data.seq_len={cfg.data.seq_len} tokens, fewer than "
-                f"one batch across ranks (data.batch_size={cfg.data.batch_size} x {ws})"
+                f"one optimizer step across ranks (data.batch_size={cfg.data.batch_size}{micro} x {ws} rank{'s' if ws != 1 else ''} "
+                f"= {need} blocks)"
             )
     if problems:
         raise ConfigError("config does not fit the data:\n  - " + "\n  - ".join(problems))
