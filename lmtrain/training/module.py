@@ -112,7 +112,8 @@ class LMModule(L.LightningModule):
             rank): the masks of a batch then do not depend on what else drew random numbers before it
             (validation, loader start-up), so a resumed or rolled-back run draws exactly the same ones.
         z_loss: ``module.z_loss``, the coefficient of the log-partition penalty added to the loss in every head
-            (lmtrain.nn.loss.with_z_loss; OLMo 2: 1e-5), logged as ``train/z_loss``; 0: none. ``train/loss`` and
+            (lmtrain.nn.loss.with_z_loss; OLMo 2: 1e-5), logged as ``train/z_loss`` (the penalty added: the coefficient
+            times the mean squared log-partition); 0: none. ``train/loss`` and
             ``val/loss`` stay the cross-entropy.
     """
 
@@ -339,7 +340,7 @@ class LMModule(L.LightningModule):
             if self._act_hook is not None:
                 extra["train/act_rms"] = act_rms
             if self.z_loss:
-                extra["train/z_loss"] = z
+                extra["train/z_loss"] = self.z_loss * z  # the penalty added to the objective (OLMo-core's "Z loss")
             log_direct(self.trainer, extra, step=rec.log_step)
             self.last_train_loss, self.last_train_lr = loss, rec.lr
             stats = {
