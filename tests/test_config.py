@@ -126,3 +126,13 @@ def test_global_batch_size_sets_accumulation(tiny_cfg):
 def test_every_tiny_override_is_a_real_key(tmp_path):
     # the suite's own shortcuts must go through validation like a user's
     validate_config(make_cfg(TINY, tmp_path))
+
+
+def test_a_warmup_as_long_as_the_run_is_said_at_the_start(tmp_path, dataset_dir, capsys):
+    """``scheduler.warmup_steps`` equal to the run's steps trains, and the start says that the learning rate only
+    reaches its peak at the last step and never decays (it used to pass without a word); a shorter warmup says nothing."""
+    line = "scheduler.warmup_steps=3 is the whole run (scheduler.total_steps=3): the learning rate rises to its peak at the last step"
+    train(make_cfg([*TINY, "trainer.max_steps=3", "scheduler.warmup_steps=3"], tmp_path / "a", dataset_dir))
+    assert line in capsys.readouterr().err
+    train(make_cfg([*TINY, "trainer.max_steps=3", "scheduler.warmup_steps=2"], tmp_path / "b", dataset_dir))
+    assert "is the whole run" not in capsys.readouterr().err

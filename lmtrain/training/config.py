@@ -402,6 +402,19 @@ def apply_global_batch_size(cfg: DictConfig) -> None:
 
 
 # -- pass 2: the config against the data ----------------------------------------------------------
+def schedule_notes(cfg: DictConfig) -> list[str]:
+    """What the run should be told about its schedule though it can run: a warmup as long as the run (the learning
+    rate reaches its peak at the last step, and never decays)."""
+    sched = cfg.get("scheduler") or {}
+    warmup, total = sched.get("warmup_steps"), sched.get("total_steps")
+    if isinstance(warmup, int) and isinstance(total, int) and 0 < total <= warmup:
+        return [
+            f"scheduler.warmup_steps={warmup} is the whole run (scheduler.total_steps={total}): the learning rate rises "
+            "to its peak at the last step and never decays"
+        ]
+    return []
+
+
 def validate_data(cfg: DictConfig, manifest: dict, num_train_blocks: int | None = None) -> None:
     problems: list[str] = []
     model = cfg.get("model")

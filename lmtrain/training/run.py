@@ -27,7 +27,7 @@ from lmtrain.formats.checkpoint import CheckpointError, check_compatible, config
 from lmtrain.formats.rundir import CONFIG, write_text_atomic
 from lmtrain.training import batch, compat, init_from, restarts, speed
 from lmtrain.training.checkpoint.resume import checked_here, resume_identity, resume_point, unfinished_saves
-from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, validate_config, validate_data
+from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, schedule_notes, validate_config, validate_data
 from lmtrain.training.contracts import CheckpointStore, Preempts, RequestsRollback, SaveGuard, StopsTraining
 from lmtrain.training.goodput import Goodput
 from lmtrain.training.precision import build as build_precision
@@ -208,6 +208,7 @@ def _take_run(cfg: DictConfig, created: list[Path], said: list[str]) -> runlock.
     batch.check_fits(cfg)  # the model's state against this card's (or host's) memory, before anything is written
     said.append(speed.describe(cfg, turned_off))
     said += [sized] if sized else []
+    said += schedule_notes(cfg)
     run_dir = Path(cfg.run_dir)
     created += [d for d in reversed([run_dir, *run_dir.parents]) if not d.exists()]
     try:
