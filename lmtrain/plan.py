@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.plan") ->
     if "data" in cfg and OmegaConf.is_missing(cfg.data, "path"):  # the planner reads no data: the experiment's own need
         with open_dict(cfg):
             cfg.data.path = "(not read by the planner)"
+    with open_dict(cfg):  # the training config's world size is the cluster's (its checks of the global batch, per rank)
+        cfg.trainer.devices, cfg.trainer.num_nodes = int(cluster["gpus"]), 1
     try:  # the training config's own checks (keys, sizes, batch and accumulation), then the cluster's
         validate_config(cfg)
         result = plan(cfg, cluster, budget)

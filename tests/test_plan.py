@@ -211,13 +211,14 @@ def test_table_output_and_bad_keys(capsys):
     # an experiment that trains on a prepared dataset plans without one: the planner reads no data
     assert main(["experiment=llama-7b", "output=json"]) == 0
     assert json.loads(capsys.readouterr().out)["params"] > 6e9
-    # the training config's own checks, then the batch against the cluster: one error line each, no traceback
+    # the training config's own checks, on the cluster's world size: one error line each, no traceback
     for args, message in (
         (["trainer.accumulate_grad_batches=x"], "trainer.accumulate_grad_batches='x' must be a positive integer"),
         (["data.batch_size=0"], "data.batch_size=0 must be a positive integer"),
         (
             ["data.batch_size=16", "global_batch_size=64"],
-            "global_batch_size=64 is not a multiple of data.batch_size (16) x cluster.gpus (8)",
+            "global_batch_size=64 is not a multiple of data.batch_size (16) x world size (8) = 128; it divides at world size 8, "
+            "data.batch_size one of [1, 2, 4, 8]",
         ),
     ):
         code, err = main(["model=opt-125m", *args]), capsys.readouterr().err
@@ -338,3 +339,11 @@ def test_muon_counts_one_buffer_for_the_blocks_matrices(capsys):
         assert m["weights"] == a["weights"] and m["total"] < a["total"]
     assert adamw["checkpoint_gb"] - muon["checkpoint_gb"] == pytest.approx(4 * matrices / 1e9, rel=1e-3)
     assert (adamw["optimizer"], muon["optimizer"]) == ("adamw", "muon")
+
+
+def test_the_training_configs_checks_see_the_clusters_world_size(capsys):
+    """The global batch is checked over ``cluster.gpus`` ranks, not the training preset's one device (it said
+    "world size (1)" for ``cluster.gpus=8``): 128 sequences on 8 GPUs of micro-batch 8 are 2 micro-batches each."""
+    assert main(["cluster.gpus=8", "global_batch_size=12"]) == 2
+    assert "global_batch_size=12 is not a multiple of data.batch_size (8) x world size (8) = 64" in capsys.readouterr().err
+    assert _plan(capsys, "cluster.gpus=8", "global_batch_size=128")["accumulate_grad_batches"] == 2
