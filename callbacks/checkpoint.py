@@ -139,6 +139,8 @@ class Checkpointer(Checkpoint, CheckpointStore, SaveEvents):
             return
         if self.auto:
             periodic = step >= self.next_auto_step
+            if periodic and self.save_on_train_end and 0 < trainer.max_steps - step < self.every_n_steps:
+                periodic, self.next_auto_step = False, trainer.max_steps  # the end's save is nearer than one interval: it is the one
         else:
             periodic = bool(self.every_n_steps) and step % self.every_n_steps == 0
         periodic = periodic or bool(self.keep_every and step % self.keep_every == 0)
@@ -190,8 +192,6 @@ class Checkpointer(Checkpoint, CheckpointStore, SaveEvents):
                 f"stalls training {stall:.1f} s, its background write takes {write:.1f} s, a step {per_step:.3f} s)"
             )
         self.every_n_steps, self.next_auto_step = interval, step + interval
-        if self.save_on_train_end and trainer.max_steps > 0 and trainer.max_steps - self.next_auto_step < interval:
-            self.next_auto_step = trainer.max_steps  # the end's save is nearer than one interval after it: that one is it
 
     def _judge_and_save(self, trainer) -> None:
         flush = getattr(trainer.lightning_module, "flush_step_stats", None)

@@ -44,6 +44,21 @@ def test_goodput_puts_known_time_in_its_part_and_the_parts_add_up(tmp_path, data
     assert f"{g['steady']:.1%} after the first steps" in line
 
 
+def test_after_a_resume_the_periodic_save_due_near_the_end_is_left_to_the_ends(tmp_path, dataset_dir):
+    """``every_n_steps=auto`` (the default) resumed: the plan the checkpoint kept (every 100 steps) continues from the
+    resumed step, and the save it would make less than one interval before the end is left to the end's save, as in
+    an uninterrupted run (a run resumed at step 200 and extended to 350 saved at 300 and again at 350)."""
+    import re
+
+    args = [a for a in TINY if a != "callbacks=none"] + ["logger=csv", "callbacks=checkpoint", "callbacks.checkpoint.keep_last=10",
+                                                         "callbacks.disk_guard.margin_gb=0", "trainer.val_check_interval=1000"]  # fmt: skip
+    first = make_cfg([*args, "trainer.max_steps=200"], tmp_path, dataset_dir)
+    train(first)
+    train(make_cfg([*args, "trainer.max_steps=350"], tmp_path, dataset_dir))
+    saved = [int(m) for m in re.findall(r"saved and verified step-(\d+)", (Path(first.run_dir) / "logbook.jsonl").read_text())]
+    assert saved == [100, 200, 350], saved
+
+
 def test_a_steps_statistics_count_in_the_step_and_auto_checkpoints_follow_their_measured_cost(tmp_path, dataset_dir, caplog):
     """Time another callback spends at a step's end (its statistics: on a GPU, host syncs that wait for the step) is
     training-step time, not "other". With ``callbacks.checkpoint.every_n_steps=auto`` (the default) and a background
