@@ -39,6 +39,26 @@ def test_a_resume_follows_the_configs_schedule_and_says_what_changed(tmp_path, d
     }, change  # fmt: skip
 
 
+def test_a_resume_of_a_default_mlflow_run_lists_only_what_the_user_changed(tmp_path, dataset_dir, monkeypatch):
+    """The default store, ``sqlite:///mlflow.db`` in the working directory: config.yaml records it resolved, so a resume
+    (which continues the MLflow run in the store its checkpoint records, an absolute path) lists only the user's change;
+    a config.yaml written before that, with the relative form, is read as the same store. Every resume of a default
+    MLflow run used to report "config changed: tracking_uri sqlite:///mlflow.db -> sqlite:////abs/mlflow.db"."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the default store (MLflow exports the URI it was given)
+    args = [a for a in BASE if a != "logger=csv"] + ["logger=mlflow"]
+    train(make_cfg(args + ["trainer.max_steps=4"], tmp_path, dataset_dir))
+    run = tmp_path / "run"
+    config = (run / "config.yaml").read_text()
+    assert f"tracking_uri: sqlite:///{tmp_path / 'mlflow.db'}" in config
+    (run / "config.yaml").write_text(config.replace(f"sqlite:///{tmp_path / 'mlflow.db'}", "sqlite:///mlflow.db"))  # as before
+    train(make_cfg(args + ["trainer.max_steps=6"], tmp_path, dataset_dir))
+    train(make_cfg(args + ["trainer.max_steps=8"], tmp_path, dataset_dir))
+    changes = [e["changes"] for e in logbook.read(run) if e["kind"] == "config_change"]
+    assert changes == [{"scheduler/total_steps": [4, 6], "trainer/max_steps": [4, 6]},
+                       {"scheduler/total_steps": [6, 8], "trainer/max_steps": [6, 8]}], changes  # fmt: skip
+
+
 def test_a_refused_attempt_leaves_the_run_directory_as_it_was(tmp_path, dataset_dir):
     """Re-running run_name=mine with another model, or another data stream, is refused before anything of the run
     changes, naming the two ways out; the run's files (train.log included) are byte-for-byte what they were."""

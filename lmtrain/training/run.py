@@ -465,6 +465,10 @@ def _mlflow_lineage(att: _Attempt) -> None:
             if resume.meta.get("mlflow_tracking_uri") and not given and not mlflow_cfg.get("run_id"):
                 mlflow_cfg.tracking_uri = resume.meta["mlflow_tracking_uri"]
             mlflow_cfg.run_id = mlflow_cfg.get("run_id") or resume.meta["mlflow_run_id"]
+    from lmtrain.training.loggers import resolved_uri
+
+    with open_dict(cfg):  # the store as found from anywhere (config.yaml records it so; a resume from there: no change)
+        mlflow_cfg.tracking_uri = resolved_uri(mlflow_cfg.get("tracking_uri"))
     if not cfg.trainer.get("fast_dev_run"):  # Lightning logs nothing under fast_dev_run
         check_tracker(mlflow_cfg.get("tracking_uri"), mlflow_cfg.get("run_id"))
 
@@ -632,6 +636,8 @@ def _config_changes(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
     Everything here was accepted: what a resume cannot take (another model, another data stream) was refused."""
     import yaml
 
+    from lmtrain.training.loggers import resolved_uri
+
     try:
         old = flat_params(OmegaConf.load(run_dir / CONFIG))
     except FileNotFoundError:  # no previous config (a checkpoint given by path)
@@ -642,6 +648,9 @@ def _config_changes(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
                     "since then are not listed; this attempt writes it anew")  # fmt: skip
         return {}
     new = flat_params(cfg)
+    uri = "logger/mlflow/tracking_uri"  # a run's config before 2026-12-04 kept a relative SQLite store as given
+    if isinstance(old.get(uri), str) and resolved_uri(old[uri]) == new.get(uri):
+        old[uri] = new[uri]
     keys = [k for k in sorted(old.keys() | new.keys()) if k not in _ATTEMPT_KEYS and old.get(k, "(unset)") != new.get(k, "(unset)")]
     changes = {k: [old.get(k, "(unset)"), new.get(k, "(unset)")] for k in keys}
     moved = [k for k, (was, now) in changes.items() if _moved_in_lmtrain(k, was, now)]
