@@ -433,6 +433,10 @@ def test_ckpt_path_accepts_a_step_directory_and_refuses_a_damaged_one(tmp_path, 
     other = make_cfg(TINY + CKPT + [f"ckpt_path={step4}", "trainer.max_steps=6"], tmp_path / "o", dataset_dir)
     train(other)
     assert ck.newest(tmp_path / "o" / "run" / "checkpoints").step == 6
+    from lmtrain.formats import logbook
+
+    first = logbook.read(tmp_path / "o" / "run")[0]  # another run's checkpoint: a branch, under logger=csv too (not a resume)
+    assert first["kind"] == "branch" and first["message"].startswith(f"started from {step4.resolve()} (run r, step 4)"), first
     damage_in_place(step8 / ck.SINGLE_FILE)  # inside the tensors' bytes, the size unchanged
     assert ck.verify(step8)[0] is not None  # complete by size
     with pytest.raises(

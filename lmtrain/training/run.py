@@ -388,6 +388,13 @@ def _build(att: _Attempt) -> None:
                 f"run_name=..., or pass resume=false overwrite=true to delete run '{cfg.run_name}''s checkpoints"
             ) from None
         log.info(f"resuming from {resume.path} (step {resume.step})")
+    if resume is not None and not _own_resume(att):  # another run's checkpoint (ckpt_path): a branch, whatever the loggers
+        att.branch = {
+            "lmtrain.parent_run": resume.meta.get("run_name"),
+            "lmtrain.parent_mlflow_run_id": resume.meta.get("mlflow_run_id"),
+            "lmtrain.parent_step": resume.step,
+            "lmtrain.parent_checkpoint": str(resume.path.resolve()),
+        }
     if (cfg.get("logger") or {}).get("mlflow"):
         _mlflow_lineage(att)
     if (cfg.get("logger") or {}).get("wandb") and _own_resume(att) and att.resume.meta.get("wandb_run_id"):
@@ -452,14 +459,7 @@ def _mlflow_lineage(att: _Attempt) -> None:
     from lmtrain.training.loggers import check_tracker
 
     cfg, resume, mlflow_cfg = att.cfg, att.resume, att.cfg.logger.mlflow
-    if resume is not None and not _own_resume(att):
-        att.branch = {
-            "lmtrain.parent_run": resume.meta.get("run_name"),
-            "lmtrain.parent_mlflow_run_id": resume.meta.get("mlflow_run_id"),
-            "lmtrain.parent_step": resume.step,
-            "lmtrain.parent_checkpoint": str(resume.path.resolve()),
-        }
-    elif resume is not None and resume.meta.get("mlflow_run_id"):
+    if resume is not None and att.branch is None and resume.meta.get("mlflow_run_id"):
         given = _USER_MLFLOW_URI is not None or any(o.lstrip("+~").startswith("logger.mlflow.tracking_uri=") for o in _overrides())
         with open_dict(cfg):
             if resume.meta.get("mlflow_tracking_uri") and not given and not mlflow_cfg.get("run_id"):
