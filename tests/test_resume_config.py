@@ -147,3 +147,24 @@ def test_options_a_newer_lmtrain_added_at_their_defaults_are_not_listed_as_confi
     (said,) = [r.getMessage() for r in caplog.records if "lmtrain added" in r.getMessage()]
     assert said.startswith("lmtrain added 3 options since the run's previous attempt, at their defaults")
     assert all(k in said for k in ("module/fp8/fused_mlp", "module/fp8/fast_accum", "callbacks/checkpoint/keep_last"))
+
+
+def test_another_strategy_is_one_change_naming_both(tmp_path, dataset_dir):
+    """A resume under ``fsdp`` of a run saved under ``ddp``: one change, ``strategy: DDPStrategy -> FSDP2Strategy``,
+    not a line per key of the two strategy nodes (about ten: their targets, compile and checkpointing options, ...);
+    a key changed within one strategy stays itself."""
+    from omegaconf import OmegaConf
+
+    from lmtrain.training.run import _config_changes
+
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(make_cfg([*BASE, "strategy=ddp", "trainer.devices=2"], tmp_path, dataset_dir)))
+    fsdp = make_cfg([*BASE, "strategy=fsdp", "trainer.devices=2", "optimizer.lr=0.5"], tmp_path, dataset_dir)
+    changes = _config_changes(run, fsdp)
+    assert changes["strategy"][1] == "FSDP2Strategy" and changes["strategy"][0].startswith("DDP"), changes
+    assert [k for k in changes if k.startswith("strategy/")] == [] and "optimizer/lr" in changes
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(fsdp))
+    ac = make_cfg([*BASE, "strategy=fsdp", "trainer.devices=2", "optimizer.lr=0.5", "strategy.activation_checkpointing=full"],
+                  tmp_path, dataset_dir)  # fmt: skip
+    assert list(_config_changes(run, ac)) == ["strategy/activation_checkpointing"]

@@ -662,7 +662,12 @@ def _config_changes(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
             f"lmtrain added {len(added)} options since the run's previous attempt, at their defaults (the old behaviour; "
             f"not config changes): {', '.join(added)}"
         )
-    return {k: v for k, v in changes.items() if k not in moved and k not in added}
+    changes = {k: v for k, v in changes.items() if k not in moved and k not in added}
+    if "strategy/_target_" in changes:  # another strategy: its name, not every key of the two nodes (the layout line says more)
+        was, now = (str(t).rpartition(".")[2] for t in changes["strategy/_target_"])
+        changes = {k: v for k, v in changes.items() if not k.startswith("strategy/")}
+        changes["strategy"] = [was, now]
+    return changes
 
 
 _OUR_PACKAGES = ("lmtrain.", "callbacks.", "data.")  # callbacks/ and data/ were top-level packages before lmtrain's layers
