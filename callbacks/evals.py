@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,6 +41,7 @@ import torch
 from lmtrain.console import log
 from lmtrain.errors import InputError
 from lmtrain.training import compat
+from lmtrain.training.contracts import Evaluates
 
 BUILTIN = ("line-order", "next-line")
 
@@ -185,7 +187,7 @@ def split_documents(dataset, enc, separator: int, max_tokens: int = 2_000_000) -
     return [enc.decode(ids[a:b].tolist()) for a, b in zip(starts, ends)]
 
 
-class DownstreamEvals(L.Callback):
+class DownstreamEvals(L.Callback, Evaluates):
     """Args:
     run_dir: the run directory (where each evaluation's item scores go).
     tasks: built-in task names (``line-order``, ``next-line``), JSONL paths, or ``{name: N, path: FILE}``.
@@ -219,6 +221,7 @@ class DownstreamEvals(L.Callback):
         self._requests: dict[str, list] = {}  # task -> its tokenized (item, choice, ids, choice tokens), made once
         self._last_step = -1
         self.results: dict[str, dict[str, float]] = {}  # the last evaluation's accuracies, per task
+        self.eval_seconds = 0.0
 
     # -- when ---------------------------------------------------------------------------------
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -264,7 +267,15 @@ class DownstreamEvals(L.Callback):
 
     # -- what ---------------------------------------------------------------------------------
     def evaluate(self, trainer, pl_module, log_step: int | None = None) -> dict[str, dict[str, float]]:
-        """Score every task now; the values go to the loggers at ``log_step`` (None: the optimizer steps done)."""
+        """Score every task now; the values go to the loggers at ``log_step`` (None: the optimizer steps done). The
+        time it takes is added to ``eval_seconds`` (goodput's ``evals_s``)."""
+        start = time.monotonic()
+        try:
+            return self._evaluate(trainer, pl_module, log_step)
+        finally:
+            self.eval_seconds += time.monotonic() - start
+
+    def _evaluate(self, trainer, pl_module, log_step: int | None) -> dict[str, dict[str, float]]:
         model = pl_module.model
         was_training = model.training
         model.eval()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 
+from lmtrain.callbacks.evals import DownstreamEvals
 from lmtrain.training.contracts import SaveGuard
 
 
@@ -398,3 +399,17 @@ class SlowWriteSteps(L.Callback, SaveGuard):
 
         if stage == "save_start" and self._times:
             time.sleep(self.steps * sum(self._times) / len(self._times))
+
+
+class SlowEvals(DownstreamEvals):
+    """The downstream evals, each evaluation ``seconds`` longer: a known time for goodput's ``evals`` part."""
+
+    def __init__(self, *args, seconds: float = 0.2, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seconds = seconds
+
+    def _evaluate(self, trainer, pl_module, log_step):
+        import time
+
+        time.sleep(self.seconds)
+        return super()._evaluate(trainer, pl_module, log_step)

@@ -24,6 +24,13 @@ class Preempts:
     preempted: dict | None = None
 
 
+class Evaluates:
+    """A callback that scores downstream tasks outside the training steps (lmtrain.callbacks.evals): ``eval_seconds``,
+    the wall time its evaluations took in this attempt, which goodput counts apart."""
+
+    eval_seconds: float = 0.0
+
+
 class RequestsRollback:
     """A callback that may end the attempt asking for a rollback (the divergence detector). ``rollback_request``:
     ``checkpoint`` (the directory to return to), ``from_step``, ``scale`` (the learning-rate factor from there),

@@ -14,6 +14,8 @@ start of ``lmtrain.training.run.train`` to the end of the last attempt's trainin
 * start-up: from each attempt's start to its ``on_train_start`` (config, data preparation, model, strategy,
   checkpoint restore);
 * validation: ``on_validation_start`` to ``on_validation_end``;
+* evals: the downstream evaluations (lmtrain.callbacks.evals: at the start, after each validation, at the end), as
+  they time themselves (``Evaluates.eval_seconds``);
 * checkpoint saves: the time training waited on the checkpointer (``CheckpointStore.stall_seconds``; an
   asynchronous save counts only its copy to host memory);
 * other: the rest (waiting for data, logging, callbacks between steps, rollbacks' hand-over).
@@ -21,7 +23,8 @@ start of ``lmtrain.training.run.train`` to the end of the last attempt's trainin
 ``steady`` is the training steps' share of the time after start-up and the first steps (the run as it goes on once
 compiled: validation, saves and the rest still count against it), the figure a longer run approaches.
 
-At the end of training the figures are logged to the run's loggers (``goodput/*``, MLflow included) at the last step
+The figures end when the last callback's ``on_train_end`` has run (the final evals in them; the checkpointer's wait
+for the end's background write, run after, not). At the end of training the figures are logged to the run's loggers (``goodput/*``, MLflow included) at the last step
 and the end-of-run summary has one line of them.
 """
 
@@ -31,13 +34,13 @@ import time
 
 import lightning as L
 
-from lmtrain.training.contracts import CheckpointStore
+from lmtrain.training.contracts import CheckpointStore, Evaluates
 
 
 class Goodput(L.Callback):
     def __init__(self, started: float) -> None:
         self.started = started  # time.monotonic() at the start of the run
-        self.train_s = self.first_s = self.startup_s = self.val_s = self.saves_s = 0.0
+        self.train_s = self.first_s = self.startup_s = self.val_s = self.saves_s = self.evals_s = 0.0
         self._attempt_start: float | None = None
         self._batch_start: float | None = None
         self._val_start: float | None = None
@@ -80,8 +83,10 @@ class Goodput(L.Callback):
             self.val_s += time.monotonic() - self._val_start
             self._val_start = None
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    def train_ended(self, trainer) -> None:
+        """The attempt's training ended, every callback's ``on_train_end`` run but the checkpointer's (:class:`_StepEnd`)."""
         self.ended = time.monotonic()
+        self.evals_s += sum(c.eval_seconds for c in trainer.callbacks if isinstance(c, Evaluates))
         if self._checkpointer is not None:
             self._saves_before += self._checkpointer.stall_seconds
             self.first_s += self._checkpointer.prepare_seconds
@@ -101,6 +106,7 @@ class Goodput(L.Callback):
             "first_steps_s": self.first_s,
             "startup_s": self.startup_s,
             "validation_s": self.val_s,
+            "evals_s": self.evals_s,
             "checkpoint_s": self.saves_s,
         }
         steady = wall - self.startup_s - self.first_s
@@ -118,15 +124,19 @@ class Goodput(L.Callback):
             f"{f['fraction']:.1%} of {f['wall_s']:.1f} s in training steps ({f['train_s']:.1f} s), {f['steady']:.1%} after the first "
             f"steps; start-up {f['startup_s']:.1f} s, "
             f"first steps {f['first_steps_s']:.1f} s (compilation, warm-up), validation {f['validation_s']:.1f} s, "
-            f"checkpoint saves {f['checkpoint_s']:.1f} s, other {f['other_s']:.1f} s"
+            f"evals {f['evals_s']:.1f} s, checkpoint saves {f['checkpoint_s']:.1f} s, other {f['other_s']:.1f} s"
         )
 
 
 class _StepEnd(L.Callback):
-    """Where a training step ends for :class:`Goodput`: after every other callback's ``on_train_batch_end``."""
+    """Where a training step, and training, end for :class:`Goodput`: after every other callback's
+    ``on_train_batch_end`` and ``on_train_end`` (but the checkpointer's, which Lightning runs last)."""
 
     def __init__(self, clock: Goodput) -> None:
         self.clock = clock
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.clock.batch_ended()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.clock.train_ended(trainer)
