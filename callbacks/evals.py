@@ -3,7 +3,8 @@
 Each task is a list of items (a context, its choices, the right one). An item's choices are scored by the summed
 log-likelihood the model gives each choice's tokens after the context's; the item counts as right for ``acc`` when
 the right choice scores highest, and for ``acc_norm`` when it does so with each score divided by the choice's length
-in UTF-8 bytes (lm-evaluation-harness's two accuracies). The tasks run at the start of a fresh run, after every
+in characters, the space that joins it to the context left out (lm-evaluation-harness's two accuracies, its
+``acc_norm`` by ``len(choice)``). The tasks run at the start of a fresh run, after every
 validation and at the end; each rank scores its share of the items (under fsdp/hsdp every rank runs the same number
 of forward passes, as sharded forwards need) and the scores are summed over ranks. Logged as ``eval/<task>/acc`` and
 ``eval/<task>/acc_norm`` (the metrics record, MLflow, W&B; ``lmtrain report`` plots them); every item's scores go to
@@ -23,7 +24,8 @@ Tasks (``callbacks.evals.tasks``):
   ``{"context": str, "choices": [str, ...], "answer": int}`` (each choice is scored as written, so it usually starts
   with its space), or as the HellaSwag, ARC and PIQA datasets write theirs (``ctx``/``endings``/``label``;
   ``question``/``choices.text``/``choices.label``/``answerKey``; ``goal``/``sol1``/``sol2``/``label``), turned into
-  ours as lm-evaluation-harness prompts them. A file that is empty, not JSON, or has an item without a field or with
+  ours as lm-evaluation-harness prompts them (HellaSwag: ``activity_label: ctx_a Ctx_b`` and the endings through its
+  preprocessing, which turns WikiHow's `` [title]`` into ``. ``, drops the other bracketed tags and double spaces). A file that is empty, not JSON, or has an item without a field or with
   the right index out of range is one error naming the file and line, before training starts.
 """
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -62,8 +65,12 @@ def _from_row(row: dict, where: str) -> Item:
             raise InputError(f"{where}: no field {key!r} (an item has {kinds})")
         return row[key]
 
-    if "ctx" in row or "endings" in row:  # HellaSwag
-        item = Item(str(need("ctx")), [" " + str(e) for e in need("endings")], _index(need("label"), where))
+    if "ctx" in row or "endings" in row:  # HellaSwag, prompted as lm-evaluation-harness's hellaswag task does
+        if "activity_label" in row and "ctx_a" in row and "ctx_b" in row:
+            context = _hellaswag_text(f"{row['activity_label']}: {row['ctx_a']} {str(row['ctx_b']).capitalize()}")
+        else:  # a row without the fields the harness uses: its ctx as written
+            context = str(need("ctx"))
+        item = Item(context, [" " + _hellaswag_text(str(e)) for e in need("endings")], _index(need("label"), where))
     elif "answerKey" in row or "question" in row:  # ARC
         choices = need("choices")
         if not isinstance(choices, dict) or "text" not in choices or "label" not in choices:
@@ -85,6 +92,13 @@ def _from_row(row: dict, where: str) -> Item:
     if not 0 <= item.answer < len(item.choices):
         raise InputError(f"{where}: the right answer's index {item.answer} is out of range for {len(item.choices)} choices")
     return item
+
+
+def _hellaswag_text(text: str) -> str:
+    """lm-evaluation-harness's HellaSwag preprocessing: WikiHow's `` [title]`` made a sentence end, the other bracketed
+    tags dropped, double spaces made single."""
+    text = text.strip().replace(" [title]", ". ")
+    return re.sub(r"\[.*?\]", "", text).replace("  ", " ")
 
 
 def _index(value, where: str) -> int:
@@ -156,7 +170,7 @@ def _line_item(context: list[str], right: str, wrong: list[str], rng: random.Ran
 def line_order_items(texts: list[str], count: int = 100, seed: int = 0, context_lines: int = 3) -> list[Item]:
     """The built-in task ``line-order`` from documents ``texts``: after up to ``context_lines`` lines of a document,
     which of four orders of the next line's words is the line as written (the other three: its words shuffled, its
-    indentation kept; lines of fewer than four distinct words are not asked). Every choice has the same characters, so
+    indentation and the spaces between words kept; lines of fewer than four distinct words are not asked). Every choice has the same characters, so
     length plays no part: a model that has learned which words follow which is right well above chance early."""
     docs = [t.split("\n") for t in texts if t]
     places = [(d, i) for d, lines in enumerate(docs) for i in range(1, len(lines)) if len(set(lines[i].split())) >= 4]
@@ -164,12 +178,14 @@ def line_order_items(texts: list[str], count: int = 100, seed: int = 0, context_
     items = []
     for d, i in rng.sample(places, min(count, len(places))):
         right = docs[d][i]
-        indent, words = right[: len(right) - len(right.lstrip())], right.split()
+        parts = re.split(r"(\s+)", right)  # words at the even places, the whitespace between them (kept) at the odd
+        words = [w for w in parts[0::2] if w]
         wrong: list[str] = []
         while len(wrong) < 3:
             order = words[:]
             rng.shuffle(order)
-            line = indent + " ".join(order)
+            shuffled = iter(order)
+            line = "".join(next(shuffled) if k % 2 == 0 and w else w for k, w in enumerate(parts))
             if order != words and line not in wrong:
                 wrong.append(line)
         items.append(_line_item(docs[d][max(0, i - context_lines) : i], right, wrong, rng))
@@ -337,7 +353,7 @@ class DownstreamEvals(L.Callback, Evaluates):
         for i, item in enumerate(items):
             s = scores[i, : len(item.choices)].tolist()
             pred = max(range(len(s)), key=s.__getitem__)
-            norm = [v / max(len(c.encode("utf-8")), 1) for v, c in zip(s, item.choices)]
+            norm = [v / max(len(c.removeprefix(" ")), 1) for v, c in zip(s, item.choices)]  # characters, as lm-eval
             pred_norm = max(range(len(norm)), key=norm.__getitem__)
             right += pred == item.answer
             right_norm += pred_norm == item.answer

@@ -6,9 +6,15 @@ own): a 2-rank ``ddp`` run launched again and again, each launch hit at a random
 * ``sigterm``: SIGTERM to the launch's first process while it trains (a scheduler's preemption);
 * ``second``: a second launch of the same run while it trains (refused, exit 2; the first goes on);
 * ``disk``: the disk filled up while a checkpoint is being written (a file written until ENOSPC); once the failed
-  save is alerted, a SIGTERM (the job ended); the disk freed after the run stopped.
+  save is alerted, a SIGTERM (the job ended); the disk freed after the run stopped;
+* ``kill_in_first_save``: ``kill -9`` of the launch while its first save is being written (its partial folder there;
+  the run's first save when it has no checkpoint yet), first in the plan;
+* ``kill_after_val_save``: ``kill -9`` of the launch as soon as the logbook has the checkpoint of a step that
+  validated (a multiple of ``VAL_EVERY``, given as ``--val-every N``): its values must be in the record already.
 
-    python -m tests.soak RUN_DIR OUT_JSON EVENTS SEED -- TRAIN_ARGS...
+    python -m tests.soak RUN_DIR OUT_JSON EVENTS SEED [--kinds K1,K2,...] [--val-every N] -- TRAIN_ARGS...
+
+``--kinds`` (default ``kill,sigterm,second,disk``) are dealt in equal shares, shuffled, ``kill_in_first_save`` first.
 
 Writes what each launch did to OUT_JSON. Arguments ``+callbacks.pace...`` (a pace that keeps the events inside
 training) are left out of the last launch.
@@ -88,13 +94,36 @@ def _fill(path: Path) -> None:
                 block = bytes(len(block) // 2)
 
 
+def _first_save(run: Path, started: float):
+    """A partial folder made by this launch (after ``started``, the launch's time)."""
+    root = run / "checkpoints"
+
+    def seen() -> bool:
+        try:
+            return root.is_dir() and any(p.name.endswith(".partial") and p.stat().st_mtime >= started for p in root.iterdir())
+        except FileNotFoundError:  # a partial renamed while looked at
+            return False
+
+    return seen
+
+
+def _val_saved(run: Path, entries_before: int, every: int):
+    return lambda: any(
+        e["kind"] == "checkpoint" and isinstance(e.get("step"), int) and e["step"] % every == 0 for e in _logbook(run)[entries_before:]
+    )
+
+
 def main(argv: list[str]) -> int:
     run, out, events, seed = Path(argv[0]), Path(argv[1]), int(argv[2]), int(argv[3])
     args = argv[argv.index("--") + 1 :]
+    options = argv[4 : argv.index("--")]
+    kinds = options[options.index("--kinds") + 1].split(",") if "--kinds" in options else ["kill", "sigterm", "second", "disk"]
+    val_every = int(options[options.index("--val-every") + 1]) if "--val-every" in options else 100
     rng = random.Random(seed)
-    plan = ["kill", "sigterm", "second", "disk"] * (events // 4 + 1)
+    plan = kinds * (events // len(kinds) + 1)
     rng.shuffle(plan)
     plan = plan[:events]
+    plan.sort(key=lambda k: k != "kill_in_first_save")  # while the run may still have no checkpoint
     done: list[dict] = []
     filler = run.parent / "filler"
     attempt = 0
@@ -111,6 +140,14 @@ def main(argv: list[str]) -> int:
                 time.sleep(rng.uniform(0.0, 3.0))
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+            record["rc"] = proc.returncode
+            proc = None
+        elif event in ("kill_in_first_save", "kill_after_val_save"):
+            started = time.time() - 1.0  # the file system's clock, a second's grace
+            hit = _first_save(run, started) if event == "kill_in_first_save" else _val_saved(run, before, val_every)
+            if _until(hit, proc, 300) and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
             record["rc"] = proc.returncode
             proc = None

@@ -61,6 +61,39 @@ def test_the_datasets_formats_read_as_lm_evaluation_harness_prompts_them(tmp_pat
     got = [(i.context, i.choices, i.answer) for i in read_task(path)]
     assert got == [("A man sits", [" down.", " up."], 1), ("Question: 2+2?\nAnswer:", [" 4", " 5"], 0),
                    ("Question: open a jar\nAnswer:", [" twist", " kick"], 0), ("x =", [" 1", " 2"], 1)]  # fmt: skip
+    # a HellaSwag row as the dataset has it (a WikiHow one): the harness's prompt, "activity_label: ctx_a Ctx_b", and its
+    # preprocessing of prompt and endings ([title] ends a sentence, other [tags] go, double spaces become single)
+    hs = {"activity_label": "Home and Garden", "ctx_a": "[header] How to grow a lemon tree [title] Pick a sunny spot.",
+          "ctx_b": "place the tree", "ctx": "unused", "endings": ["in a  pot. [step] Water it.", "on the roof."], "label": "0"}  # fmt: skip
+    path.write_text(json.dumps(hs) + "\n")
+    (item,) = read_task(path)
+    assert item.context == "Home and Garden: How to grow a lemon tree. Pick a sunny spot. Place the tree"
+    assert item.choices == [" in a pot. Water it.", " on the roof."] and item.answer == 0
+
+
+def test_acc_norm_divides_by_the_choices_characters_as_lm_evaluation_harness_does(tmp_path):
+    """acc_norm: each choice's log-likelihood over its length in characters, the joining space left out (lm-eval's
+    ``len(choice)``), not its UTF-8 bytes with the space: " ab" (2 characters) at -2.0 beats " éé" (2) at -2.4; by bytes
+    (3 and 5) the second would win."""
+    from types import SimpleNamespace
+
+    from lmtrain.callbacks.evals import DownstreamEvals, Item
+
+    evals = DownstreamEvals(str(tmp_path), tasks=[])
+    acc = evals._record(SimpleNamespace(is_global_zero=False), "t", [Item("x", [" ab", " éé"], 0)], torch.tensor([[-2.0, -2.4]]), 0, 0)
+    assert acc == {"acc": 1.0, "acc_norm": 1.0}
+
+
+def test_line_order_distractors_keep_every_character_of_the_line():
+    """The built-in line-order task's wrong choices are the line's words shuffled with its whitespace in place: every
+    choice has the same characters (double spaces and tabs included), so length says nothing. They lost double spaces."""
+    from lmtrain.callbacks.evals import line_order_items
+
+    texts = ["def f(x):\n    a  =  b + c\n\tif  x and y or z:\n        return   x  , y\n", "one two  three four five\nsix  seven eight nine"]
+    items = line_order_items(texts, count=10)
+    assert len(items) >= 3
+    for item in items:
+        assert len({"".join(sorted(c)) for c in item.choices}) == 1, item.choices
 
 
 def test_a_bad_task_file_refuses_the_run_before_anything_is_written(tmp_path, dataset_dir):
