@@ -202,13 +202,21 @@ class Checkpointer(Checkpoint, CheckpointStore, SaveEvents):
 
     def save_now(self, trainer) -> Path | None:
         """Save the current step now, unless it is saved already or the state is not to be kept (a diverged one), and
-        wait for the write: the complete checkpoint of this step, or None (the save failed or was skipped)."""
+        wait for the write: the complete checkpoint of this step, or None (the save failed or was skipped). Called by
+        every rank at the same step (the preemption's agreed decision); rank zero's verdict, once every rank's write is
+        done, is every rank's (another rank, looking before rank zero had finished, said "no checkpoint")."""
         step = trainer.global_step
         if step > 0 and step != self.last_saved_step:
             self._judge_and_save(trainer)
         self.wait(raise_errors=False)
         final = self.root / ck.step_name(step)
-        return final if step == self.last_saved_step and ck.verify(final)[0] is not None else None
+        several = trainer.world_size > 1
+        if several:
+            trainer.strategy.barrier("lmtrain_save_now")
+        complete = trainer.is_global_zero and step == self.last_saved_step and ck.verify(final)[0] is not None
+        if several:
+            complete = trainer.strategy.broadcast(complete, src=0)
+        return final if complete else None
 
     def on_train_end(self, trainer, pl_module) -> None:
         if (
