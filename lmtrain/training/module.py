@@ -275,8 +275,9 @@ class LMModule(L.LightningModule):
             compat.skip_validation_after_this_batch(self.trainer)
 
     def _record_activation(self, module: nn.Module, args: tuple) -> None:
-        """Forward pre-hook on the final norm: mean square of the last block's output (the residual stream)."""
-        if self.training:
+        """Forward pre-hook on the final norm: mean square of the last block's output (the residual stream), in
+        training forwards only (the norm's own mode: the evals put the model, not this module, in eval mode)."""
+        if module.training:
             self._act_sq.append(args[0].detach().float().square().mean())
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
