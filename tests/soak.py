@@ -94,17 +94,22 @@ def _fill(path: Path) -> None:
                 block = bytes(len(block) // 2)
 
 
-def _first_save(run: Path, started: float):
-    """A partial folder made by this launch (after ``started``, the launch's time)."""
-    root = run / "checkpoints"
+def _partials(run: Path) -> set[tuple[str, int, int]]:
+    """The partial folders there now, each (name, inode, change time): a folder of the same name made again is new."""
+    root, out = run / "checkpoints", set()
+    try:
+        for p in root.iterdir() if root.is_dir() else []:
+            if p.name.endswith(".partial"):
+                st = p.stat()
+                out.add((p.name, st.st_ino, st.st_ctime_ns))
+    except FileNotFoundError:  # a partial renamed or removed while looked at
+        pass
+    return out
 
-    def seen() -> bool:
-        try:
-            return root.is_dir() and any(p.name.endswith(".partial") and p.stat().st_mtime >= started for p in root.iterdir())
-        except FileNotFoundError:  # a partial renamed while looked at
-            return False
 
-    return seen
+def _new_save(run: Path, before: set):
+    """A partial folder that was not there in ``before``: a save this attempt began."""
+    return lambda: bool(_partials(run) - before)
 
 
 def _val_saved(run: Path, entries_before: int, every: int):
@@ -144,10 +149,10 @@ def main(argv: list[str]) -> int:
             record["rc"] = proc.returncode
             proc = None
         elif event in ("kill_in_first_save", "kill_after_val_save"):
-            started = time.time() - 1.0  # the file system's clock, a second's grace
-            hit = _first_save(run, started) if event == "kill_in_first_save" else _val_saved(run, before, val_every)
-            if _until(hit, proc, 300) and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+            if _until(_accepted(run, before), proc):  # the attempt is the run's (a dead one's partial is cleaned up now)
+                hit = _new_save(run, _partials(run)) if event == "kill_in_first_save" else _val_saved(run, before, val_every)
+                if _until(hit, proc, 300) and proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
             record["rc"] = proc.returncode
             proc = None

@@ -211,6 +211,14 @@ def test_an_operators_cooldown_survives_a_kill_and_a_resume_and_the_cli_refuses_
     assert entry["reason"] == "decay" and entry["from_step"] == 6 and entry["decay_steps"] == 40
     killed_at = max(_logged_lr(run))
     assert killed_at < 46, "the kill came after the decay's end"
+
+    def refused(argv: list[str], said: str) -> None:
+        before = sorted(p.name for p in (run / "control").rglob("*")), corrections.load(run)
+        res = subprocess.run([sys.executable, "-m", "lmtrain.control", *argv], capture_output=True, text=True, cwd=ROOT, env=env)
+        assert res.returncode == 2 and said in res.stderr and res.stderr.count("\n") == 1, res.stderr
+        assert (sorted(p.name for p in (run / "control").rglob("*")), corrections.load(run)) == before
+
+    refused([str(run), "decay", "--steps", "5"], "a decay is under way already: the operator's, over 40 steps from step 6")  # mid-decay
     res = run_train_cli(args, tmp_path)  # the same command again: resumes from the newest checkpoint
     assert res.returncode == 0, res.stderr[-3000:]
     got = _logged_lr(run)
@@ -226,12 +234,6 @@ def test_an_operators_cooldown_survives_a_kill_and_a_resume_and_the_cli_refuses_
     assert logbook.read(run)[-1]["kind"] == "end" and logbook.read(run)[-1]["step"] == 46
     resumed = [e for e in logbook.read(run) if e["kind"] == "resume"]
     assert len(resumed) == 1 and 12 <= resumed[0]["step"] <= killed_at + 1  # after the kill: from a checkpoint mid-decay
-
-    def refused(argv: list[str], said: str) -> None:
-        before = sorted(p.name for p in (run / "control").rglob("*")), corrections.load(run)
-        res = subprocess.run([sys.executable, "-m", "lmtrain.control", *argv], capture_output=True, text=True, cwd=ROOT, env=env)
-        assert res.returncode == 2 and said in res.stderr and res.stderr.count("\n") == 1, res.stderr
-        assert (sorted(p.name for p in (run / "control").rglob("*")), corrections.load(run)) == before
 
     refused([str(run), "decay", "--steps", "5"], f"{run} ended at step 46 with the operator's decay over 40 steps from step 6: "
             "nothing is left to decay")  # fmt: skip
