@@ -310,25 +310,35 @@ def test_a_kill_in_the_first_save_starts_the_run_again_and_one_after_a_validatio
     """Issue 57 (1, 2): a kill -9 inside the run's first save (step 5) left only ``.step-0000005.partial``: the next
     launch starts from step 0 (nothing was saved) instead of refusing forever, saying so in the logbook. That launch is
     killed right after step 10's checkpoint is complete (a step that validates and runs the evals): the third launch
-    resumes from it, and every value an uninterrupted run logs (train, val, evals) is in the record once, equal."""
+    resumes from it, and every value an uninterrupted run logs (train, val, evals) is in the record once, equal. The
+    first launch's MLflow run, which nothing ended, is marked KILLED by the second (it was left RUNNING); the second's
+    is the one the third continues, FINISHED."""
     ref = make_cfg(TINY + CKPT + AT_VALIDATION, tmp_path / "ref", dataset_dir)
     train(ref)
     want = _logged(Path(ref.run_dir))
     assert {s for s, v in want.items() if "val/loss" in v} == {4, 9} and any("eval/line-order/acc" in v for v in want.values())
     run, root = tmp_path / "runs" / "cut", tmp_path / "runs" / "cut" / "checkpoints"
-    first = _cli(tmp_path, dataset_dir, "cut", *AT_VALIDATION, "fault=crash_mid_save", "callbacks.fault.step=1")
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cut = [*AT_VALIDATION, "logger=[csv,mlflow]", f"logger.mlflow.tracking_uri={store}"]
+    first = _cli(tmp_path, dataset_dir, "cut", *cut, "fault=crash_mid_save", "callbacks.fault.step=1")
     assert first.returncode == -9, first.stderr[-3000:]
     assert (root / ck.partial_name(5)).is_dir() and ck.newest(root) is None
-    again = _cli(tmp_path, dataset_dir, "cut", *AT_VALIDATION, "fault=crash_after_save", "callbacks.fault.step=10")
+    again = _cli(tmp_path, dataset_dir, "cut", *cut, "fault=crash_after_save", "callbacks.fault.step=10")
     assert again.returncode == -9, again.stderr[-3000:]
     assert "save of step 5 did not finish, so nothing was saved" in again.stderr and "continuing from" not in again.stderr
     assert [c.step for c in ck.scan(root)] == [5, 10] and not (root / ck.partial_name(5)).exists()
-    final = _cli(tmp_path, dataset_dir, "cut", *AT_VALIDATION)
+    final = _cli(tmp_path, dataset_dir, "cut", *cut)
     assert final.returncode == 0 and "step-0000010" in final.stderr, final.stderr[-3000:]
     assert _logged(run) == want  # every step's values once (the current timeline), to the last digit
     entries = [e for e in logbook.read(run) if e["kind"] not in ("checkpoint", "config_change")]
     assert [e["kind"] for e in entries] == ["start", "died", "start", "partial_removed", "died", "resume", "end"], entries
     assert "step 5 did not finish" in entries[2]["message"]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store)
+    starts = [e["mlflow_run_id"] for e in entries if e["kind"] == "start"]
+    status = {r.info.run_id: r.info.status for r in client.search_runs([client.get_experiment_by_name("lmtrain").experiment_id])}
+    assert status == {starts[0]: "KILLED", starts[1]: "FINISHED"}, (status, starts)
 
 
 def _cfg(tmp_path, dataset_dir, *extra):

@@ -547,6 +547,9 @@ def _accept(att: _Attempt) -> None:
             "in the record (metrics.jsonl), marked abandoned"
         )
         log.warning(f"starting run {cfg.run_name} from step 0{again}")
+    mlflow = {k: v for k, v in _mlflow_record(trainer).items() if v}  # the dead attempts' MLflow runs: found here next time
+    if unfinished:
+        _end_dead_mlflow_runs(run_dir, mlflow.get("mlflow_run_id"))
     if att.weights is not None:
         try:
             att.weights.keep(run_dir)
@@ -555,10 +558,29 @@ def _accept(att: _Attempt) -> None:
         src = att.weights.src
         logbook.append(
             run_dir, "start", f"training from the weights of {src.path.resolve()} ({src.architecture}, config.json {src.config_sha256[:23]}), "
-            f"run {cfg.run_name}{again}", init_from=src.record(),
+            f"run {cfg.run_name}{again}", init_from=src.record(), **mlflow,
         )  # fmt: skip
     else:
-        logbook.append(run_dir, "start", f"training from scratch, run {cfg.run_name}{again}")
+        logbook.append(run_dir, "start", f"training from scratch, run {cfg.run_name}{again}", **mlflow)
+
+
+def _end_dead_mlflow_runs(run_dir: Path, current: str | None) -> None:
+    """A run started again after an attempt that died before its first checkpoint: that attempt's MLflow run (its
+    ``start`` entry's), still RUNNING since nothing ended it, is marked KILLED, as the tracking UI should show it; the
+    new attempt logs to a run of its own. A store that does not answer leaves it as it is, with a line."""
+    from mlflow.tracking import MlflowClient
+
+    for entry in logbook.read(run_dir):
+        run_id, uri = entry.get("mlflow_run_id"), entry.get("mlflow_tracking_uri")
+        if entry.get("kind") != "start" or not run_id or not uri or run_id == current:
+            continue
+        try:
+            client = MlflowClient(tracking_uri=uri)
+            if client.get_run(run_id).info.status == "RUNNING":
+                client.set_terminated(run_id, status="KILLED")
+                log.info(f"MLflow run {run_id} of the attempt that died before its first checkpoint: marked KILLED")
+        except Exception as exc:  # noqa: BLE001 - MLflow's own errors: the run is still started
+            log.warning(f"could not mark the dead attempt's MLflow run {run_id} KILLED in {uri}: {exc}")
 
 
 def _fit(att: _Attempt, clock: Goodput):
