@@ -401,9 +401,9 @@ def test_chaos_soak_a_two_rank_run_survives_kills_sigterms_second_launches_and_a
     assert all(by.values()), by  # every kind of event happened
     assert all(e["rc"] == -9 for e in by["kill"]), by["kill"]  # each launch was hit before it could finish
     assert all(e["rc"] == PREEMPTED_EXIT for e in by["sigterm"]), by["sigterm"]
-    for e in by["sigterm"]:  # both ranks say the same: the step's checkpoint saved (one used to say "no checkpoint")
-        said = re.findall(r"^preempted: (.*)$", (out / f"launch-{e['attempt']}.err").read_text(), re.M)
-        assert len(said) == 2 and said[0] == said[1] and ": saved step-" in said[0], (e, said)
+    for e in by["sigterm"]:  # both ranks say the same of the step's checkpoint: saved (one used to say "no checkpoint")
+        said = re.findall(r"^preempted: .* (at step \d+: .*)$", (out / f"launch-{e['attempt']}.err").read_text(), re.M)
+        assert len(said) == 2 and said[0] == said[1] and ": saved step-" in said[0], (e, said)  # the signal: the rank's own
     assert all(e["rc"] == 2 and "is in use by another attempt" in e["line"] and e["first_still_running"] for e in by["second"]), by[
         "second"
     ]

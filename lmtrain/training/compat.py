@@ -257,6 +257,29 @@ def awaited_loader_worker(thread_id: int) -> dict | None:
     return None
 
 
+def dead_loader_workers(exc: BaseException) -> list[dict]:
+    """The loader worker processes found dead from the frames of ``exc``'s traceback (a multi-process loader iterator's
+    ``_workers``, as in :func:`awaited_loader_worker`), each ``{"worker", "pid", "exitcode"}``: PyTorch reports a
+    worker's death one of several ways depending on which of its checks sees it first (a killed-by-signal error, an
+    "exited unexpectedly" error, or the pipe's ``ConnectionResetError``). Workers ended by the loader's own shutdown
+    (SIGTERM) are left out while another died otherwise."""
+    import signal
+
+    found: list[dict] = []
+    tb = exc.__traceback__
+    while tb is not None:
+        it = tb.tb_frame.f_locals.get("self")
+        if type(it).__name__.endswith("MultiProcessingDataLoaderIter"):
+            for i, w in enumerate(getattr(it, "_workers", None) or []):
+                code = w.exitcode
+                if code is not None and code != 0:
+                    found.append({"worker": i, "pid": w.pid, "exitcode": code})
+            break
+        tb = tb.tb_next
+    others = [f for f in found if f["exitcode"] != -signal.SIGTERM]
+    return others or found
+
+
 def compile_callbacks():
     """``torch.compile``'s compilation callbacks (``torch._dynamo.callback.callback_handler``: its start callbacks run
     when a compilation begins, a backward compiled at its first call and CUDA graph recording included, its end

@@ -188,7 +188,20 @@ def _record_failure(cfg: DictConfig, accepted: list, kind: str, exc: BaseExcepti
     step = accepted[0].global_step
     first = (str(exc).strip().splitlines() or [""])[0][:500]
     what = "an error" if kind == "error" else "a crash"
-    logbook.append(cfg.run_dir, kind, f"the attempt ended in {what} at step {step}: {type(exc).__name__}: {first}", step=step)
+    dead = "".join(f"; loader worker {w['worker']} (pid {w['pid']}) died: {_exit_words(w['exitcode'])}" for w in compat.dead_loader_workers(exc))
+    logbook.append(cfg.run_dir, kind, f"the attempt ended in {what} at step {step}: {type(exc).__name__}: {first}{dead}", step=step)
+
+
+def _exit_words(code: int) -> str:
+    """A process's exit code in words: ``killed by signal SIGKILL``, or ``exit status 3``."""
+    import signal
+
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
 
 
 def _take_run(cfg: DictConfig, created: list[Path], said: list[str]) -> runlock.RunLock | None:
