@@ -111,7 +111,7 @@ STATE_BYTES = {"bf16-true": 0.5, "16-true": 0.5, "64-true": 2.0}  # the count's 
 def check_fits(cfg: DictConfig) -> None:
     """The model's state per rank, counted as lmtrain.plan counts it (weights, gradients, optimizer state and, under
     fsdp/hsdp, the gathered blocks: what no batch size changes), against this machine: each GPU's memory, or on the
-    CPU the host's available memory shared by its ranks. A model that cannot fit (``n_layers: 1000000``, a 70B on one
+    CPU (or with ``strategy.cpu_offload``) the host's available memory shared by its ranks. A model that cannot fit (``n_layers: 1000000``, a 70B on one
     card) is one error with the count, before anything is built or written."""
     import torch
 
@@ -121,10 +121,12 @@ def check_fits(cfg: DictConfig) -> None:
     world = world_size(cfg)
     node = max(1, world // int(cfg.trainer.get("num_nodes", 1) or 1))
     strategy, ac = planner_strategy(cfg)
-    terms = memory.breakdown(memory.counted(cfg, world, node), strategy, world, node, ac)
+    counted = memory.counted(cfg, world, node)
+    terms = memory.breakdown(counted, strategy, world, node, ac)
     scale = STATE_BYTES.get(str(cfg.trainer.get("precision")), 1.0)
     state = scale * terms["backward_peak"]
-    if device_type(cfg.trainer.get("accelerator", "auto")) == "cuda" and torch.cuda.is_available():
+    offload = bool((cfg.get("strategy") or {}).get("cpu_offload"))  # fsdp's state in host memory: the host's to hold
+    if device_type(cfg.trainer.get("accelerator", "auto")) == "cuda" and torch.cuda.is_available() and not offload:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         need, have, where = state, float(props.total_memory), f"this GPU's {props.total_memory / 2**30:,.1f} GiB ({props.name})"
     else:
@@ -134,7 +136,7 @@ def check_fits(cfg: DictConfig) -> None:
         need, where = state * node, f"this host's {have / 2**30:,.1f} GiB available" + (f" for its {node} ranks" if node > 1 else "")
     if need <= have:
         return
-    params = memory.model_numbers(memory.counted(cfg, world, node)["mcfg"], int(cfg.data.seq_len))["params"]
+    params = counted["nums"]["params"]
     shown = ", ".join(f"{k} {scale * terms[k] / 2**30:,.1f}" for k in ("weights", "gradients", "optimizer", "gathered", "buckets") if k in terms)
     raise InputError(
         f"model {cfg.model.get('name')}: {params:,} parameters need {state / 2**30:,.1f} GiB per rank for their state alone "
