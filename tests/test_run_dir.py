@@ -309,15 +309,9 @@ for name, run in runs.items():
     size = (run / logbook.FILE).stat().st_size
     base = len(json.dumps({"time": "2026-12-04T00:00:00Z", "kind": "checkpoint", "message": ""})) + 1
     logbook.append(run, "checkpoint", "x" * ((-size - base - room) % page))
-block = bytes(page)
-with open(disk / "filler", "wb", buffering=0) as fh:
-    while True:
-        try:
-            fh.write(block)
-        except OSError:
-            if len(block) == 1:
-                break
-            block = bytes(len(block) // 2)
+from tests.soak import _fill
+
+_fill(disk / "filler")  # to the last byte
 for run in (runs["without"], runs["kept"]):  # the one without first: the reserve given up frees room for both
     logbook.append(run, "preempted", "SIGTERM at step 7: saved step-0000007; run again to continue", step=7)
 os.unlink(disk / "filler")

@@ -581,12 +581,13 @@ def _end_dead_mlflow_runs(run_dir: Path, current: str | None) -> None:
     """A run started again after an attempt that died before its first checkpoint: that attempt's MLflow run (its
     ``start`` entry's), still RUNNING since nothing ended it, is marked KILLED, as the tracking UI should show it; the
     new attempt logs to a run of its own. A store that does not answer leaves it as it is, with a line."""
+    dead = [(e["mlflow_run_id"], e.get("mlflow_tracking_uri")) for e in logbook.read(run_dir) if e.get("kind") == "start" and e.get("mlflow_run_id")]
+    dead = [(run_id, uri) for run_id, uri in dead if uri and run_id != current]
+    if not dead:  # no MLflow run recorded: MLflow is not imported for nothing
+        return
     from mlflow.tracking import MlflowClient
 
-    for entry in logbook.read(run_dir):
-        run_id, uri = entry.get("mlflow_run_id"), entry.get("mlflow_tracking_uri")
-        if entry.get("kind") != "start" or not run_id or not uri or run_id == current:
-            continue
+    for run_id, uri in dead:
         try:
             client = MlflowClient(tracking_uri=uri)
             if client.get_run(run_id).info.status == "RUNNING":
