@@ -183,11 +183,11 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
         return any(spec["action"] == "skip" for spec in self.signals.values())
 
     def check_step(self, trainer, pl_module, stats: dict) -> bool:
-        """Judge one optimizer step's statistics (``step``: the steps completed before it; defaults to now); True:
+        """Judge one optimizer step's statistics (``step``: its number, counted from 1; defaults to now); True:
         drop this update (or the run is stopping)."""
         if self.stopping:  # a stop or rollback is under way: later steps are abandoned with it
             return True
-        step = stats.get("step", trainer.global_step)
+        step = stats["step"] if "step" in stats else compat.step_number(trainer)
         metrics: dict[str, float] = {}
         fired = self._signals(stats, metrics)
         severe = [n for n, _ in fired if self.signals[n]["action"] != "warn"]  # warnings are reported, not acted on
@@ -201,7 +201,7 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
         metrics["stability/healthy"] = float(healthy)
         for name in self.signals:
             metrics[f"stability/{name}"] = float(any(n == name for n, _ in fired))
-        log_direct(trainer, metrics, step=stats.get("log_step"))
+        log_direct(trainer, metrics, step=step)
         if self.checkpointer is not None:
             self.checkpointer.record_health({
                 "healthy": healthy,
@@ -279,9 +279,9 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
     def _act(self, trainer, pl_module, step: int, fired: list[tuple[str, str]]) -> bool:
         action = max((self.signals[n]["action"] for n, _ in fired), key=SEVERITY.get)
         text = "; ".join(f"{n}: {why}" for n, why in fired)
-        tokens = None  # trained before the step judged (it may be judged a step late: lmtrain.training.module)
+        tokens = None  # trained through the step judged (it may be judged a step late: lmtrain.training.module)
         if hasattr(pl_module, "tokens_trained"):
-            tokens = pl_module.tokens_trained - (trainer.global_step - step) * pl_module.tokens_per_step()
+            tokens = pl_module.tokens_trained + (step - trainer.global_step) * pl_module.tokens_per_step()
         signals = [n for n, _ in fired]
         self._event(
             trainer, "divergence_signal", f"step {step}: {text} -> {action}", step=step, tokens=tokens, signals=signals, action=action

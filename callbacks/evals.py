@@ -43,7 +43,6 @@ import torch
 
 from lmtrain.console import log
 from lmtrain.errors import InputError
-from lmtrain.training import compat
 from lmtrain.training.contracts import Evaluates
 
 BUILTIN = ("line-order", "next-line")
@@ -258,9 +257,9 @@ class DownstreamEvals(L.Callback, Evaluates):
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if self.tasks and not trainer.sanity_checking and trainer.state.fn == "fit":
-            # logged beside the validation's own values, at the step the loggers hold them at: a resume from this
-            # step's checkpoint keeps them (a later step of a dead attempt is abandoned)
-            self.evaluate(trainer, pl_module, log_step=compat.logged_step(trainer))
+            # logged beside the validation's own values, at this step's number: a resume from this step's checkpoint
+            # keeps them (a later step of a dead attempt is abandoned)
+            self.evaluate(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.tasks and self._last_step != trainer.global_step:
@@ -282,25 +281,24 @@ class DownstreamEvals(L.Callback, Evaluates):
         return items
 
     # -- what ---------------------------------------------------------------------------------
-    def evaluate(self, trainer, pl_module, log_step: int | None = None) -> dict[str, dict[str, float]]:
-        """Score every task now; the values go to the loggers at ``log_step`` (None: the optimizer steps done). The
+    def evaluate(self, trainer, pl_module) -> dict[str, dict[str, float]]:
+        """Score every task now; the values go to the loggers at the optimizer steps done (0: before training). The
         time it takes is added to ``eval_seconds`` (goodput's ``evals_s``)."""
         start = time.monotonic()
         try:
-            return self._evaluate(trainer, pl_module, log_step)
+            return self._evaluate(trainer, pl_module)
         finally:
             self.eval_seconds += time.monotonic() - start
 
-    def _evaluate(self, trainer, pl_module, log_step: int | None) -> dict[str, dict[str, float]]:
+    def _evaluate(self, trainer, pl_module) -> dict[str, dict[str, float]]:
         model = pl_module.model
         was_training = model.training
         model.eval()
         step = trainer.global_step
-        log_step = step if log_step is None else log_step
         try:
             for name, items in self.tasks.items():
                 scores = self.score(trainer, model, items, name)
-                self.results[name] = self._record(trainer, name, items, scores, step, log_step)
+                self.results[name] = self._record(trainer, name, items, scores, step)
         finally:
             model.train(was_training)
         self._last_step = step
@@ -346,7 +344,7 @@ class DownstreamEvals(L.Callback, Evaluates):
                     out[i, j] = logp[k, t - n : t].gather(-1, targets[:, None]).sum().double()
         return trainer.strategy.reduce(out, reduce_op="sum") if world > 1 else out
 
-    def _record(self, trainer, name: str, items: list[Item], scores: torch.Tensor, step: int, log_step: int) -> dict[str, float]:
+    def _record(self, trainer, name: str, items: list[Item], scores: torch.Tensor, step: int) -> dict[str, float]:
         scores = scores.cpu()
         right = right_norm = 0
         rows = []
@@ -362,7 +360,7 @@ class DownstreamEvals(L.Callback, Evaluates):
         if trainer.is_global_zero:
             metrics = {f"eval/{name}/{k}": v for k, v in acc.items()}
             for lg in trainer.loggers:
-                lg.log_metrics(metrics, step=log_step)
+                lg.log_metrics(metrics, step=step)
             try:
                 folder = self.run_dir / "evals" / name
                 folder.mkdir(parents=True, exist_ok=True)

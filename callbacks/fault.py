@@ -3,6 +3,8 @@
 Kinds, each firing once per run directory (a marker under ``RUN_DIR/.faults/`` is written first, so the
 resumed run goes on):
 
+Steps are numbered as checkpoints number them: step 5 is the 5th optimizer step (4 done before it).
+
 * ``crash``: the process is killed (SIGKILL, as by a node failure) at the start of optimizer step ``step``, once
   the checkpoint writes in flight are complete: a crash between saves, the same whatever the machine's load (an
   asynchronous save still being written when the kill came left the test's expected checkpoint incomplete under
@@ -40,6 +42,7 @@ import torch
 
 from lmtrain.console import log
 from lmtrain.errors import InputError
+from lmtrain.training import compat
 from lmtrain.training.contracts import CheckpointStore, SaveGuard
 
 KINDS = ("crash", "crash_mid_save", "crash_after_save", "enospc", "truncate", "loss_spike", "nan_loss", "act_growth", "grad_overflow", "hang", "slow_rank")
@@ -97,7 +100,7 @@ class FaultInjector(L.Callback, SaveGuard):
         os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        step = trainer.global_step
+        step = compat.step_number(trainer)  # the step this batch starts: the N-th is step N, as checkpoints count
         self._batch_started = time.perf_counter()
         if self.kind == "crash" and step >= self.step and self._arm():
             for store in (cb for cb in trainer.callbacks if isinstance(cb, CheckpointStore)):
@@ -113,7 +116,7 @@ class FaultInjector(L.Callback, SaveGuard):
         if self.kind == "act_growth" and step == self.step and self._growth_from is None and self._arm():
             self._growth_from = step
             pl_module.model.norm.register_forward_pre_hook(
-                lambda module, args: (args[0] * self.factor ** (trainer.global_step - self._growth_from + 1),), prepend=True
+                lambda module, args: (args[0] * self.factor ** (compat.step_number(trainer) - self._growth_from + 1),), prepend=True
             )
             log.info(f"FAULT: activations growing x{self.factor} per step from step {step}")
 
@@ -125,7 +128,7 @@ class FaultInjector(L.Callback, SaveGuard):
         if self.kind == "grad_overflow" and step == self.step and self._arm():
             end = step + self.count
             pl_module.model.norm.register_forward_pre_hook(
-                lambda module, args: (_ScaleGrad.apply(args[0], self.factor),) if trainer.global_step < end and module.training else None
+                lambda module, args: (_ScaleGrad.apply(args[0], self.factor),) if compat.step_number(trainer) < end and module.training else None
             )
             log.info(f"FAULT: gradients x{self.factor:g} in steps {step}..{end - 1}")
 

@@ -103,7 +103,7 @@ def _steps_logged(run_dir: Path) -> int:
     """The steps the run has logged: it is at this step or later."""
     from lmtrain.formats import metrics
 
-    return max(metrics.by_step(run_dir), default=-1) + 1
+    return max(metrics.by_step(run_dir), default=0)
 
 
 def _scale_problem(run_dir: Path, scale: float) -> str | None:

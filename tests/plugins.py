@@ -408,8 +408,8 @@ class SlowEvals(DownstreamEvals):
         super().__init__(*args, **kwargs)
         self.seconds = seconds
 
-    def _evaluate(self, trainer, pl_module, log_step):
+    def _evaluate(self, trainer, pl_module):
         import time
 
         time.sleep(self.seconds)
-        return super()._evaluate(trainer, pl_module, log_step)
+        return super()._evaluate(trainer, pl_module)

@@ -80,7 +80,7 @@ def test_acc_norm_divides_by_the_choices_characters_as_lm_evaluation_harness_doe
     from lmtrain.callbacks.evals import DownstreamEvals, Item
 
     evals = DownstreamEvals(str(tmp_path), tasks=[])
-    acc = evals._record(SimpleNamespace(is_global_zero=False), "t", [Item("x", [" ab", " éé"], 0)], torch.tensor([[-2.0, -2.4]]), 0, 0)
+    acc = evals._record(SimpleNamespace(is_global_zero=False), "t", [Item("x", [" ab", " éé"], 0)], torch.tensor([[-2.0, -2.4]]), 0)
     assert acc == {"acc": 1.0, "acc_norm": 1.0}
 
 

@@ -53,9 +53,9 @@ def test_overflowing_steps_are_skipped_counted_and_training_goes_on(tmp_path, da
     train(cfg)
     run = tmp_path / "run"
     scale, skipped = _series(run, "train/loss_scale"), _series(run, "train/skipped_steps")
-    assert scale == [65536.0] * 7 + [32768.0, 16384.0, 8192.0] + [4096.0] * 6
-    assert skipped == [0.0] * 6 + [1.0, 2.0, 3.0, 4.0] + [4.0] * 6
-    assert all(math.isnan(g) or math.isinf(g) for g in _series(run, "train/grad_norm")[6:10])
+    assert scale == [65536.0] * 6 + [32768.0, 16384.0, 8192.0] + [4096.0] * 7  # steps 6-9 overflowed: the 6th-9th
+    assert skipped == [0.0] * 5 + [1.0, 2.0, 3.0, 4.0] + [4.0] * 7
+    assert all(math.isnan(g) or math.isinf(g) for g in _series(run, "train/grad_norm")[5:9])
     assert "divergence_signal" not in _kinds(run) and "stopped" not in _kinds(run)
     loss = _series(run, "train/loss")
     assert len(loss) == 16 and loss[-1] < loss[0] - 0.3 and all(math.isfinite(x) for x in loss)
@@ -84,12 +84,12 @@ def test_fp16_trains_like_bf16(tmp_path, dataset_dir):
 def test_a_scale_under_the_floor_fires_its_action(tmp_path, dataset_dir, action):
     """The scale starts under the floor (init_scale 0.25, floor 1). skip: those updates are dropped by the detector
     without lowering the scale, which grows (growth_interval 2) until it clears the floor, then training goes on.
-    rollback: at step 0 there is no healthy checkpoint to return to: the run stops cleanly, saying so."""
+    rollback: at step 1 there is no healthy checkpoint to return to: the run stops cleanly, saying so."""
     cfg = make_cfg(FP16 + ["grad_scaler.init_scale=0.25", "grad_scaler.growth_interval=2",
                            f"callbacks.divergence.loss_scale={{floor: 1.0, action: {action}}}"], tmp_path, dataset_dir)  # fmt: skip
     run = tmp_path / "run"
     if action == "rollback":
-        with pytest.raises(RunStopped, match="no healthy checkpoint before step 0"):
+        with pytest.raises(RunStopped, match="no healthy checkpoint before step 1"):
             train(cfg)
         assert _kinds(run)[-2:] == ["stop", "stopped"] and not list((run / "checkpoints").glob("step-*"))
         return
@@ -97,7 +97,7 @@ def test_a_scale_under_the_floor_fires_its_action(tmp_path, dataset_dir, action)
     assert _series(run, "train/loss_scale")[:6] == [0.25, 0.25, 0.5, 0.5, 1.0, 1.0]
     assert set(_series(run, "train/skipped_steps")) == {0.0}  # the scaler skipped nothing: the detector did
     signals = [e for e in logbook.read(run) if e["kind"] == "divergence_signal"]
-    assert [e["step"] for e in signals] == [0, 1, 2, 3] and {e["action"] for e in signals} == {"skip"}
+    assert [e["step"] for e in signals] == [1, 2, 3, 4] and {e["action"] for e in signals} == {"skip"}
     loss = _series(run, "train/loss")
     assert len(loss) == 16 and loss[-1] < loss[4]
 
@@ -111,10 +111,10 @@ def test_a_stop_under_the_scaler_exits_3_with_one_line(tmp_path, dataset_dir):
     res = run_train_cli(args, tmp_path)
     assert res.returncode == 3, res.stderr[-3000:]
     last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("stopped: stopping at step 0 (loss_scale: fp16 loss scale 0.5 below the floor 1)"), last
+    assert last.startswith("stopped: stopping at step 1 (loss_scale: fp16 loss scale 0.5 below the floor 1)"), last
     assert "Traceback" not in res.stderr
     log = (tmp_path / "runs" / "s" / "train.log").read_text().strip().splitlines()  # the run's log says how it ended
-    assert "stopped: stopping at step 0 (loss_scale" in log[-1] and log[-1].endswith("(exit status 3)"), log[-3:]
+    assert "stopped: stopping at step 1 (loss_scale" in log[-1] and log[-1].endswith("(exit status 3)"), log[-3:]
 
 
 @pytest.mark.slow

@@ -83,7 +83,7 @@ def test_mlflow_tensorboard_and_wandb_together_show_the_kept_timeline_across_a_k
     assert done.returncode == 0 and "step-0000004" in done.stderr, done.stderr[-3000:]
     run = tmp_path / "runs" / "tb"
     kept = {int(r["step"]): float(r["train/loss"]) for r in metrics.rows(run) if r.get("train/loss")}
-    assert sorted(kept) == list(range(10))
+    assert sorted(kept) == list(range(1, 11))  # the 1st to the 10th step, each at its number
     shown = tensorboard_scalars(run / "tensorboard", "train/loss")
     assert sorted(shown) == sorted(kept) and all(shown[s] == pytest.approx(kept[s], rel=1e-6) for s in kept), (shown, kept)
     files = sorted((run / "tensorboard").glob("events.out.tfevents.*"))
@@ -105,7 +105,7 @@ def test_mlflow_tensorboard_and_wandb_together_show_the_kept_timeline_across_a_k
     steps = [s for s, _ in first + second]
     assert sorted(steps) == sorted(kept) and len(steps) == len(set(steps)), (first, second)
     assert all(v == pytest.approx(kept[s], rel=1e-6) for s, v in first + second), (first, second, kept)
-    assert [s for s, _ in second][-4:] == [6, 7, 8, 9]  # what only the resumed attempt trained
+    assert [s for s, _ in second][-4:] == [7, 8, 9, 10]  # what only the resumed attempt trained
     assert "W&B            offline run" in done.stderr
 
 
@@ -150,7 +150,7 @@ def _wandb_attempt(tmp_path: Path, code: str) -> str:
 
     head = (
         "from pathlib import Path\nfrom lmtrain.formats import metrics\nfrom lmtrain.training.loggers import WandbLogger\n"
-        f"run = Path({str(tmp_path)!r})\nloss = {{s: 10.0 - s * 0.5 for s in range(12)}}\n"
+        f"run = Path({str(tmp_path)!r})\nloss = {{s: 10.0 - s * 0.5 for s in range(1, 13)}}\n"
     )
     env = {**user_env(), "PYTHONPATH": os.pathsep.join(map(str, [TEST_DEPS, ROOT]))}
     for name in ("WANDB_MODE", "WANDB_API_KEY"):
@@ -162,19 +162,19 @@ def _wandb_attempt(tmp_path: Path, code: str) -> str:
 
 @pytest.mark.parametrize("held", [5, 1], ids=["file-ahead-of-checkpoint", "file-behind-checkpoint"])
 def test_a_resumed_offline_wandb_run_holds_each_value_once_whatever_the_kill_left(tmp_path, held):
-    """The earlier attempt's W&B file holds steps 0..``held`` and then a record cut by the kill; the run's record holds
-    steps 0-7 (it flushed later than W&B's writer). Resumed from the checkpoint of step 4, the logger first logs, from
-    the record, the steps before 4 that the file lacks (2-3 when it holds 0-1; the cut record is not read), then leaves
-    out the steps the file holds (4-5 when it holds 0-5): W&B has every step once, with the record's values. Each
+    """The earlier attempt's W&B file holds steps 1..``held`` and then a record cut by the kill; the run's record holds
+    steps 1-8 (it flushed later than W&B's writer). Resumed from the checkpoint of step 4, the logger first logs, from
+    the record, the steps up to 4 that the file lacks (2-4 when it holds 1; the cut record is not read), then leaves
+    out the steps the file holds (5 when it holds 1-5): W&B has every step once, with the record's values. Each
     attempt in a process of its own, as a run's attempts are."""
     from lmtrain.training.loggers import wandb_steps
 
-    loss = {s: 10.0 - s * 0.5 for s in range(12)}
+    loss = {s: 10.0 - s * 0.5 for s in range(1, 13)}
     run_id = _wandb_attempt(tmp_path, (
         "first = WandbLogger(save_dir=str(run), name='t')\n"
-        f"for s in range({held + 1}):\n    first.log_metrics({{'train/loss': loss[s]}}, step=s)\n"
+        f"for s in range(1, {held + 1}):\n    first.log_metrics({{'train/loss': loss[s]}}, step=s)\n"
         "print(first.run_id)\nfirst.finalize('failed')\n"
-        "rec = metrics.Record(run, 0)\nfor s in range(8):\n    rec.add(s, {'train/loss': loss[s]})\nrec.flush()\n"
+        "rec = metrics.Record(run, 0)\nfor s in range(1, 9):\n    rec.add(s, {'train/loss': loss[s]})\nrec.flush()\n"
     )).strip().splitlines()[-1]  # fmt: skip
     (path,) = (tmp_path / "wandb").glob(f"offline-run-*/run-{run_id}.wandb")
     with open(path, "ab") as fh:  # a record cut by the kill: its header says 200 bytes, 10 follow
@@ -182,10 +182,10 @@ def test_a_resumed_offline_wandb_run_holds_each_value_once_whatever_the_kill_lef
     assert wandb_steps(tmp_path / "wandb", run_id) == {"train/loss": held}
     _wandb_attempt(tmp_path, (
         f"second = WandbLogger(save_dir=str(run), name='t', id={run_id!r})\nsecond.resume_at(4)\n"
-        "rec = metrics.Record(run, 4)\nfor s in range(4, 12):\n    rec.add(s, {'train/loss': loss[s]})\n"
+        "rec = metrics.Record(run, 4)\nfor s in range(5, 13):\n    rec.add(s, {'train/loss': loss[s]})\n"
         "    second.log_metrics({'train/loss': loss[s]}, step=s)\nrec.flush()\nsecond.finalize('success')\n"
     ))  # fmt: skip
     files = sorted((tmp_path / "wandb").glob(f"offline-run-*/run-{run_id}.wandb"))
     assert len(files) == 2
     logged = [pair for f in files for pair in wandb_history(f, "train/loss")]
-    assert sorted(logged) == [(s, loss[s]) for s in range(12)], logged
+    assert sorted(logged) == [(s, loss[s]) for s in range(1, 13)], logged

@@ -63,7 +63,7 @@ def test_metrics_params_and_config_reach_the_server(mlflow_server, tiny_cfg, tmp
     (run,) = client.search_runs([client.get_experiment_by_name("it").experiment_id], "attributes.run_name = 'roundtrip'")
     assert run.info.status == "FINISHED"
     losses = client.get_metric_history(run.info.run_id, "train/loss")
-    assert [m.step for m in losses] == [0, 1, 2, 3, 4]
+    assert [m.step for m in losses] == [1, 2, 3, 4, 5]  # the N-th step at N, as its checkpoint
     for key in ("train/lr", "train/grad_norm", "perf/tokens_per_sec", "perf/mfu", "val/loss", "val/ppl"):
         assert client.get_metric_history(run.info.run_id, key), key
     # the default downstream task at the start, beside each validation's values and at the end: the run's own record
@@ -271,10 +271,11 @@ def test_the_rate_every_record_shows_is_the_rate_the_optimizer_used_through_corr
         mlflow_lr[m.step] = m.value  # the rollback's timeline is logged again over the abandoned one: the newest value
     lines = {}
     for n, lr in re.findall(r"lmtrain.progress: step (\d+)/16 .*?lr (\S+)", (run / "train.log").read_text()):
-        lines[int(n) - 1] = lr  # "step N": N steps done, the N-th (index N - 1) the last; after the rollback the newest
-    for s in range(16):
-        assert record[s] == pytest.approx(got[s], rel=1e-6) and mlflow_lr[s] == pytest.approx(got[s], rel=1e-6), s
-        assert lines[s] == f"{got[s]:.2e}", (s, lines[s], got[s])
+        lines[int(n)] = lr  # after the rollback the newest
+    for s in range(16):  # got: keyed by the steps done before (RecordLR); the record, MLflow and the lines by the number
+        n = s + 1
+        assert record[n] == pytest.approx(got[s], rel=1e-6) and mlflow_lr[n] == pytest.approx(got[s], rel=1e-6), s
+        assert lines[n] == f"{got[s]:.2e}", (n, lines[n], got[s])
     assert read_png(run / "plots" / "lr.png")[2]["train/lr"] == 16
     said = [
         e["message"]
@@ -307,8 +308,8 @@ def test_a_branch_from_another_runs_checkpoint_is_a_new_mlflow_run_naming_its_pa
     parent, child = runs["ck"], runs["fromck"]
     assert parent.info.run_id != child.info.run_id
     assert parent.data.tags["run_dir"] == str((tmp_path / "runs" / "ck").resolve())
-    assert [m.step for m in client.get_metric_history(parent.info.run_id, "train/loss")] == list(range(8))
-    assert sorted(m.step for m in client.get_metric_history(child.info.run_id, "train/loss")) == list(range(8, 12))
+    assert [m.step for m in client.get_metric_history(parent.info.run_id, "train/loss")] == list(range(1, 9))
+    assert sorted(m.step for m in client.get_metric_history(child.info.run_id, "train/loss")) == list(range(9, 13))
     assert {k: v for k, v in child.data.tags.items() if k.startswith("lmtrain.parent")} == {
         "lmtrain.parent_run": "ck", "lmtrain.parent_mlflow_run_id": parent.info.run_id, "lmtrain.parent_step": "8",
         "lmtrain.parent_checkpoint": str(step8.resolve()),
@@ -342,7 +343,7 @@ def test_a_resume_finds_its_mlflow_run_where_it_was_and_an_unreachable_store_is_
     client = MlflowClient(tracking_uri=mlflow_server)
     (mlrun,) = client.search_runs([client.get_experiment_by_name("far").experiment_id])
     assert mlrun.info.status == "FINISHED" and sorted(m.step for m in client.get_metric_history(mlrun.info.run_id, "train/loss")) == list(
-        range(8)
+        range(1, 9)
     )
 
     before = {name: (run / name).read_bytes() for name in ("config.yaml", "overrides.yaml", "logbook.jsonl", "metrics.jsonl")}

@@ -84,7 +84,7 @@ def test_step_statistics_are_read_one_step_late_unless_a_skip_needs_them_now(tmp
         train(cfg)
         assert json.loads(probe.read_text()) == [pending] * 4, action
         rows = {s: r for s, r in by_step(Path(cfg.run_dir)).items() if "train/loss" in r}
-        assert sorted(rows) == [0, 1, 2, 3] and all(r["train/grad_norm"] for r in rows.values())
+        assert sorted(rows) == [1, 2, 3, 4] and all(r["train/grad_norm"] for r in rows.values())
 
 
 def test_device_busy_time_counts_kernels_not_annotation_ranges():

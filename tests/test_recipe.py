@@ -128,10 +128,11 @@ WSD = [
 
 
 def _logged_lr(run) -> dict[int, float]:
-    """``train/lr`` per step of the run's current timeline (metrics.jsonl): the rate each step's update used."""
+    """``train/lr`` per step of the run's current timeline (metrics.jsonl): the rate each step's update used, keyed as
+    the schedule is evaluated, by the steps done before it (the record's step N, the N-th step, at N - 1)."""
     from lmtrain.formats.metrics import by_step
 
-    return {s: float(r["train/lr"]) for s, r in by_step(run).items() if "train/lr" in r}
+    return {s - 1: float(r["train/lr"]) for s, r in by_step(run).items() if "train/lr" in r}
 
 
 def _expected(steps: int, peak: float, **schedule) -> dict[int, float]:
@@ -415,11 +416,11 @@ def test_muon_runs_resume_exactly_and_across_world_sizes_follow_the_uninterrupte
             res = run_train_cli(args, tmp_path)
             assert res.returncode == 0, res.stderr[-4000:]
     single, fsdp_run, moved = (_losses(tmp_path / "runs" / n) for n in runs)
-    assert sorted(moved) == sorted(single) == list(range(12)) and sorted(fsdp_run) == list(range(8))
-    assert [moved[s] for s in range(8)] == [fsdp_run[s] for s in range(8)]  # the same layout: the same digits
-    for s in range(12):
+    assert sorted(moved) == sorted(single) == list(range(1, 13)) and sorted(fsdp_run) == list(range(1, 9))
+    assert [moved[s] for s in range(1, 9)] == [fsdp_run[s] for s in range(1, 9)]  # the same layout: the same digits
+    for s in range(1, 13):
         assert float(moved[s]) == pytest.approx(float(single[s]), rel=1e-3), s
-    assert float(moved[11]) < float(moved[0]) - 1.0
+    assert float(moved[12]) < float(moved[1]) - 1.0
     from lmtrain.formats import untrusted
 
     saved = untrusted.torch_load(tmp_path / "runs" / "moved" / "checkpoints" / "step-0000012" / "checkpoint.pt", map_location="cpu")

@@ -211,7 +211,7 @@ def _current_losses(run: Path) -> dict[int, str]:
 
 def test_the_metrics_record_keeps_every_row_and_marks_an_abandoned_timeline(tmp_path, dataset_dir):
     """Trained to step 8; its newest checkpoint lost; run again to step 10: it resumes from step 4. The record keeps the
-    first attempt's steps 4-7 (marked abandoned, the same values: the continuation is exact), the current timeline
+    first attempt's steps 5-8 (marked abandoned, the same values: the continuation is exact), the current timeline
     and the CSV view hold each step once, and both agree with an uninterrupted run."""
     import csv
 
@@ -228,10 +228,10 @@ def test_the_metrics_record_keeps_every_row_and_marks_an_abandoned_timeline(tmp_
     train(make_cfg([*TINY, *SAVES, "trainer.max_steps=10", "callbacks.checkpoint.every_n_steps=4"], tmp_path, dataset_dir))
     rows = [r for r in record_rows(run) if "train/loss" in r["values"]]
     gone = sorted(r["step"] for r in rows if r["abandoned"])
-    assert gone == [4, 5, 6, 7], gone
+    assert gone == [5, 6, 7, 8], gone
     first = {r["step"]: r["values"]["train/loss"] for r in rows if r["attempt"] == 1}
     second = {r["step"]: r["values"]["train/loss"] for r in rows if r["attempt"] == 2}
-    assert sorted(second) == [4, 5, 6, 7, 8, 9] and all(first[s] == second[s] for s in (4, 5, 6, 7))
+    assert sorted(second) == [5, 6, 7, 8, 9, 10] and all(first[s] == second[s] for s in (5, 6, 7, 8))
     assert _current_losses(run) == ref
     with open(run / "csv" / "metrics.csv", newline="") as fh:
         view = {int(r["step"]): r["train/loss"] for r in csv.DictReader(fh) if r.get("train/loss")}
@@ -240,6 +240,44 @@ def test_the_metrics_record_keeps_every_row_and_marks_an_abandoned_timeline(tmp_
 
 
 @pytest.mark.slow
+def test_a_record_from_before_one_step_numbering_reads_in_it_and_a_resume_continues_it(tmp_path):
+    """A record whose first attempt logged the N-th step at N - 1 (written before 2026-12-04: no ``steps`` in its first
+    line), trained 6 steps and checkpointed at 4; then an attempt of today resumed from step 4. The old rows read one
+    step later, so the timeline is steps 1-4 of the first attempt (its 5th and 6th abandoned) and 5-8 of the second;
+    the summary's figures are at the steps the checkpoints name. A fresh start abandons every earlier row, step 0's
+    evals included."""
+    from lmtrain.formats import metrics
+
+    old = [{"attempt": 1, "from_step": 0, "time": 0.0}]
+    old += [{"a": 1, "step": i, "m": {"train/loss": 10.0 - i}} for i in range(6)]
+    old += [{"a": 1, "step": 3, "m": {"val/loss": 6.5}}]
+    (tmp_path / metrics.RECORD).write_text("".join(json.dumps(line) + "\n" for line in old))
+    rec = metrics.Record(tmp_path, 4)
+    for n in range(5, 9):
+        rec.add(n, {"train/loss": 10.0 - n + 0.5})
+    rec.add(8, {"val/loss": 2.0})
+    rec.flush()
+    assert json.loads((tmp_path / metrics.RECORD).read_text().splitlines()[len(old)])["steps"] == metrics.NUMBERING
+    steps = metrics.by_step(tmp_path)
+    assert sorted(steps) == list(range(1, 9))
+    assert [float(steps[n]["train/loss"]) for n in range(1, 5)] == [10.0, 9.0, 8.0, 7.0]  # the old attempt's, one later
+    assert [float(steps[n]["train/loss"]) for n in range(5, 9)] == [5.5, 4.5, 3.5, 2.5]  # the resumed attempt's
+    gone = sorted(r["step"] for r in metrics.record_rows(tmp_path) if r["abandoned"])
+    assert gone == [5, 6]
+    assert metrics.summary(tmp_path) == {"train_loss": (8, 2.5), "val_loss": (8, 2.0), "best_val": (8, 2.0)}
+
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    first = metrics.Record(fresh, 0)
+    first.add(0, {"eval/x/acc": 0.25})
+    first.add(1, {"train/loss": 9.0})
+    first.flush()
+    again = metrics.Record(fresh, 0)
+    again.add(0, {"eval/x/acc": 0.30})
+    again.flush()
+    assert [(r["step"], r["abandoned"]) for r in metrics.record_rows(fresh)] == [(0, True), (1, True), (0, False)]
+
+
 def test_a_real_full_disk_loses_no_metrics_and_stops_cleanly(tmp_path, dataset_dir):
     """The run directory on a 40 MB tmpfs of its own (a mount namespace: `unshare -rm`), filled up at step 5 by a file
     written until ENOSPC. Every checkpoint is permanent, so the disk guard cannot prune: the save at step 6 is refused
@@ -280,7 +318,7 @@ cp -r {disk}/run {out}/after
     kinds = [e["kind"] for e in logbook.read(full)]
     assert kinds[-2:] == ["disk_full", "stopped"], kinds  # the alert and how the attempt ended, on the full disk
     steps_then = sorted(_current_losses(full))
-    assert steps_then == list(range(len(steps_then))) and len(steps_then) >= 5, steps_then  # none lost, none twice
+    assert steps_then == list(range(1, len(steps_then) + 1)) and len(steps_then) >= 5, steps_then  # none lost, none twice
     second_err = (out / "second.err").read_text()
     assert (out / "second.rc").read_text().strip() == "0", second_err[-3000:]
     after = out / "after"
@@ -365,7 +403,7 @@ def test_chaos_soak_a_two_rank_run_survives_kills_sigterms_second_launches_and_a
     res = run_train_cli(_args(ref, dataset_dir, *ddp), tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     want = _current_losses(ref)
-    assert sorted(want) == list(range(1000))
+    assert sorted(want) == list(range(1, 1001))
 
     disk, out = tmp_path / "disk", tmp_path / "out"
     disk.mkdir()

@@ -2,12 +2,17 @@
 
 The record is append-only, one JSON line per line written:
 
-* ``{"attempt": N, "from_step": S, "time": T}``: attempt N of the run starts, its timeline from step S (0: from
-  scratch; else the step of the checkpoint it resumed from);
+* ``{"attempt": N, "from_step": S, "time": T, "steps": "number"}``: attempt N of the run starts, its timeline from
+  step S (0: from scratch; else the step of the checkpoint it resumed from);
 * ``{"a": N, "step": s, "m": {name: value, ...}}``: values attempt N logged for step s.
 
-A row of attempt N at step s belongs to an **abandoned timeline** when a later attempt started from a step <= s (a
-resume from an older checkpoint, a rollback, a fresh start): kept, marked, and left out of the current view
+Steps are numbered as checkpoints, the console and the logbook number them: the values of the 250th optimizer step,
+its validation and its evals are at step 250; step 0 holds what is measured before any training (the first evals).
+Attempts written before 2026-12-04 (no ``steps`` in their first line) logged the 250th step at 249: their rows are
+read one step later, so a run continued across that change keeps one numbering.
+
+A row of attempt N at step s belongs to an **abandoned timeline** when a later attempt started from a step before s (a
+resume from an older checkpoint, a rollback), or from scratch: kept, marked, and left out of the current view
 (:func:`current_rows`), where every step appears once per line it was logged with, from the attempt that went on from
 there. Nothing is ever deleted or rewritten: a kill, a full disk or a crash costs at most the lines not flushed yet
 (:class:`Record` flushes at least every :data:`FLUSH_S` seconds and before every checkpoint), and a line cut by a kill
@@ -24,6 +29,7 @@ import time
 from pathlib import Path
 
 RECORD = "metrics.jsonl"
+NUMBERING = "number"  # the first line's "steps": rows at the step's number, counted from 1 (the module's docstring)
 FLUSH_S = 5.0  # the record's lines reach the file at least this often (and before every checkpoint, and at the end)
 
 
@@ -46,7 +52,7 @@ class Record:
         self._last_flush = time.monotonic()
         self._warned = False
         torn = bool(data) and not data.endswith(b"\n")
-        head = {"attempt": self.attempt, "from_step": int(from_step), "time": time.time()}
+        head = {"attempt": self.attempt, "from_step": int(from_step), "time": time.time(), "steps": NUMBERING}
         self._pending = (b"\n" if torn else b"") + (json.dumps(head) + "\n").encode()  # a kill's cut line stays alone
         self.flush()
 
@@ -103,13 +109,16 @@ def _parse(data: bytes) -> list[dict]:
 def record_rows(run_dir: str | Path) -> list[dict]:
     """Every logged line of the record in order, each ``{"attempt", "step", "values", "abandoned"}``."""
     lines = read_lines(Path(run_dir) / RECORD)
-    starts = {int(line["attempt"]): int(line.get("from_step", 0)) for line in lines if isinstance(line.get("attempt"), int)}
+    heads = [line for line in lines if isinstance(line.get("attempt"), int)]
+    starts = {int(line["attempt"]): int(line.get("from_step", 0)) for line in heads}
+    shift = {int(line["attempt"]): int(line.get("steps") != NUMBERING) for line in heads}  # older attempts: from 0
     rows = []
     for line in lines:
         if not isinstance(line.get("a"), int) or not isinstance(line.get("step"), int) or not isinstance(line.get("m"), dict):
             continue
-        a, step = line["a"], line["step"]
-        abandoned = any(b > a and start <= step for b, start in starts.items())
+        a = line["a"]
+        step = line["step"] + shift.get(a, 0)
+        abandoned = any(b > a and (start < step or start == 0) for b, start in starts.items())
         rows.append({"attempt": a, "step": step, "values": line["m"], "abandoned": abandoned})
     return rows
 
@@ -142,12 +151,13 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, str]]:
 
 
 def rows(run_dir: str | Path) -> list[dict[str, str]]:
-    """The run's logged rows: the record's current timeline, or a run's CSV log where it has no record (older runs)."""
+    """The run's logged rows: the record's current timeline, or a run's CSV log where it has no record (runs before
+    2026-12-01, which logged the 250th step at 249: read one step later, as the record's older attempts are)."""
     if (Path(run_dir) / RECORD).is_file():
         return current_rows(run_dir)
     if not (Path(run_dir) / "csv" / "metrics.csv").is_file():
         return []  # nothing logged yet
-    return read_metrics(run_dir)
+    return [{**r, "step": str(int(float(r["step"])) + 1)} if r.get("step") else r for r in read_metrics(run_dir)]
 
 
 def by_step(run_dir: str | Path) -> dict[int, dict[str, str]]:
@@ -168,14 +178,14 @@ def summary(run_dir: str | Path) -> dict[str, tuple[int, float] | None]:
     """The figures of a run's end-of-run summary, from its current timeline (so a re-run, a resume or a rollback
     cannot change them): ``train_loss`` and ``val_loss`` (the last logged, each ``(step, value)``) and ``best_val``
     (the lowest finite ``val/loss``, the earliest of a tie); None where nothing was logged. Each step is counted as
-    the checkpoints count them, in optimizer steps completed: the record's step (the step's index, from 0) plus one."""
+    the checkpoints count them (the record's step)."""
     steps = by_step(run_dir)
 
     def series(key: str) -> list[tuple[int, float]]:
         out = []
         for step, values in sorted(steps.items()):
             try:
-                out.append((step + 1, float(values[key])))
+                out.append((step, float(values[key])))
             except (KeyError, ValueError):
                 continue
         return out

@@ -23,11 +23,12 @@ SUBCLASS_PRIVATES = {
 }
 
 
-def logged_step(trainer) -> int:
-    """The step Lightning's loggers record the current batch at (``fit_loop.epoch_loop._batches_that_stepped``): the
-    public ``global_step`` differs from it under manual optimization and in validation, and logging our direct
-    metrics at another step would split one step's row in two."""
-    return trainer.fit_loop.epoch_loop._batches_that_stepped
+def step_number(trainer) -> int:
+    """The number of the optimizer step the current training batch belongs to, counted from 1 as checkpoints, the
+    console and the logbook count them (the 250th step is step 250): ``fit_loop.epoch_loop._batches_that_stepped``,
+    the steps completed before this batch, plus one. ``global_step`` cannot say it from a batch's hooks: it counts the
+    step only once the optimizer has run, and an accumulating micro-batch has none."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped + 1
 
 
 def validates_after_this_batch(trainer) -> bool:

@@ -46,7 +46,7 @@ class StepChecker:
     needs_same_step: bool = False  # True: the statistics of this very update are needed now (a device sync per step)
 
     def check_step(self, trainer, pl_module, stats: dict) -> bool:
-        """``stats``: step, log_step, loss, grad_norm, act_rms, loss_scale, overflow. True: drop this update."""
+        """``stats``: step (its number, from 1), loss, grad_norm, act_rms, loss_scale, overflow. True: drop this update."""
         raise NotImplementedError
 
 

@@ -6,7 +6,7 @@
   rewritten only by writing a new file beside it and renaming it over the old one (a kill or a full disk leaves the
   old file whole; Lightning's CSV logger deleted it on resume and rewrote it in place when a column was added).
 * :class:`TensorBoardLogger` (``logger=tensorboard``): ``RUN_DIR/tensorboard``, one folder across attempts; an attempt
-  that resumes from step S purges the events of steps S and later that an earlier attempt wrote (TensorBoard's
+  that resumes from step S purges the events after step S that an earlier attempt wrote (TensorBoard's
   ``purge_step``), so the board shows the timeline the run kept.
 * :class:`WandbLogger` (``logger=wandb``): one Weights & Biases run across the attempts of a run (its id is in every
   checkpoint), files in ``RUN_DIR/wandb``; offline unless ``mode=online`` (``wandb sync`` uploads an offline run).
@@ -90,8 +90,8 @@ class TensorBoardLogger(_TensorBoardLogger):
         super().__init__(save_dir=save_dir, name=name, version=version, default_hp_metric=False, **kwargs)
 
     def resume_at(self, step: int, relog: bool = False) -> None:
-        """This attempt continues from ``step``: events of ``step`` and later, from earlier attempts, are dropped."""
-        self._kwargs["purge_step"] = step
+        """This attempt continues from ``step``: events after ``step``, from earlier attempts, are dropped."""
+        self._kwargs["purge_step"] = step + 1
 
     @rank_zero_only
     def flush(self) -> None:
@@ -142,7 +142,7 @@ class WandbLogger(_WandbLogger):
             return
         self._held = wandb_steps(self._run_dir / "wandb", self._id)
         for row in record.record_rows(self._run_dir):
-            if not row["abandoned"] and row["step"] < step:
+            if not row["abandoned"] and row["step"] <= step:
                 lacking = {k: v for k, v in row["values"].items() if row["step"] > self._held.get(k, -1)}
                 if lacking:
                     self._backfill.append((row["step"], lacking))
@@ -279,9 +279,9 @@ class CSVLogger(Logger):
         return self
 
     def resume_at(self, step: int, relog: bool = False) -> None:
-        """This attempt continues from ``step``: the view keeps the record's current rows below it."""
+        """This attempt continues from ``step``: the view keeps the record's current rows up to it."""
         run_dir = Path(self._save_dir)
-        self._keep = [r for r in record.rows(run_dir) if int(r["step"]) < step] if (run_dir / record.RECORD).is_file() else []
+        self._keep = [r for r in record.rows(run_dir) if int(r["step"]) <= step] if (run_dir / record.RECORD).is_file() else []
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
@@ -290,7 +290,7 @@ class CSVLogger(Logger):
         row = {k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
         row["step"] = step if step is not None else len(self._rows)
         self._rows.append(row)
-        if step is not None and (step + 1) % self.flush_every == 0:
+        if step is not None and step % self.flush_every == 0:
             self.save()
 
     @rank_zero_only

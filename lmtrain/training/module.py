@@ -66,8 +66,7 @@ class _StepStats:
     """One optimizer step's global statistics (loss, gradient norm, final activation RMS, fp16 loss scale and overflow), on their
     way to the host without blocking it: a non-blocking copy into pinned memory and an event marking its arrival."""
 
-    step: int  # optimizer steps completed before this one
-    log_step: int  # the step Lightning logs this batch at
+    step: int  # this step's number, counted from 1 as checkpoints count them (compat.step_number)
     lr: float
     values: torch.Tensor
     ready: torch.cuda.Event | None
@@ -79,7 +78,7 @@ class _StepStats:
             values = values.detach().to("cpu", non_blocking=True)  # into pinned memory: needs the event below
             ready = torch.cuda.Event()
             ready.record()
-        return cls(trainer.global_step, compat.logged_step(trainer), optimizer.param_groups[0]["lr"], values, ready)
+        return cls(compat.step_number(trainer), optimizer.param_groups[0]["lr"], values, ready)
 
     def read(self) -> list[float]:
         if self.ready is not None:
@@ -342,11 +341,10 @@ class LMModule(L.LightningModule):
                 extra["train/act_rms"] = act_rms
             if self.z_loss:
                 extra["train/z_loss"] = self.z_loss * z  # the penalty added to the objective (OLMo-core's "Z loss")
-            log_direct(self.trainer, extra, step=rec.log_step)
+            log_direct(self.trainer, extra, step=rec.step)
             self.last_train_loss, self.last_train_lr = loss, rec.lr
             stats = {
                 "step": rec.step,
-                "log_step": rec.log_step,
                 "loss": loss,
                 "grad_norm": norm,
                 "act_rms": extra.get("train/act_rms"),
@@ -412,6 +410,10 @@ class LMModule(L.LightningModule):
         torch.compiler.set_stance("default")
         totals = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum")  # (sets, 2), the same on every rank
         names, combined = self._val_sets()
+        if bool((totals[:, 1] > 0).any()):
+            # at the number of the step validated (the 250th step's validation at 250, as its checkpoint and its train
+            # values): Lightning logs a value named "step" as the step of the others, and no "epoch" beside them
+            self.log("step", float(self.trainer.global_step), sync_dist=False, rank_zero_only=True)
         for name, total in zip(names, totals):
             if total[1] > 0:
                 self._log_val(f"/{name}", total)

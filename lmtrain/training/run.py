@@ -38,8 +38,8 @@ warnings.filterwarnings("ignore", message=".*'set_vital' is deprecated.*")  # to
 # fp16: when the gradient scaler skips an overflowing update, torch warns that the scheduler stepped before the optimizer;
 # the schedule is a function of the step count (lmtrain.nn.optim), so nothing is skipped
 warnings.filterwarnings("ignore", message=r".*lr_scheduler.step\(\)` before `optimizer.step\(\)`.*")
-# val/loss is reduced over ranks by the module itself and logged from rank zero
-warnings.filterwarnings("ignore", message=r".*self.log\('val/.*sync_dist=True.*")
+# val/loss is reduced over ranks by the module itself and logged from rank zero, with the step it belongs to
+warnings.filterwarnings("ignore", message=r".*self.log\('(val/.*|step)', \.\.\., sync_dist=True.*")
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
