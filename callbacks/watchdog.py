@@ -139,12 +139,12 @@ class Watchdog(L.Callback, WatchesProgress):
 
         trainer = self._trainer
         message = (
-            f"this process did not run for {sum(paused):.0f} s at step {trainer.global_step} (stopped by a signal, a paused "
+            f"this process did not run for {sum(paused):.0f} s at step {compat.step_number(trainer)} (stopped by a signal, a paused "
             "machine or a debugger): not counted as a hang"
         )
         print(f"[lmtrain] rank {trainer.global_rank}: {message}", file=sys.stderr, flush=True)
         if trainer.is_global_zero:
-            logbook.append(self.run_dir, "paused", message, step=trainer.global_step, seconds=round(sum(paused), 1))
+            logbook.append(self.run_dir, "paused", message, step=compat.step_number(trainer), seconds=round(sum(paused), 1))
 
     # -- hooks -------------------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
@@ -212,7 +212,7 @@ class Watchdog(L.Callback, WatchesProgress):
 
     def _fire(self, phase: str, waited: float) -> None:
         trainer = self._trainer
-        rank, step = trainer.global_rank, trainer.global_step
+        rank, step = trainer.global_rank, compat.step_number(trainer)  # the step it was working on: the N-th is N
         folder = self.run_dir / "hangs" / f"attempt-{self._attempt}"
         where = _main_thread_place()
         loader = compat.awaited_loader_worker(threading.main_thread().ident)
