@@ -33,7 +33,6 @@ A ``stop``, or a rollback that cannot happen, ends the run with :class:`lmtrain.
 
 from __future__ import annotations
 
-import math
 
 import lightning as L
 
@@ -44,47 +43,11 @@ from lmtrain.training import compat
 from lmtrain.training.checkpoint.resume import rollback_target
 from lmtrain.training.contracts import CheckpointStore, RequestsRollback, StepChecker, StopsTraining
 from lmtrain.training.logs import log_direct
-
-ACTIONS = ("warn", "skip", "stop", "rollback")
-SEVERITY = {a: i for i, a in enumerate(ACTIONS)}
-DEFAULTS = {
-    "nonfinite": {"action": "rollback"},
-    "loss_spike": {"z": 6.0, "min_ratio": 1.1, "action": "rollback"},
-    "grad_spike": {"z": 8.0, "min_ratio": 2.0, "action": "warn"},
-    "act_growth": {"ratio": 3.0, "action": "warn"},
-    "loss_level": {"ratio": 1.5, "action": "rollback"},
-    "loss_scale": {"floor": 1.0, "action": "rollback"},
-    "skipped_steps": {"max_consecutive": 10, "action": "rollback"},
-}
+from lmtrain.training.stability import Judge
 
 
-class _EMA:
-    """Exponential moving average and variance."""
-
-    def __init__(self, beta: float) -> None:
-        self.beta, self.mean, self.var, self.n = beta, 0.0, 0.0, 0
-
-    def update(self, x: float) -> None:
-        if self.n == 0:
-            self.mean, self.var = x, 0.0
-        else:
-            d = x - self.mean
-            self.mean += (1 - self.beta) * d
-            self.var = self.beta * (self.var + (1 - self.beta) * d * d)
-        self.n += 1
-
-    def z(self, x: float) -> float:
-        return (x - self.mean) / math.sqrt(self.var + 1e-12 + (1e-3 * abs(self.mean)) ** 2)
-
-    def state(self) -> dict:
-        return {"mean": self.mean, "var": self.var, "n": self.n}
-
-    def load(self, s: dict) -> None:
-        self.mean, self.var, self.n = s["mean"], s["var"], s["n"]
-
-
-class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecker):
-    """Args (each signal is a dict; missing keys take the defaults in ``DEFAULTS``):
+class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, StepChecker):
+    """Args (each signal is a dict; missing keys take the defaults in ``lmtrain.training.stability.DEFAULTS``):
     warmup_steps: healthy steps observed before spikes are judged.
     ema_beta: smoothing of the running statistics.
     healthy_after: signal-free steps after which the run (and the checkpoints it saves) count as healthy again.
@@ -110,63 +73,20 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
         max_rollbacks: int = 3,
         rollback_window: int = 1000,
     ) -> None:
-        given = {
-            "nonfinite": nonfinite,
-            "loss_spike": loss_spike,
-            "grad_spike": grad_spike,
-            "act_growth": act_growth,
-            "loss_level": loss_level,
-            "loss_scale": loss_scale,
-            "skipped_steps": skipped_steps,
-        }
-        self.signals: dict[str, dict] = {}
-        for name, spec in given.items():
-            spec = dict(spec or {})
-            unknown = set(spec) - set(DEFAULTS[name])
-            if unknown:
-                raise InputError(f"callbacks.divergence.{name}: unknown key(s) {sorted(unknown)}; allowed: {sorted(DEFAULTS[name])}")
-            spec = {**DEFAULTS[name], **spec}
-            if spec["action"] not in ACTIONS:
-                raise InputError(f"callbacks.divergence.{name}.action={spec['action']!r}: use one of {list(ACTIONS)}")
-            self.signals[name] = spec
-        if not 0 < rollback_lr_scale <= 1 or not 0 < ema_beta < 1 or max_rollbacks < 0:
+        super().__init__(
+            warmup_steps=warmup_steps, ema_beta=ema_beta, healthy_after=healthy_after, nonfinite=nonfinite, loss_spike=loss_spike,
+            grad_spike=grad_spike, act_growth=act_growth, loss_level=loss_level, loss_scale=loss_scale, skipped_steps=skipped_steps,
+        )  # fmt: skip
+        if not 0 < rollback_lr_scale <= 1 or max_rollbacks < 0:
             raise InputError(
-                f"callbacks.divergence: rollback_lr_scale={rollback_lr_scale} must be in (0, 1], ema_beta={ema_beta} in (0, 1), "
-                f"max_rollbacks={max_rollbacks} >= 0"
+                f"callbacks.divergence: rollback_lr_scale={rollback_lr_scale} must be in (0, 1], max_rollbacks={max_rollbacks} >= 0"
             )
-        self.warmup_steps, self.healthy_after = warmup_steps, healthy_after
         self.rollback_lr_scale, self.skip_data = rollback_lr_scale, skip_data
         self.max_rollbacks, self.rollback_window = max_rollbacks, rollback_window
-        self.loss, self.grad, self.act = _EMA(ema_beta), _EMA(ema_beta), _EMA(ema_beta)
-        self.clean_streak = 0
-        self.trouble_start: int | None = None
-        self.first_loss: float | None = None  # the reference of ``loss_level``
-        self.skip_streak = self.skipped_total = 0  # fp16: updates skipped by the gradient scaler
         self.rollback_request: dict | None = None
         self.stop_reason: str | None = None
         self.stopping = False
         self.run_dir = None
-
-    # -- state -----------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {
-            "loss": self.loss.state(),
-            "grad": self.grad.state(),
-            "act": self.act.state(),
-            "clean_streak": self.clean_streak,
-            "trouble_start": self.trouble_start,
-            "first_loss": self.first_loss,
-            "skip_streak": self.skip_streak,
-            "skipped_total": self.skipped_total,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loss.load(state["loss"])
-        self.grad.load(state["grad"])
-        self.act.load(state["act"])
-        self.clean_streak, self.trouble_start = state["clean_streak"], state["trouble_start"]
-        self.first_loss = state.get("first_loss")  # absent in checkpoints written before these fields existed
-        self.skip_streak, self.skipped_total = state.get("skip_streak", 0), state.get("skipped_total", 0)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.checkpointer = next((c for c in trainer.callbacks if isinstance(c, CheckpointStore)), None)
@@ -188,19 +108,8 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
         if self.stopping:  # a stop or rollback is under way: later steps are abandoned with it
             return True
         step = stats["step"] if "step" in stats else compat.step_number(trainer)
-        metrics: dict[str, float] = {}
-        fired = self._signals(stats, metrics)
-        severe = [n for n, _ in fired if self.signals[n]["action"] != "warn"]  # warnings are reported, not acted on
-        if severe:
-            self.clean_streak = 0
-            if self.trouble_start is None:
-                self.trouble_start = step
-        elif not stats.get("overflow"):  # a step the scaler skipped neither feeds the statistics nor clears trouble
-            self._observe(stats)
+        fired, metrics = self.judge(stats, step)
         healthy = self.trouble_start is None
-        metrics["stability/healthy"] = float(healthy)
-        for name in self.signals:
-            metrics[f"stability/{name}"] = float(any(n == name for n, _ in fired))
         log_direct(trainer, metrics, step=step)
         if self.checkpointer is not None:
             self.checkpointer.record_health({
@@ -214,70 +123,8 @@ class DivergenceDetector(L.Callback, StopsTraining, RequestsRollback, StepChecke
             })  # fmt: skip
         return self._act(trainer, pl_module, step, fired) if fired else False
 
-    def _signals(self, stats: dict, metrics: dict) -> list[tuple[str, str]]:
-        """The signals this step fires, as (name, why); fills ``metrics`` with what is logged every step."""
-        loss, grad, act = stats["loss"], stats["grad_norm"], stats.get("act_rms")
-        overflow = stats.get("overflow")  # None: no gradient scaler (bf16, fp32)
-        fired = self._scaler_signals(stats, metrics) if overflow is not None else []
-        if not math.isfinite(loss) or (overflow is None and not math.isfinite(grad)):
-            fired.append(("nonfinite", f"loss {loss}, gradient norm {grad}"))
-            return fired
-        if self.first_loss is None:
-            self.first_loss = loss
-        ratio = self.signals["loss_level"]["ratio"]
-        metrics["stability/loss_level"] = loss / self.first_loss if self.first_loss > 0 else 0.0
-        if self.first_loss > 0 and loss > ratio * self.first_loss:
-            fired.append(("loss_level", f"loss {loss:.4f} above {ratio:g}x the run's first loss {self.first_loss:.4f}"))
-        if overflow:  # the gradients are not finite: nothing more to judge on them
-            return fired
-        judging = self.loss.n >= max(self.warmup_steps, 2)  # never on statistics of nothing
-        lz, gz = self.loss.z(loss), self.grad.z(grad)
-        metrics.update({"stability/loss_z": lz if self.loss.n else 0.0, "stability/grad_z": gz if self.grad.n else 0.0})
-        sp = self.signals["loss_spike"]
-        if judging and lz > sp["z"] and loss > sp["min_ratio"] * self.loss.mean:
-            fired.append(("loss_spike", f"loss {loss:.4f} vs average {self.loss.mean:.4f} (z={lz:.1f})"))
-        sp = self.signals["grad_spike"]
-        if judging and gz > sp["z"] and grad > sp["min_ratio"] * self.grad.mean:
-            fired.append(("grad_spike", f"gradient norm {grad:.4g} vs average {self.grad.mean:.4g} (z={gz:.1f})"))
-        if act is not None and math.isfinite(act):
-            ratio = act / self.act.mean if self.act.n and self.act.mean > 0 else 1.0
-            metrics["stability/act_ratio"] = ratio
-            if judging and ratio > self.signals["act_growth"]["ratio"]:
-                fired.append(("act_growth", f"final-layer activation RMS {act:.4g}, {ratio:.2f}x its average {self.act.mean:.4g}"))
-        return fired
-
-    def _scaler_signals(self, stats: dict, metrics: dict) -> list[tuple[str, str]]:
-        """fp16: count the updates the gradient scaler skipped; judge the scale and the run of skips."""
-        scale, fired = stats["loss_scale"], []
-        self.skip_streak = self.skip_streak + 1 if stats["overflow"] else 0
-        self.skipped_total += int(stats["overflow"])
-        metrics.update({"train/loss_scale": scale, "train/skipped_steps": float(self.skipped_total)})
-        floor = self.signals["loss_scale"]["floor"]
-        if scale < floor:
-            fired.append(("loss_scale", f"fp16 loss scale {scale:g} below the floor {floor:g}"))
-        limit = self.signals["skipped_steps"]["max_consecutive"]
-        if self.skip_streak > limit:
-            fired.append(
-                (
-                    "skipped_steps",
-                    f"{self.skip_streak} updates in a row skipped by the fp16 gradient scaler (more than {limit}; scale {scale:g})",
-                )
-            )
-        return fired
-
-    def _observe(self, stats: dict) -> None:
-        """A healthy step: into the running statistics."""
-        self.loss.update(stats["loss"])
-        self.grad.update(stats["grad_norm"])
-        act = stats.get("act_rms")
-        if act is not None and math.isfinite(act):
-            self.act.update(act)
-        self.clean_streak += 1
-        if self.clean_streak >= self.healthy_after:
-            self.trouble_start = None
-
     def _act(self, trainer, pl_module, step: int, fired: list[tuple[str, str]]) -> bool:
-        action = max((self.signals[n]["action"] for n, _ in fired), key=SEVERITY.get)
+        action = self.action(fired)
         text = "; ".join(f"{n}: {why}" for n, why in fired)
         tokens = None  # trained through the step judged (it may be judged a step late: lmtrain.training.module)
         if hasattr(pl_module, "tokens_trained"):

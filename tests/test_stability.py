@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from lmtrain.callbacks.divergence import _EMA, DivergenceDetector
+from lmtrain.callbacks.divergence import DivergenceDetector
 from lmtrain.errors import InputError, RunStopped
 from lmtrain.formats import checkpoint as ck
 from lmtrain.formats import corrections, logbook
 from lmtrain.formats.metrics import by_step
 from lmtrain.training.run import train
+from lmtrain.training.stability import EMA, read_trace, replay
 from tests.conftest import ROOT, TINY, make_cfg, run_train_cli
 
 STABLE = [
@@ -36,7 +37,7 @@ def _kinds(run_dir: Path) -> list[str]:
 
 
 def test_running_statistics_and_corrections_arithmetic():
-    ema = _EMA(0.9)
+    ema = EMA(0.9)
     for x in [1.0, 1.1, 0.9, 1.0, 1.05, 0.95] * 5:
         ema.update(x)
     assert abs(ema.mean - 1.0) < 0.05 and ema.z(3.0) > 10 and abs(ema.z(1.0)) < 1
@@ -150,6 +151,27 @@ def test_warn_and_skip_actions(tmp_path, dataset_dir):
     assert float(rows[11]["train/loss"]) < 10  # the 20x loss of step 10 never reached the weights
     sig = next(e for e in logbook.read(run) if e["kind"] == "divergence_signal")
     assert sig["action"] == "skip" and not corrections.load(run)
+    # offline, the judgement replayed over the run's own record fires what the run fired, at the same steps
+    from omegaconf import OmegaConf
+
+    from lmtrain.training.stability import DEFAULTS
+
+    settings = OmegaConf.to_container(OmegaConf.load(run / "config.yaml").callbacks.divergence)
+    fired_in_run = {
+        s: sorted(k.removeprefix("stability/") for k, v in r.items() if k.removeprefix("stability/") in DEFAULTS and float(v) == 1.0)
+        for s, r in rows.items()
+    }  # fmt: skip
+    replayed = {e["step"]: sorted(e["signals"]) for e in replay(read_trace(run), **settings)}
+    assert replayed == {s: v for s, v in fired_in_run.items() if v} and replayed[10] == ["grad_spike", "loss_level", "loss_spike"], replayed
+    assert [e["action"] for e in replay(read_trace(run), **settings) if e["step"] == 10] == ["skip"]
+    # as a user runs it: another threshold tried on the same record; a setting that does not exist is one line
+    out = subprocess.run([sys.executable, "-m", "lmtrain", "replay", str(run), "--set", "loss_spike.z=1e6", "--json"],
+                         capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    tried = {e["step"]: e["signals"] for e in map(json.loads, out.stdout.splitlines())}
+    assert "loss_spike" not in tried[10] and "grad_spike" in tried[10], tried
+    bad = subprocess.run([sys.executable, "-m", "lmtrain", "replay", str(run), "--set", "los_spike.z=8"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--set los_spike.z=8" in bad.stderr, bad.stderr
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ def test_the_entry_points_help_is_plain_text_naming_each_tool_as_called_and_the_
     assert top.returncode == 0 and "``" not in top.stdout and all(f"lmtrain {name} " in top.stdout for name in COMMANDS), top.stdout
     version = _run("-m", "lmtrain", "--version")
     assert version.returncode == 0 and version.stdout.strip() == f"lmtrain {__version__}"
-    for name in ("prepare", "report", "control", "generate", "export"):
+    for name in ("prepare", "report", "control", "generate", "export", "replay"):
         out = _run("-m", "lmtrain", name, "--help")
         assert out.returncode == 0 and out.stdout.startswith(f"usage: lmtrain {name} "), out.stderr[-2000:]
         assert "``" not in out.stdout and ":class:" not in out.stdout and "python -m lmtrain" not in out.stdout, (name, out.stdout)
