@@ -138,12 +138,12 @@ def test_a_real_fp16_divergence_fires_the_skipped_steps_signal(tmp_path, dataset
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_fp16_under_fsdp_on_two_ranks_skips_alike_and_rolls_back(tmp_path, dataset_dir):
-    """2 processes (gloo), FSDP2, fp16: the backward overflows on rank 1 only for 2 steps (each rank holds different
+    """2 processes (gloo), FSDP2, fp16: the backward overflows on rank 1 only in steps 4 and 5 (each rank holds different
     gradient shards); the overflow check is global, so both ranks skip those updates and keep equal scales. Then a
     NaN loss on rank 1 rolls both ranks back to the healthy checkpoint, and the run finishes (exit 0)."""
     args = [a for a in FP16 if not a.startswith(("trainer.devices", "logger"))] + [
         "strategy=fsdp", "trainer.devices=2", "logger=csv", f"paths.runs={tmp_path / 'runs'}", "run_name=f", f"data.path={dataset_dir}",
-        "data.prepare=null", "fault=grad_overflow", "callbacks.fault.step=3", "callbacks.fault.count=2", "callbacks.fault.rank=1",
+        "data.prepare=null", "fault=grad_overflow", "callbacks.fault.step=4", "callbacks.fault.count=2", "callbacks.fault.rank=1",
         "+callbacks.nan._target_=lmtrain.callbacks.fault.FaultInjector", "+callbacks.nan.kind=nan_loss", "+callbacks.nan.step=10",
         f"+callbacks.nan.run_dir={tmp_path / 'runs' / 'f'}", "+callbacks.nan.rank=1",
         "+callbacks.rec._target_=tests.plugins.RecordScale", f"+callbacks.rec.path={tmp_path / 'scale'}",
