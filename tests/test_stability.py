@@ -172,6 +172,10 @@ def test_warn_and_skip_actions(tmp_path, dataset_dir):
     assert "loss_spike" not in tried[10] and "grad_spike" in tried[10], tried
     bad = subprocess.run([sys.executable, "-m", "lmtrain", "replay", str(run), "--set", "los_spike.z=8"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--set los_spike.z=8" in bad.stderr, bad.stderr
+    for wrong, said in (("loss_spike=8", "loss_spike=8 must be a mapping"), ("warmup_steps=abc", "warmup_steps='abc' must be a number"),
+                        ("loss_spike.zz=1", "unknown key(s) ['zz']")):  # fmt: skip
+        bad = subprocess.run([sys.executable, "-m", "lmtrain", "replay", str(run), "--set", wrong], capture_output=True, text=True, cwd=ROOT)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and said in bad.stderr, (wrong, bad.stderr)
 
 
 @pytest.mark.slow

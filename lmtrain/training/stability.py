@@ -13,6 +13,7 @@ back) inside a run; the decisions are the same code.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
 from lmtrain.errors import InputError
@@ -59,6 +60,8 @@ def signal_specs(given: dict[str, dict | None]) -> dict[str, dict]:
     """Each signal's settings, the defaults filled in; an unknown key or action is an InputError naming it."""
     out = {}
     for name, spec in given.items():
+        if spec is not None and not isinstance(spec, Mapping):
+            raise InputError(f"callbacks.divergence.{name}={spec!r} must be a mapping of its settings, e.g. {name}.action=warn")
         spec = dict(spec or {})
         unknown = set(spec) - set(DEFAULTS[name])
         if unknown:
@@ -96,6 +99,9 @@ class Judge:
             "nonfinite": nonfinite, "loss_spike": loss_spike, "grad_spike": grad_spike, "act_growth": act_growth,
             "loss_level": loss_level, "loss_scale": loss_scale, "skipped_steps": skipped_steps,
         })  # fmt: skip
+        for key, value in (("warmup_steps", warmup_steps), ("healthy_after", healthy_after), ("ema_beta", ema_beta)):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InputError(f"callbacks.divergence.{key}={value!r} must be a number")
         if not 0 < ema_beta < 1:
             raise InputError(f"callbacks.divergence: ema_beta={ema_beta} must be in (0, 1)")
         self.warmup_steps, self.healthy_after = warmup_steps, healthy_after
