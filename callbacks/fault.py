@@ -26,7 +26,10 @@ Steps are numbered as checkpoints number them: step 5 is the 5th optimizer step 
   straggler check (lmtrain.callbacks.stragglers) to name;
 * ``grad_overflow``: for ``count`` steps from ``step`` on, the gradient flowing back into the final norm is
   multiplied by ``factor`` (the forward pass and the loss are untouched): under fp16 the backward pass really
-  overflows, as it does when the loss scale is too high for the gradients, and the gradient scaler answers.
+  overflows, as it does when the loss scale is too high for the gradients, and the gradient scaler answers;
+* ``bad_data``: for ``count`` steps from ``step`` on, every micro-batch is the same tokens shuffled into a random
+  order (a corrupt stretch of data: real tokens of the corpus, no text): the model really sees it, and its loss and
+  gradients answer as they would (the detector's events of a data-driven blip, docs/stability.md).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from lmtrain.errors import InputError
 from lmtrain.training import compat
 from lmtrain.training.contracts import CheckpointStore, SaveGuard
 
-KINDS = ("crash", "crash_mid_save", "crash_after_save", "enospc", "truncate", "loss_spike", "nan_loss", "act_growth", "grad_overflow", "hang", "slow_rank")
+KINDS = ("crash", "crash_mid_save", "crash_after_save", "enospc", "truncate", "loss_spike", "nan_loss", "act_growth", "grad_overflow", "hang", "slow_rank", "bad_data")
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -70,6 +73,16 @@ def _scale_next_loss(pl_module, factor: float) -> None:
         return pl_module.loss(inputs, targets) * factor
 
     pl_module.loss = once
+
+
+def _shuffle_tokens(batch) -> None:
+    """The micro-batch's tokens in a random order, in place: inputs and their next-token targets stay aligned, so the
+    loss is that of a corrupt stretch of text (the document ids of ``data.document_mask``, if any, are left as they were)."""
+    inputs, targets = batch[0], batch[1]
+    stream = torch.cat([inputs, targets[:, -1:]], dim=1)  # each row's T + 1 tokens
+    shuffled = stream.flatten()[torch.randperm(stream.numel(), device=stream.device)].view_as(stream)
+    inputs.copy_(shuffled[:, :-1])
+    targets.copy_(shuffled[:, 1:])
 
 
 class FaultInjector(L.Callback, SaveGuard):
@@ -131,6 +144,13 @@ class FaultInjector(L.Callback, SaveGuard):
                 lambda module, args: (_ScaleGrad.apply(args[0], self.factor),) if compat.step_number(trainer) < end and module.training else None
             )
             log.info(f"FAULT: gradients x{self.factor:g} in steps {step}..{end - 1}")
+
+        if self.kind == "bad_data" and self.step <= step < self.step + self.count:
+            if self._growth_from is None and self._arm():  # every micro-batch of the steps, from the one that armed it
+                self._growth_from = step
+                log.info(f"FAULT: bad data (shuffled tokens) in steps {step}..{self.step + self.count - 1}")
+            if self._growth_from is not None:
+                _shuffle_tokens(batch)
 
     def _slow_down(self, model: torch.nn.Module) -> None:
         """The forward pass (this micro-batch's start to the final norm) held back to ``factor`` times its time."""

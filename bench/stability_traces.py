@@ -1,0 +1,106 @@
+"""Per-step traces of real runs for the divergence detector's labelled set (issue 58, docs/stability.md).
+
+    python3 bench/stability_traces.py --out DIR --tokenizer T.tiktoken --set NAME [--jobs 4] [--date D]
+
+Each run of the set is ``train.py`` on the GPU with bench/recipe.py's shape (opt-125m unless the run says otherwise,
+bf16, compiled, batch 8 x 1024 of the torch and transformers sources) and every divergence action set to ``warn``,
+so each run's own course is recorded, whatever a detector would have done. As each run ends its trace
+(lmtrain.training.stability.read_trace: loss, gradient norm, last-block activation RMS, learning rate, fp16 loss
+scale and overflows) is appended to DIR/traces.jsonl: a first line naming the source, then one line per step with
+the run's name. ``lmtrain replay`` and tests/test_stability_events.py judge them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+from recipe import base, corpus  # noqa: E402
+
+WARN = [f"callbacks.divergence.{s}.action=warn" for s in
+        ("nonfinite", "loss_spike", "grad_spike", "act_growth", "loss_level", "loss_scale", "skipped_steps")]  # fmt: skip
+CONSTANT = ["scheduler=constant", "optimizer.weight_decay=0", "scheduler.warmup_steps=100"]
+OPT = ["scheduler=cosine", "scheduler.warmup_steps=100", "optimizer.lr=6e-4"]  # the OPT recipe's rate at 125M
+GUARDED = ["model.qk_norm=true", "module.z_loss=1e-4"]
+
+
+def blip(step: int, count: int = 1) -> list[str]:
+    return ["fault=bad_data", f"callbacks.fault.step={step}", f"callbacks.fault.count={count}"]
+
+
+SETS = {
+    # opt-125m, 1,000 steps: more rates and seeds of plain AdamW, blips of bad data in healthy runs, fp16
+    "125m": {
+        "adamw-lr0.01-seed2": [*CONSTANT, "optimizer.lr=0.01", "seed=2"],
+        "adamw-lr0.04-seed2": [*CONSTANT, "optimizer.lr=0.04", "seed=2"],
+        "adamw-lr0.003-seed2": [*CONSTANT, "optimizer.lr=0.003", "seed=2"],
+        "adamw-lr0.1-seed2": [*CONSTANT, "optimizer.lr=0.1", "seed=2", "trainer.max_steps=600"],
+        "opt-recipe-blip400": [*OPT, *blip(400)],
+        "opt-recipe-blips250x3-700": [*OPT, *blip(250, 3)],
+        "qknorm-zloss-lr0.04-blip500": [*CONSTANT, *GUARDED, "optimizer.lr=0.04", *blip(500)],
+        "qknorm-zloss-lr0.01-blip300x2": [*CONSTANT, *GUARDED, "optimizer.lr=0.01", *blip(300, 2)],
+        "fp16-opt-recipe-blip600": [*OPT, "trainer.precision=16-mixed", *blip(600)],
+        "fp16-lr0.1": [*CONSTANT, "trainer.precision=16-mixed", "optimizer.lr=0.1", "trainer.max_steps=400"],
+    },
+    # opt-1.3b, 400 steps: a rate that diverges, the same with QK-norm and z-loss, the OPT recipe's rate
+    "1.3b": {
+        "1.3b-adamw-lr0.003": ["model=opt-1.3b", *CONSTANT, "optimizer.lr=0.003"],
+        "1.3b-qknorm-zloss-lr0.003": ["model=opt-1.3b", *CONSTANT, *GUARDED, "optimizer.lr=0.003"],
+        "1.3b-opt-recipe-blip200": ["model=opt-1.3b", "scheduler=cosine", "scheduler.warmup_steps=100", "optimizer.lr=2e-4", *blip(200)],
+    },
+}
+_LOCK = threading.Lock()
+
+
+def run(out: Path, ds: Path, name: str, overrides: list[str], steps: int) -> None:
+    from lmtrain.training.stability import read_trace
+
+    rundir = out / "runs" / name
+    given = {o.split("=", 1)[0]: o for o in [f"trainer.max_steps={steps}", "callbacks.checkpoint.every_n_steps=null", *WARN, *overrides]}
+    cmd = [sys.executable, str(ROOT / "train.py"), *base(ds, rundir, name), *sorted(given.values(), key=lambda o: "." in o.split("=", 1)[0])]
+    t0 = time.perf_counter()
+    with open(out / f"{name}.log", "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+    try:
+        trace = read_trace(rundir)
+    except Exception as exc:  # a run that wrote no record: said in the summary line
+        trace, rc = [], f"{rc} (no trace: {exc})"
+    with _LOCK, open(out / "traces.jsonl", "a") as fh:
+        for stats in trace:
+            fh.write(json.dumps({"run": name, **stats}) + "\n")
+    print(json.dumps({"run": name, "exit": rc, "steps": len(trace), "wall_s": round(time.perf_counter() - t0, 1),
+                      "last_loss": trace[-1]["loss"] if trace else None, "command": " ".join(cmd[2:])}), flush=True)  # fmt: skip
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--set", choices=list(SETS), required=True)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--jobs", type=int, default=4)
+    p.add_argument("--source", default="", help="what the traces' first line says of where they ran")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    ds = corpus(args.out, args.tokenizer)
+    with open(args.out / "traces.jsonl", "a") as fh:
+        fh.write(json.dumps({"source": f"{args.source} bench/stability_traces.py --set {args.set} --steps {args.steps}",
+                             "date": time.strftime("%Y-%m-%d")}) + "\n")  # fmt: skip
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for f in [pool.submit(run, args.out, ds, n, o, args.steps) for n, o in SETS[args.set].items()]:
+            f.result()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
