@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from recipe import base, corpus  # noqa: E402
 
 WARN = [f"callbacks.divergence.{s}.action=warn" for s in
-        ("nonfinite", "loss_spike", "grad_spike", "act_growth", "loss_level", "loss_scale", "skipped_steps")]  # fmt: skip
+        ("nonfinite", "loss_spike", "grad_spike", "act_growth", "loss_level", "loss_trend", "stall", "loss_scale", "skipped_steps")]  # fmt: skip
 CONSTANT = ["scheduler=constant", "optimizer.weight_decay=0", "scheduler.warmup_steps=100"]
 OPT = ["scheduler=cosine", "scheduler.warmup_steps=100", "optimizer.lr=6e-4"]  # the OPT recipe's rate at 125M
 GUARDED = ["model.qk_norm=true", "module.z_loss=1e-4"]
@@ -52,6 +52,16 @@ SETS = {
         "fp16-opt-recipe-blip600": [*OPT, "trainer.precision=16-mixed", *blip(600)],
         "fp16-lr0.1": [*CONSTANT, "trainer.precision=16-mixed", "optimizer.lr=0.1", "trainer.max_steps=400"],
     },
+    # the CPU, model=tiny on the embedded corpus, batch 4 x 64: issue 58's blip run (3,000 steps), blips of bad data,
+    # rates that diverge or stop learning (--cpu)
+    "cpu": {
+        "tiny-defaults-3000": ["trainer.max_steps=3000", "data.batch_size=4", "data.seq_len=64"],
+        "tiny-blip1200": ["data.batch_size=4", "data.seq_len=64", *blip(1200)],
+        "tiny-blips900x2": ["data.batch_size=4", "data.seq_len=64", *blip(900, 2)],
+        "tiny-lr0.05": ["data.batch_size=4", "data.seq_len=64", *CONSTANT, "optimizer.lr=0.05"],
+        "tiny-lr0.3": ["data.batch_size=4", "data.seq_len=64", *CONSTANT, "optimizer.lr=0.3"],
+        "tiny-lr0.01": ["data.batch_size=4", "data.seq_len=64", *CONSTANT, "optimizer.lr=0.01"],
+    },
     # opt-1.3b, 400 steps: a rate that diverges, the same with QK-norm and z-loss, the OPT recipe's rate
     "1.3b": {
         "1.3b-adamw-lr0.003": ["model=opt-1.3b", *CONSTANT, "optimizer.lr=0.003"],
@@ -66,8 +76,10 @@ def run(out: Path, ds: Path, name: str, overrides: list[str], steps: int) -> Non
     from lmtrain.training.stability import read_trace
 
     rundir = out / "runs" / name
-    given = {o.split("=", 1)[0]: o for o in [f"trainer.max_steps={steps}", "callbacks.checkpoint.every_n_steps=null", *WARN, *overrides]}
-    cmd = [sys.executable, str(ROOT / "train.py"), *base(ds, rundir, name), *sorted(given.values(), key=lambda o: "." in o.split("=", 1)[0])]
+    given = {o.split("=", 1)[0]: o for o in [f"trainer.max_steps={steps}", "callbacks.checkpoint.every_n_steps=0", *WARN, *overrides]}
+    shape = (["model=tiny", "logger=csv", f"run_dir={rundir}", f"run_name={name}", "trainer.enable_progress_bar=false",
+              "trainer.val_check_interval=100000"] if ds is None else base(ds, rundir, name))  # fmt: skip
+    cmd = [sys.executable, str(ROOT / "train.py"), *shape, *sorted(given.values(), key=lambda o: "." in o.split("=", 1)[0])]
     t0 = time.perf_counter()
     with open(out / f"{name}.log", "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -85,19 +97,20 @@ def run(out: Path, ds: Path, name: str, overrides: list[str], steps: int) -> Non
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--tokenizer", help="the .tiktoken file of the GPU sets' corpus (bench/recipe.py)")
     p.add_argument("--set", choices=list(SETS), required=True)
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--jobs", type=int, default=4)
+    p.add_argument("--only", nargs="*", help="these runs of the set only")
     p.add_argument("--source", default="", help="what the traces' first line says of where they ran")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    ds = corpus(args.out, args.tokenizer)
+    ds = None if args.set == "cpu" else corpus(args.out, args.tokenizer)
     with open(args.out / "traces.jsonl", "a") as fh:
         fh.write(json.dumps({"source": f"{args.source} bench/stability_traces.py --set {args.set} --steps {args.steps}",
                              "date": time.strftime("%Y-%m-%d")}) + "\n")  # fmt: skip
     with ThreadPoolExecutor(args.jobs) as pool:
-        for f in [pool.submit(run, args.out, ds, n, o, args.steps) for n, o in SETS[args.set].items()]:
+        for f in [pool.submit(run, args.out, ds, n, o, args.steps) for n, o in SETS[args.set].items() if not args.only or n in args.only]:
             f.result()
     return 0
 

@@ -7,12 +7,20 @@ module all-reduces them), so every rank takes the same decision:
 
 * ``nonfinite``: the loss is NaN or infinite, or (bf16/fp32) the gradient norm is;
 * ``loss_spike``: the loss is ``z`` standard deviations above its exponential moving average (and at least
-  ``min_ratio`` times it);
+  ``min_ratio`` times it); it acts only when it *persists*: spikes spanning ``persist`` steps with fewer than
+  ``healthy_after`` clean steps between them. A shorter one is a *blip* (one odd batch the run recovers from by
+  itself): said (``warn``), kept out of the averages, never a rollback or a stop;
 * ``grad_spike``: the same test on the gradient norm (before clipping);
 * ``act_growth``: the RMS of the last block's output (``train/act_rms``) above ``ratio`` times its average;
 * ``loss_level``: the loss above ``ratio`` times the run's first loss (at initialisation about ln(vocabulary)):
   judged from the first step, so a run that diverges during the warm-up, before the spike statistics are
   trusted, is still caught;
+* ``loss_trend``: the mean loss of the last 50 steps ``rise`` above its lowest since judging began (a ramp too slow
+  for the spike test, which follows it); the trouble is dated from that lowest step, so no checkpoint saved on the
+  ramp is returned to;
+* ``stall``: the 50-step mean loss has not gained ``min_delta`` (relative) in ``window`` steps (or a quarter of the
+  steps trained, if more), the learning rate not near zero (above a tenth of the run's highest): a warning; after
+  twice as long, the signal's action (``stop``: exit status 6, not 3: the run stopped learning, it did not diverge);
 * ``loss_scale``: fp16 only, the gradient scaler's scale below ``floor``;
 * ``skipped_steps``: fp16 only, more than ``max_consecutive`` optimizer steps in a row skipped by the scaler.
 
@@ -28,7 +36,8 @@ resumes) and, with ``skip_data``, past the data that was being read. At most ``m
 ``rollback_window`` steps; one more stops the run, saying so. The detector's state is saved in checkpoints, and
 every checkpoint's ``meta.json`` carries its health fields. A rollback also revokes the operator and config
 learning-rate corrections issued after its checkpoint (lmtrain.formats.corrections): they belong to the abandoned timeline.
-A ``stop``, or a rollback that cannot happen, ends the run with :class:`lmtrain.errors.RunStopped` (exit status 3).
+A ``stop``, or a rollback that cannot happen, ends the run with :class:`lmtrain.errors.RunStopped` (exit status 3; a
+stall's stop 6). The judgement itself is :class:`lmtrain.training.stability.Judge`, replayable offline.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from __future__ import annotations
 import lightning as L
 
 from lmtrain.console import log
-from lmtrain.errors import InputError
+from lmtrain.errors import STALLED_EXIT, STOPPED_EXIT, InputError
 from lmtrain.formats import corrections, logbook
 from lmtrain.training import compat
 from lmtrain.training.checkpoint.resume import rollback_target
@@ -66,6 +75,8 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
         grad_spike: dict | None = None,
         act_growth: dict | None = None,
         loss_level: dict | None = None,
+        loss_trend: dict | None = None,
+        stall: dict | None = None,
         loss_scale: dict | None = None,
         skipped_steps: dict | None = None,
         rollback_lr_scale: float = 0.5,
@@ -75,7 +86,8 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
     ) -> None:
         super().__init__(
             warmup_steps=warmup_steps, ema_beta=ema_beta, healthy_after=healthy_after, nonfinite=nonfinite, loss_spike=loss_spike,
-            grad_spike=grad_spike, act_growth=act_growth, loss_level=loss_level, loss_scale=loss_scale, skipped_steps=skipped_steps,
+            grad_spike=grad_spike, act_growth=act_growth, loss_level=loss_level, loss_trend=loss_trend, stall=stall, loss_scale=loss_scale,
+            skipped_steps=skipped_steps,
         )  # fmt: skip
         if not 0 < rollback_lr_scale <= 1 or max_rollbacks < 0:
             raise InputError(
@@ -93,6 +105,7 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
         self.run_dir = self.checkpointer.root.parent if self.checkpointer is not None else None
         self.rollback_request = None
         self.stop_reason = None
+        self.stop_status = STOPPED_EXIT
         self.stopping = False
 
     # -- the per-step check (called by LMModule.on_before_optimizer_step on every rank) --------
@@ -109,7 +122,7 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
             return True
         step = stats["step"] if "step" in stats else compat.step_number(trainer)
         fired, metrics = self.judge(stats, step)
-        healthy = self.trouble_start is None
+        healthy = self.healthy
         log_direct(trainer, metrics, step=step)
         if self.checkpointer is not None:
             self.checkpointer.record_health({
@@ -123,13 +136,13 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
             })  # fmt: skip
         return self._act(trainer, pl_module, step, fired) if fired else False
 
-    def _act(self, trainer, pl_module, step: int, fired: list[tuple[str, str]]) -> bool:
+    def _act(self, trainer, pl_module, step: int, fired: list[tuple[str, str, str]]) -> bool:
         action = self.action(fired)
-        text = "; ".join(f"{n}: {why}" for n, why in fired)
+        text = "; ".join(f"{n}: {why}" for n, why, _ in fired)
         tokens = None  # trained through the step judged (it may be judged a step late: lmtrain.training.module)
         if hasattr(pl_module, "tokens_trained"):
             tokens = pl_module.tokens_trained + (step - trainer.global_step) * pl_module.tokens_per_step()
-        signals = [n for n, _ in fired]
+        signals = [n for n, _, _ in fired]
         self._event(
             trainer, "divergence_signal", f"step {step}: {text} -> {action}", step=step, tokens=tokens, signals=signals, action=action
         )
@@ -138,7 +151,11 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
         if action == "skip":
             return True
         if action == "stop":
-            self._stop(trainer, f"stopping at step {step} ({text}); the newest complete checkpoint is the last good state", step)
+            stall = any(n == "stall" and a == "stop" for n, _, a in fired)
+            what = "stalled" if stall else "stopping"
+            self._stop(trainer, f"{what} at step {step} ({text}); the newest complete checkpoint is the last good state", step)
+            if stall:  # not a divergence: its own exit status, so a scheduler or a sweep tells them apart
+                self.stop_status = STALLED_EXIT
             return True
         return self._rollback(trainer, step, text)
 

@@ -16,7 +16,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from lmtrain import config_dir
-from lmtrain.errors import PREEMPTED_EXIT, STOPPED_EXIT, InputError, Preempted, RunStopped
+from lmtrain.errors import PREEMPTED_EXIT, InputError, Preempted, RunStopped
 from lmtrain.training.config import explain_hydra_error  # (importing lmtrain.training.config registers the run-name resolver)
 
 
@@ -38,7 +38,7 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(2)
     except RunStopped as exc:  # every rank took the same decision: leave together, not finished
         print(f"stopped: {exc.reason}", file=sys.stderr)
-        sys.exit(STOPPED_EXIT)
+        sys.exit(exc.status)
     except Preempted as exc:  # a signal, agreed by every rank at one step: saved, not finished
         print(f"preempted: {exc.reason}", file=sys.stderr)
         sys.exit(PREEMPTED_EXIT)

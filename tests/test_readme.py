@@ -236,6 +236,8 @@ def test_every_readme_command_line_works(readme_world, corpus_jsonl, tmp_path, m
                 argv = argv[: argv.index("--tracking-uri")] + ["--tracking-uri", f"sqlite:///{root / 'nothing.db'}"]
             if tool == "lmtrain.generate" and "--checkpoint" in argv:
                 argv[argv.index("--checkpoint") + 1] = "step-0000004"  # the README's step 100 is this short run's step 4
+            if tool == "lmtrain.replay" and "--events" in argv:  # the repository's labelled set: a path from its root
+                argv[argv.index("--events") + 1] = str(ROOT / argv[argv.index("--events") + 1])
             module = __import__(tool, fromlist=["main"])
             code = module.main(argv)
             out = capsys.readouterr()

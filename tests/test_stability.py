@@ -365,3 +365,119 @@ def test_every_action_ends_cleanly_under_every_precision(tmp_path, dataset_dir, 
         rows = _rows(run)
         finite = [s for s in rows if math.isfinite(float(rows[s]["train/loss"]))]
         assert sorted(finite) == [s for s in range(1, 9) if s != 5 or action == "rollback"], (action, finite)
+
+
+def _shipped() -> dict:
+    """The detector's settings as a run gets them (conf/callbacks/stability.yaml), its judgement's keys."""
+    from omegaconf import OmegaConf
+
+    from lmtrain.training.stability import JUDGE_KEYS
+
+    node = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "callbacks" / "stability.yaml").divergence)
+    return {k: v for k, v in node.items() if k in JUDGE_KEYS}
+
+
+def test_the_labelled_real_events_meet_the_targets_with_the_shipped_settings():
+    """The labelled set (tests/data/stability/events.json: real runs, labelled from their curves) judged with the
+    settings a run gets: no rollback or stop on a healthy run or a blip, every divergence and ramp acted on within 20
+    steps of its onset (a ramp back to before it began), every stall flagged within 200 steps. The command of
+    docs/stability.md prints the table the page shows."""
+    from lmtrain.training.stability import read_traces, score
+
+    folder = ROOT / "tests" / "data" / "stability"
+    events = json.loads((folder / "events.json").read_text())["events"]
+    traces = {(f, r): t for f in {e["trace"] for e in events} for r, t in read_traces(folder / f).items()}
+    results = score(events, traces, **_shipped())
+    false = [(r["kind"], r["run"], r["false_action"]) for r in results if r["false_action"] is not None]
+    assert not false, false  # never a rollback or stop on a healthy run or a blip, nor before an event began
+    wrong = [(r["kind"], r["run"], r.get("onset"), r["acted"]) for r in results if not r["correct"]]
+    # the one miss, said in docs/stability.md: the slow ramp is rolled back 60 steps after its onset (target 20), to
+    # a checkpoint from before it began
+    assert wrong == [("ramp", "adamw-lr0.003", 600, 660)], wrong
+    assert next(r for r in results if r["kind"] == "ramp")["returns_before"] <= 450
+    assert {r["kind"] for r in results} == {"healthy", "blip", "divergence", "ramp", "stall"}
+    out = subprocess.run([sys.executable, "-m", "lmtrain", "replay", "--events", "tests/data/stability/events.json"],
+                         capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    printed = [line for line in out.stdout.splitlines() if line.startswith("|")]
+    page = (ROOT / "docs" / "stability.md").read_text()
+    assert len(printed) >= 7 and "\n".join(printed) in page, "docs/stability.md's table is not what the command prints now"
+    # the labels are judged, not assumed: the detector of before this set (every spike acts, no trend, no stall) fails it
+    before = {**_shipped(), "loss_spike": {"persist": 1}, "loss_trend": {"action": "warn"}, "stall": {"action": "warn", "window": 10**9}}
+    assert not all(r["correct"] for r in score(events, traces, **before))
+
+
+def _steps(losses, lr=1.0, first=1):
+    return [{"step": first + i, "loss": x, "grad_norm": 1.0, "act_rms": None, "lr": lr, "loss_scale": None, "overflow": None}
+            for i, x in enumerate(losses)]  # fmt: skip
+
+
+def test_a_blip_is_said_and_a_persisting_spike_acts_dated_from_its_first_step():
+    import random
+
+    rng = random.Random(0)
+    base = [6.0 - 0.002 * i + rng.gauss(0, 0.05) for i in range(300)]  # learning; the first loss 6: a 1.5x level is 9
+    blip = base[:200] + [8.0] + base[201:]
+    events = replay(_steps(blip), warmup_steps=20)
+    assert [(e["step"], e["action"]) for e in events] == [(201, "warn")] and "a blip" in events[0]["why"]
+    persisting = base[:200] + [8.0] * 10 + base[210:]
+    acted = [e for e in replay(_steps(persisting), warmup_steps=20) if e["action"] != "warn"]
+    assert acted[0]["step"] == 205 and acted[0]["since"] == 201 and acted[0]["signals"] == ["loss_spike"], acted[0]
+    # a blip's action where the signal skips: the update dropped, nothing more
+    assert [e["action"] for e in replay(_steps(blip), warmup_steps=20, loss_spike={"action": "skip"})] == ["skip"]
+
+
+def test_a_ramp_rolls_back_to_before_it_and_a_stall_warns_then_stops_unless_the_rate_is_near_zero():
+    import random
+
+    rng = random.Random(1)
+    noise = [rng.gauss(0, 0.05) for _ in range(2000)]
+    falling = [6.0 - 0.004 * i + noise[i] for i in range(300)]  # 4.8 at step 300
+    ramp = falling + [4.8 + 0.01 * i + noise[300 + i] for i in range(200)]  # then up 0.01 a step, far below a spike
+    acted = [e for e in replay(_steps(ramp), warmup_steps=20) if e["action"] != "warn"]
+    assert acted and acted[0]["signals"] == ["loss_trend"] and acted[0]["action"] == "rollback", acted[:1]
+    assert 300 < acted[0]["step"] <= 360 and acted[0]["since"] <= 300, acted[0]  # dated from the floor, not the signal
+    flat = falling + [4.8 + noise[300 + i] for i in range(900)]
+    events = [e for e in replay(_steps(flat), warmup_steps=20) if "stall" in e["signals"]]
+    assert [e["action"] for e in events] == ["warn", "stop"], events
+    assert 300 < events[0]["step"] <= 560 and events[1]["step"] - events[0]["step"] >= 200, events  # a window and its mean's
+    # the same flat curve in a schedule's tail (the rate a twentieth of its peak): no stall is judged
+    tail = _steps(falling, lr=1.0) + _steps(flat[300:], lr=0.05, first=301)
+    assert not [e for e in replay(tail, warmup_steps=20) if "stall" in e["signals"]]
+
+
+def test_the_judgement_continues_exactly_across_a_resume():
+    """A Judge restored from a state saved mid-stream decides what one that never stopped decides."""
+    import random
+
+    from lmtrain.training.stability import Judge
+
+    rng = random.Random(2)
+    trace = _steps([6.0 - 0.003 * i + rng.gauss(0, 0.1) for i in range(400)] + [4.8 + rng.gauss(0, 0.1) for _ in range(800)])
+    whole, first = Judge(warmup_steps=20), Judge(warmup_steps=20)
+    for s in trace[:537]:
+        first.judge(s, s["step"])
+    second = Judge(warmup_steps=20)
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))  # as a checkpoint's JSON carries it
+    a = [whole.judge(s, s["step"])[0] for s in trace]
+    b = [second.judge(s, s["step"])[0] for s in trace[537:]]
+    assert a[537:] == b and any(b), "the resumed judgement differs"
+
+
+@pytest.mark.slow
+def test_a_run_that_does_not_learn_is_warned_then_stopped_with_its_own_exit_status(tmp_path, dataset_dir):
+    """A real run whose learning rate is too small to move the weights: the stall warning, then the stop, exit
+    status 6 (not 3: nothing diverged), the logbook's entries naming it."""
+    res = run_train_cli(
+        TINY + ["callbacks=default", "callbacks.disk_guard.margin_gb=0", "logger=csv", "trainer.max_steps=200", "trainer.val_check_interval=1000",
+                "optimizer.lr=1e-9", "scheduler=constant", "callbacks.divergence.warmup_steps=10", "callbacks.divergence.stall.window=30",
+                f"run_dir={tmp_path / 'run'}", f"paths.data={tmp_path / 'data'}", f"data.path={dataset_dir}", "data.prepare=null"],  # fmt: skip
+        tmp_path,
+    )
+    assert res.returncode == 6, res.stderr[-3000:]
+    assert res.stderr.strip().splitlines()[-1].startswith("stopped: stalled at step"), res.stderr[-500:]
+    entries = logbook.read(tmp_path / "run")
+    said = [e for e in entries if e["kind"] == "divergence_signal"]
+    assert [e["action"] for e in said] == ["warn", "stop"] and all(e["signals"] == ["stall"] for e in said), said
+    stopped = next(e for e in entries if e["kind"] == "stopped")
+    assert stopped["status"] == 6 and said[-1]["step"] <= stopped["step"] <= said[-1]["step"] + 1 < 200  # judged a step late

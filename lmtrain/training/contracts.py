@@ -11,9 +11,10 @@ from pathlib import Path
 class StopsTraining:
     """A callback that may stop training before ``trainer.max_steps`` (the divergence detector's ``stop``, the disk
     guard). It sets ``stop_reason`` and ``trainer.should_stop``; the run then did not finish, and the entry point
-    exits with status 3 (lmtrain.errors.RunStopped)."""
+    exits with ``stop_status`` (3; 6 for a stall: lmtrain.errors.RunStopped)."""
 
     stop_reason: str | None = None
+    stop_status: int = 3
 
 
 class Preempts:

@@ -143,8 +143,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
             accepted.clear()
             metrics, detector, stopped = _attempt(cfg, rollback, clock, accepted, said)
             ran = True
-            if stopped:
-                raise RunStopped(stopped)
+            if stopped is not None:
+                raise stopped
             rollback = detector.rollback_request if detector is not None else None
             if rollback is None:
                 return metrics
@@ -155,7 +155,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
             with open_dict(cfg):
                 cfg.ckpt_path = rollback["checkpoint"]
     except RunStopped as exc:
-        console.file_only(f"stopped: {exc.reason} (exit status 3)")
+        console.file_only(f"stopped: {exc.reason} (exit status {exc.status})")
         raise
     except Preempted as exc:
         console.file_only(f"preempted: {exc.reason} (exit status 4)")
@@ -291,7 +291,7 @@ class _Attempt:
 
 
 def _attempt(cfg: DictConfig, rollback: dict | None, clock: Goodput, accepted: list, said: list[str] = ()):
-    """One ``trainer.fit``; returns (final metrics, the divergence detector or None, why a guard stopped it or None).
+    """One ``trainer.fit``; returns (final metrics, the divergence detector or None, the RunStopped of a guard that stopped it or None).
     In order: what is decided from the config alone (nothing written but the run directory), what is built and checked
     (data prepared, model identity and data stream against the checkpoint), the acceptance (only now is anything of the
     run written), the fit."""
@@ -618,9 +618,11 @@ def _fit(att: _Attempt, clock: Goodput):
         if preempted is not None:
             _preempted(att, preempted)
         detector = next((c for c in att.callbacks if isinstance(c, RequestsRollback)), None)
-        stopped = next((c.stop_reason for c in trainer.callbacks if isinstance(c, StopsTraining) and c.stop_reason), None)
+        stopper = next((c for c in trainer.callbacks if isinstance(c, StopsTraining) and c.stop_reason), None)
+        stopped = RunStopped(stopper.stop_reason, stopper.stop_status) if stopper is not None else None
         if trainer.is_global_zero and stopped:
-            logbook.append(run_dir, "stopped", f"training stopped at step {trainer.global_step}: {stopped}", step=trainer.global_step)
+            logbook.append(run_dir, "stopped", f"training stopped at step {trainer.global_step}: {stopped.reason}", step=trainer.global_step,
+                           status=stopped.status)  # fmt: skip
         elif trainer.is_global_zero and (detector is None or detector.rollback_request is None):
             step = trainer.global_step
             tokens = getattr(module, "tokens_trained", 0)

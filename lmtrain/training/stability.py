@@ -22,13 +22,18 @@ ACTIONS = ("warn", "skip", "stop", "rollback")
 SEVERITY = {a: i for i, a in enumerate(ACTIONS)}
 DEFAULTS = {
     "nonfinite": {"action": "rollback"},
-    "loss_spike": {"z": 6.0, "min_ratio": 1.1, "action": "rollback"},
-    "grad_spike": {"z": 8.0, "min_ratio": 2.0, "action": "warn"},
+    "loss_spike": {"z": 6.0, "min_ratio": 1.1, "persist": 5, "action": "rollback"},
+    "grad_spike": {"z": 8.0, "min_ratio": 2.0, "persist": 5, "action": "warn"},
     "act_growth": {"ratio": 3.0, "action": "warn"},
     "loss_level": {"ratio": 1.5, "action": "rollback"},
+    "loss_trend": {"rise": 0.05, "action": "rollback"},
+    "stall": {"window": 200, "min_delta": 0.02, "action": "stop"},
     "loss_scale": {"floor": 1.0, "action": "rollback"},
     "skipped_steps": {"max_consecutive": 10, "action": "rollback"},
 }
+TREND_STEPS = 50  # ``loss_trend`` and ``stall`` follow the mean loss of this many steps (of those that were not spikes)
+NOISE_Z = 5.0  # a rise must also exceed this many standard errors of the difference of two TREND_STEPS means
+LOW_LR = 0.1  # a learning rate below this fraction of the run's highest is "near zero": no stall is judged there
 
 
 class EMA:
@@ -78,9 +83,15 @@ def signal_specs(given: dict[str, dict | None]) -> dict[str, dict]:
 
 class Judge:
     """The running statistics and the signals they fire, step by step (see lmtrain.callbacks.divergence for each
-    signal). Args: ``warmup_steps`` healthy steps observed before spikes are judged; ``ema_beta`` the smoothing of the
-    running statistics; ``healthy_after`` signal-free steps after which the run counts as healthy again; one dict per
-    signal (missing keys take :data:`DEFAULTS`)."""
+    signal). Args: ``warmup_steps`` healthy steps observed before spikes, trends and stalls are judged; ``ema_beta``
+    the smoothing of the spike statistics; ``healthy_after`` signal-free steps after which the run counts as healthy
+    again (and a spike episode is over); one dict per signal (missing keys take :data:`DEFAULTS`).
+
+    Each fired signal is ``(name, why, action)``. A spike (``loss_spike``, ``grad_spike``) takes its action only once
+    it persists: spikes spanning ``persist`` steps or more with fewer than ``healthy_after`` clean steps between them;
+    a shorter one is a *blip*, whose action is ``warn`` (``skip`` where the signal's action is ``skip``): a batch the
+    run recovers from by itself is not a divergence. ``loss_trend`` and ``stall`` fire once when their condition
+    begins (and again only after it has ended): a rising or flat curve is one event, not one per step."""
 
     def __init__(
         self,
@@ -92,12 +103,15 @@ class Judge:
         grad_spike: dict | None = None,
         act_growth: dict | None = None,
         loss_level: dict | None = None,
+        loss_trend: dict | None = None,
+        stall: dict | None = None,
         loss_scale: dict | None = None,
         skipped_steps: dict | None = None,
     ) -> None:
         self.signals = signal_specs({
             "nonfinite": nonfinite, "loss_spike": loss_spike, "grad_spike": grad_spike, "act_growth": act_growth,
-            "loss_level": loss_level, "loss_scale": loss_scale, "skipped_steps": skipped_steps,
+            "loss_level": loss_level, "loss_trend": loss_trend, "stall": stall, "loss_scale": loss_scale,
+            "skipped_steps": skipped_steps,
         })  # fmt: skip
         for key, value in (("warmup_steps", warmup_steps), ("healthy_after", healthy_after), ("ema_beta", ema_beta)):
             if isinstance(value, bool) or not isinstance(value, int | float):
@@ -106,9 +120,17 @@ class Judge:
             raise InputError(f"callbacks.divergence: ema_beta={ema_beta} must be in (0, 1)")
         self.warmup_steps, self.healthy_after = warmup_steps, healthy_after
         self.loss, self.grad, self.act = EMA(ema_beta), EMA(ema_beta), EMA(ema_beta)
+        self.recent: list[float] = []  # the last TREND_STEPS losses that were not spikes: ``loss_trend`` and ``stall``
         self.clean_streak = 0
-        self.trouble_start: int | None = None
+        self.trouble_start: int | None = None  # the first step of the trouble a severe signal acts on
+        self.episode_start: int | None = None  # the first spike of the spikes not yet followed by healthy_after clean steps
         self.first_loss: float | None = None  # the reference of ``loss_level``
+        self.best: float | None = None  # the smoothed loss's lowest since judging began, and its step
+        self.best_step: int | None = None
+        self.rising = False  # loss_trend fired and the smoothed loss has not come back since
+        self.history: list[list] = []  # stall: [step, smoothed loss] every 10 steps, as far back as it looks
+        self.stall_said = 0  # stall: 1 once warned of this flat stretch, 2 once acted on
+        self.peak_lr = 0.0
         self.skip_streak = self.skipped_total = 0  # fp16: updates skipped by the gradient scaler
 
     # -- state -----------------------------------------------------------------------------
@@ -117,9 +139,17 @@ class Judge:
             "loss": self.loss.state(),
             "grad": self.grad.state(),
             "act": self.act.state(),
+            "recent": list(self.recent),
             "clean_streak": self.clean_streak,
             "trouble_start": self.trouble_start,
+            "episode_start": self.episode_start,
             "first_loss": self.first_loss,
+            "best": self.best,
+            "best_step": self.best_step,
+            "rising": self.rising,
+            "history": self.history,
+            "stall_said": self.stall_said,
+            "peak_lr": self.peak_lr,
             "skip_streak": self.skip_streak,
             "skipped_total": self.skipped_total,
         }
@@ -129,64 +159,150 @@ class Judge:
         self.grad.load(state["grad"])
         self.act.load(state["act"])
         self.clean_streak, self.trouble_start = state["clean_streak"], state["trouble_start"]
-        self.first_loss = state.get("first_loss")  # absent in checkpoints written before these fields existed
+        # absent in checkpoints written before these fields existed: judging them starts afresh
+        self.first_loss = state.get("first_loss")
+        self.recent = list(state.get("recent", []))
+        self.episode_start, self.best, self.best_step = state.get("episode_start"), state.get("best"), state.get("best_step")
+        self.rising, self.history = state.get("rising", False), [list(h) for h in state.get("history", [])]
+        self.stall_said, self.peak_lr = state.get("stall_said", 0), state.get("peak_lr", 0.0)
         self.skip_streak, self.skipped_total = state.get("skip_streak", 0), state.get("skipped_total", 0)
 
+    @property
+    def healthy(self) -> bool:
+        """No trouble acted on, no spike episode open, the smoothed loss not rising: a checkpoint saved now is one to
+        return to."""
+        return self.trouble_start is None and self.episode_start is None and not self.rising
+
     # -- the judgement -------------------------------------------------------------------------
-    def judge(self, stats: dict, step: int) -> tuple[list[tuple[str, str]], dict[str, float]]:
-        """One step's statistics judged: the signals fired, as (name, why), and the figures logged every step. A step
-        whose signals all only warn (or none) feeds the running statistics, unless the fp16 scaler skipped it."""
+    def judge(self, stats: dict, step: int) -> tuple[list[tuple[str, str, str]], dict[str, float]]:
+        """One step's statistics judged: the signals fired, as (name, why, action), and the figures logged every
+        step. A step that fires nothing feeds the running statistics, unless the fp16 scaler skipped it."""
         metrics: dict[str, float] = {}
-        fired = self._signals(stats, metrics)
-        severe = [n for n, _ in fired if self.signals[n]["action"] != "warn"]  # warnings are reported, not acted on
-        if severe:
+        fired, spike = self._signals(stats, step, metrics)
+        severe = [a for _, _, a in fired if a != "warn"]
+        if severe and self.trouble_start is None:
+            # a ramp began at the middle of the window whose mean was lowest; spikes at the first of them
+            onsets = [step] + [self.best_step - TREND_STEPS // 2 for n, _, _ in fired if n == "loss_trend" and self.best_step is not None]
+            onsets += [self.episode_start] if self.episode_start is not None else []
+            self.trouble_start = min(onsets)
+        if severe or spike:
             self.clean_streak = 0
-            if self.trouble_start is None:
-                self.trouble_start = step
         elif not stats.get("overflow"):  # a step the scaler skipped neither feeds the statistics nor clears trouble
-            self._observe(stats)
-        metrics["stability/healthy"] = float(self.trouble_start is None)
+            self._observe(stats, step)
+        metrics["stability/healthy"] = float(self.healthy)
         for name in self.signals:
-            metrics[f"stability/{name}"] = float(any(n == name for n, _ in fired))
+            metrics[f"stability/{name}"] = float(any(n == name for n, _, _ in fired))
         return fired, metrics
 
-    def action(self, fired: list[tuple[str, str]]) -> str:
+    @staticmethod
+    def action(fired: list[tuple[str, str, str]]) -> str:
         """The most severe action among the signals fired."""
-        return max((self.signals[n]["action"] for n, _ in fired), key=SEVERITY.get)
+        return max((a for _, _, a in fired), key=SEVERITY.get)
 
-    def _signals(self, stats: dict, metrics: dict) -> list[tuple[str, str]]:
-        """The signals this step fires, as (name, why); fills ``metrics`` with what is logged every step."""
-        loss, grad, act = stats["loss"], stats["grad_norm"], stats.get("act_rms")
+    def _signals(self, stats: dict, step: int, metrics: dict) -> tuple[list[tuple[str, str, str]], bool]:
+        """The signals this step fires, and whether it is a spike (kept out of the statistics); fills ``metrics``."""
+        loss, grad, act, lr = stats["loss"], stats["grad_norm"], stats.get("act_rms"), stats.get("lr")
         overflow = stats.get("overflow")  # None: no gradient scaler (bf16, fp32)
         fired = self._scaler_signals(stats, metrics) if overflow is not None else []
         if not math.isfinite(loss) or (overflow is None and not math.isfinite(grad)):
-            fired.append(("nonfinite", f"loss {loss}, gradient norm {grad}"))
-            return fired
+            fired.append(self._fire("nonfinite", f"loss {loss}, gradient norm {grad}"))
+            return fired, True
+        if lr is not None and math.isfinite(lr):
+            self.peak_lr = max(self.peak_lr, lr)
         if self.first_loss is None:
             self.first_loss = loss
         ratio = self.signals["loss_level"]["ratio"]
         metrics["stability/loss_level"] = loss / self.first_loss if self.first_loss > 0 else 0.0
         if self.first_loss > 0 and loss > ratio * self.first_loss:
-            fired.append(("loss_level", f"loss {loss:.4f} above {ratio:g}x the run's first loss {self.first_loss:.4f}"))
+            fired.append(self._fire("loss_level", f"loss {loss:.4f} above {ratio:g}x the run's first loss {self.first_loss:.4f}"))
         if overflow:  # the gradients are not finite: nothing more to judge on them
-            return fired
+            return fired, True
         judging = self.loss.n >= max(self.warmup_steps, 2)  # never on statistics of nothing
         lz, gz = self.loss.z(loss), self.grad.z(grad)
         metrics.update({"stability/loss_z": lz if self.loss.n else 0.0, "stability/grad_z": gz if self.grad.n else 0.0})
+        spikes = []
         sp = self.signals["loss_spike"]
         if judging and lz > sp["z"] and loss > sp["min_ratio"] * self.loss.mean:
-            fired.append(("loss_spike", f"loss {loss:.4f} vs average {self.loss.mean:.4f} (z={lz:.1f})"))
+            spikes.append(("loss_spike", f"loss {loss:.4f} vs average {self.loss.mean:.4f} (z={lz:.1f})"))
         sp = self.signals["grad_spike"]
         if judging and gz > sp["z"] and grad > sp["min_ratio"] * self.grad.mean:
-            fired.append(("grad_spike", f"gradient norm {grad:.4g} vs average {self.grad.mean:.4g} (z={gz:.1f})"))
+            spikes.append(("grad_spike", f"gradient norm {grad:.4g} vs average {self.grad.mean:.4g} (z={gz:.1f})"))
+        if spikes:
+            if self.episode_start is None:
+                self.episode_start = step
+            span = step - self.episode_start + 1
+            for name, why in spikes:
+                persist = self.signals[name]["persist"]
+                if span >= persist:
+                    fired.append(self._fire(name, f"{why}; spikes over {span} steps from step {self.episode_start}"))
+                else:  # a blip: said, kept out of the statistics, not acted on
+                    blip = "skip" if self.signals[name]["action"] == "skip" else "warn"
+                    fired.append((name, f"{why}; a blip unless the spikes persist over {persist} steps", blip))
         if act is not None and math.isfinite(act):
             ratio = act / self.act.mean if self.act.n and self.act.mean > 0 else 1.0
             metrics["stability/act_ratio"] = ratio
             if judging and ratio > self.signals["act_growth"]["ratio"]:
-                fired.append(("act_growth", f"final-layer activation RMS {act:.4g}, {ratio:.2f}x its average {self.act.mean:.4g}"))
+                fired.append(self._fire("act_growth", f"final-layer activation RMS {act:.4g}, {ratio:.2f}x its average {self.act.mean:.4g}"))
+        if not spikes:
+            fired += self._trend_signals(loss, lr, step, judging, metrics)
+        return fired, bool(spikes)
+
+    def _trend_signals(self, loss: float, lr: float | None, step: int, judging: bool, metrics: dict) -> list:
+        """``loss_trend`` and ``stall``, on the smoothed loss: the mean of the last TREND_STEPS losses that were not
+        spikes (a window's mean, not a moving average: it does not lag behind the steep fall of the first steps)."""
+        self.recent = [*self.recent[1 - TREND_STEPS :], loss]
+        smoothed, fired = sum(self.recent) / len(self.recent), []
+        metrics["stability/loss_smoothed"] = smoothed
+        if len(self.recent) < TREND_STEPS:
+            return []
+        if step % 10 == 0:  # the stall's history: the smoothed loss every 10 steps, as far back as it looks
+            back = 2 * max(self.signals["stall"]["window"], step // 4) + 10
+            self.history = [h for h in self.history if h[0] >= step - back] + [[step, smoothed]]
+        if not judging:
+            return []
+        if self.best is None or smoothed < self.best:
+            self.best, self.best_step = smoothed, step
+        rise = self.signals["loss_trend"]["rise"]
+        metrics["stability/loss_rise"] = smoothed / self.best - 1 if self.best > 0 else 0.0
+        var = sum((x - smoothed) ** 2 for x in self.recent) / (len(self.recent) - 1)
+        noise = NOISE_Z * math.sqrt(2 * var / len(self.recent))  # a small batch's loss wanders more: so may its mean
+        if self.best > 0 and smoothed - self.best > max(rise * self.best, noise) and not self.rising:
+            self.rising = True
+            fired.append(self._fire("loss_trend", f"smoothed loss {smoothed:.4f}, {smoothed / self.best - 1:.1%} above its lowest "
+                                                  f"{self.best:.4f} (steps {self.best_step - TREND_STEPS + 1}-{self.best_step}): rising since then"))  # fmt: skip
+        elif self.rising and smoothed <= (1 + rise / 2) * self.best:
+            self.rising = False
+        st = self.signals["stall"]
+        window = max(st["window"], step // 4)  # a long run's later progress is slower: its window grows with it
+        gain = {w: self._gain(smoothed, step - w) for w in (window, 2 * window)}
+        if gain[window] is not None and gain[window] >= 2 * st["min_delta"]:  # learning again, clearly: judged afresh
+            self.stall_said = 0
+        low_lr = lr is not None and self.peak_lr > 0 and lr < LOW_LR * self.peak_lr
+        at = "" if lr is None else f" at learning rate {lr:g}"
+        flat = f"the smoothed loss ({smoothed:.4f}) gained less than {st['min_delta']:.0%}"
+        if low_lr or self.rising:  # near zero, or a ramp (loss_trend fired): no stall judged
+            return fired
+        near_best = smoothed <= (1 + st["min_delta"]) * self.best  # flat, not creeping up: a ramp is not stopped as a stall
+        if self.stall_said == 1 and near_best and gain[2 * window] is not None and gain[2 * window] < st["min_delta"] / 2:
+            self.stall_said = 2  # acted on only when twice as long a stretch gained less than half as much: surely flat
+            flat = f"the smoothed loss ({smoothed:.4f}) gained less than {st['min_delta'] / 2:.0%}"
+            fired.append(self._fire("stall", f"{flat} in {2 * window} steps (since step {step - 2 * window}){at}: the run has stopped learning"))
+        elif self.stall_said == 0 and gain[window] is not None and gain[window] < st["min_delta"]:
+            self.stall_said = 1
+            then = st["action"]
+            fired.append(("stall", f"{flat} in {window} steps (since step {step - window}){at}; {then} at step "
+                                   f"{step + window} or later unless it gains {st['min_delta'] / 2:.0%} in {2 * window} steps", "warn"))  # fmt: skip
         return fired
 
-    def _scaler_signals(self, stats: dict, metrics: dict) -> list[tuple[str, str]]:
+    def _gain(self, smoothed: float, since: int) -> float | None:
+        """The smoothed loss's relative gain since step ``since`` (None: no record that far back)."""
+        then = [v for s, v in self.history if s <= since]
+        return (then[-1] - smoothed) / then[-1] if then and then[-1] > 0 else None
+
+    def _fire(self, name: str, why: str) -> tuple[str, str, str]:
+        return name, why, self.signals[name]["action"]
+
+    def _scaler_signals(self, stats: dict, metrics: dict) -> list[tuple[str, str, str]]:
         """fp16: count the updates the gradient scaler skipped; judge the scale and the run of skips."""
         scale, fired = stats["loss_scale"], []
         self.skip_streak = self.skip_streak + 1 if stats["overflow"] else 0
@@ -194,18 +310,15 @@ class Judge:
         metrics.update({"train/loss_scale": scale, "train/skipped_steps": float(self.skipped_total)})
         floor = self.signals["loss_scale"]["floor"]
         if scale < floor:
-            fired.append(("loss_scale", f"fp16 loss scale {scale:g} below the floor {floor:g}"))
+            fired.append(self._fire("loss_scale", f"fp16 loss scale {scale:g} below the floor {floor:g}"))
         limit = self.signals["skipped_steps"]["max_consecutive"]
         if self.skip_streak > limit:
-            fired.append(
-                (
-                    "skipped_steps",
-                    f"{self.skip_streak} updates in a row skipped by the fp16 gradient scaler (more than {limit}; scale {scale:g})",
-                )
-            )
+            fired.append(self._fire(
+                "skipped_steps", f"{self.skip_streak} updates in a row skipped by the fp16 gradient scaler (more than {limit}; scale {scale:g})"
+            ))  # fmt: skip
         return fired
 
-    def _observe(self, stats: dict) -> None:
+    def _observe(self, stats: dict, step: int) -> None:
         """A healthy step: into the running statistics."""
         self.loss.update(stats["loss"])
         self.grad.update(stats["grad_norm"])
@@ -214,7 +327,7 @@ class Judge:
             self.act.update(act)
         self.clean_streak += 1
         if self.clean_streak >= self.healthy_after:
-            self.trouble_start = None
+            self.trouble_start = self.episode_start = None
 
 
 JUDGE_KEYS = ("warmup_steps", "ema_beta", "healthy_after", *DEFAULTS)  # what of callbacks.divergence a Judge takes
@@ -231,10 +344,98 @@ def replay(trace: list[dict], **settings) -> list[dict]:
         fired, _ = judge.judge(stats, stats["step"])
         if fired:
             out.append({
-                "step": stats["step"], "signals": [n for n, _ in fired], "action": judge.action(fired),
-                "why": "; ".join(f"{n}: {why}" for n, why in fired),
+                "step": stats["step"], "signals": [n for n, _, _ in fired], "action": judge.action(fired),
+                "why": "; ".join(f"{n}: {why}" for n, why, _ in fired), "since": judge.trouble_start,
             })  # fmt: skip
     return out
+
+
+# -- the labelled set: real events, what should happen, and what the judgement did (docs/stability.md) -------------
+KINDS = {  # kind: what the person on call would have done
+    "healthy": "no rollback or stop",
+    "blip": "no rollback or stop (one odd stretch of batches the run recovers from)",
+    "divergence": "a rollback or stop within 20 steps of the onset, none before",
+    "ramp": "a rollback within 20 steps of the onset, to a checkpoint from before the ramp began",
+    "stall": "flagged (a stall warning) within 200 steps of the onset, no rollback or stop on the way",
+}
+SEVERE = ("stop", "rollback")
+
+
+def read_traces(path: str | Path) -> dict[str, list[dict]]:
+    """Traces stored as JSON lines (gzip or not): a first line naming their source, then one line per step with its
+    ``run`` (bench/stability_traces.py writes them)."""
+    import gzip
+    import json
+
+    opener = gzip.open if str(path).endswith(".gz") else open
+    runs: dict[str, list[dict]] = {}
+    with opener(path, "rt", encoding="utf-8") as fh:
+        for line in fh:
+            row = json.loads(line)
+            if "run" in row:
+                runs.setdefault(row.pop("run"), []).append(row)
+    return runs
+
+
+def score(events: list[dict], traces: dict[tuple[str, str], list[dict]], **settings) -> list[dict]:
+    """Each labelled event judged: ``events`` as in tests/data/stability/events.json (``trace`` file, ``run``,
+    ``kind`` of :data:`KINDS`, ``onset``, ``start`` of a ramp, ``to`` the last step the event covers); ``traces`` by
+    (file, run). Returns each event with ``correct``, ``false_action`` (a rollback or stop it should not have had),
+    ``acted`` (the step of the action that answers it, or None) and ``steps_to_act``."""
+    replays: dict[tuple[str, str], list[dict]] = {}
+    out = []
+    for ev in events:
+        key = (ev["trace"], ev["run"])
+        if key not in replays:
+            replays[key] = replay(traces[key], **settings)
+        lo, hi = ev.get("from", ev.get("onset", 0)), ev["to"]
+        seen = [e for e in replays[key] if lo <= e["step"] <= hi]
+        severe = [e for e in seen if e["action"] in SEVERE]
+        kind, onset = ev["kind"], ev.get("onset")
+        result = {**ev, "false_action": None, "acted": None, "steps_to_act": None, "stall_warned": any("stall" in e["signals"] for e in seen)}
+        if kind in ("healthy", "blip"):
+            result["false_action"] = severe[0]["step"] if severe else None
+            result["correct"] = not severe
+        elif kind == "stall":
+            early = [e for e in severe if e["step"] < onset and "stall" not in e["signals"]]
+            flag = next((e for e in seen if "stall" in e["signals"] and e["step"] >= onset), None)
+            result["false_action"] = early[0]["step"] if early else None
+            result["acted"] = flag["step"] if flag else None
+            result["steps_to_act"] = flag["step"] - onset if flag else None
+            result["correct"] = not early and flag is not None and flag["step"] - onset <= 200
+        else:  # divergence, ramp: the first rollback or stop
+            early = [e for e in severe if e["step"] < onset]
+            first = next((e for e in severe if e["step"] >= onset), None)
+            result["false_action"] = early[0]["step"] if early else None
+            result["acted"] = first["step"] if first else None
+            result["steps_to_act"] = first["step"] - onset if first else None
+            ok = not early and first is not None and first["step"] - onset <= 20
+            if kind == "ramp" and first is not None:
+                result["returns_before"] = first["since"]
+                ok = ok and first["since"] is not None and first["since"] <= ev["start"]
+            result["correct"] = ok
+        out.append(result)
+    return out
+
+
+def table(results: list[dict]) -> str:
+    """The scores by kind, as the Markdown table of docs/stability.md."""
+    import statistics
+
+    rows = ["| kind | what should happen | events (H200) | correct | false actions | missed or late | steps to act (median, max) | warned of a stall |",
+            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for kind, should in KINDS.items():
+        mine = [r for r in results if r["kind"] == kind]
+        if not mine:
+            continue
+        gpu = sum("h200" in r["trace"] for r in mine)
+        false = sum(r["false_action"] is not None for r in mine)
+        missed = sum(not r["correct"] and r["false_action"] is None for r in mine)
+        steps = [r["steps_to_act"] for r in mine if r["steps_to_act"] is not None]
+        when = f"{statistics.median(steps):g}, {max(steps)}" if steps else "-"
+        warned = "-" if kind == "stall" else str(sum(r["stall_warned"] for r in mine))
+        rows.append(f"| {kind} | {should} | {len(mine)} ({gpu}) | {sum(r['correct'] for r in mine)} | {false} | {missed} | {when} | {warned} |")
+    return "\n".join(rows)
 
 
 TRACE_KEYS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "act_rms": "train/act_rms", "lr": "train/lr",
