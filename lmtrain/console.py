@@ -59,6 +59,17 @@ class _StderrHandler(logging.StreamHandler):
     def stream(self, value) -> None:  # logging.StreamHandler.__init__ assigns it
         pass
 
+    def emit(self, record: logging.LogRecord) -> None:
+        """With a progress bar drawn on this terminal (tqdm's, lmtrain.callbacks.progress_bar), the bars are cleared,
+        the line written, the bars drawn again below it: written straight, the line joined the bar's unfinished line
+        and the bar went on one line lower, leaving a stale bar behind after each validation."""
+        tqdm = sys.modules.get("tqdm")  # imported by the bar; never imported here
+        if tqdm is None or not getattr(tqdm.tqdm, "_instances", None):
+            super().emit(record)
+            return
+        with tqdm.tqdm.external_write_mode(file=sys.stdout):
+            super().emit(record)
+
 
 class RunLogFile(logging.Handler):
     """``RUN_DIR/train.log``: between :meth:`hold` (a run starts) and :meth:`open` (its attempt is accepted) records

@@ -120,3 +120,32 @@ def test_a_two_rank_run_says_each_line_once_and_no_library_banners(tmp_path, dat
     assert "GPU available: False" in kept and "Using bfloat16 Automatic Mixed Precision" in kept  # on a GPU run's console too
     assert "Initializing distributed" not in done.stderr
     assert all(b not in done.stderr for b in BANNERS)
+
+
+def test_a_line_said_while_a_bar_is_drawn_goes_above_the_bar_not_onto_it(monkeypatch):
+    """On a terminal the bar (stdout) and the run's lines (stderr) share the screen: a line is written on a cleared
+    bar line and the bar drawn again below it. Written straight, the line joined the bar's unfinished line and the bar
+    went on one line lower, a stale bar left above it after every validation (seen in a pty: an eval's line)."""
+    import io
+    import logging
+    import sys
+
+    from tqdm import tqdm
+
+    from lmtrain import console
+
+    screen = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", screen)
+    monkeypatch.setattr(sys, "stderr", screen)
+    handler = console._StderrHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    bar = tqdm(total=10, file=sys.stdout, ncols=60, desc="Epoch 0", mininterval=0)
+    bar.update(4)
+    drawn = screen.getvalue()
+    handler.emit(logging.LogRecord("lmtrain", logging.INFO, __file__, 1, "eval line-order at step 4", None, None))
+    written = screen.getvalue()[len(drawn) :]
+    bar.close()
+    before, line, after = written.partition("eval line-order at step 4\n")
+    assert line, written
+    assert before.strip() == "" and "\r" in before, repr(before)  # the bar's line cleared first, nothing joined to it
+    assert "Epoch 0" in after and "4/10" in after, repr(after)  # and the bar drawn again below the line
