@@ -481,3 +481,20 @@ def test_a_run_that_does_not_learn_is_warned_then_stopped_with_its_own_exit_stat
     assert [e["action"] for e in said] == ["warn", "stop"] and all(e["signals"] == ["stall"] for e in said), said
     stopped = next(e for e in entries if e["kind"] == "stopped")
     assert stopped["status"] == 6 and said[-1]["step"] <= stopped["step"] <= said[-1]["step"] + 1 < 200  # judged a step late
+
+
+def test_a_real_one_step_spike_is_a_blip_the_run_finishes_with_no_rollback(tmp_path, dataset_dir):
+    """Issue 58's first event as a drill: one step's loss 1.4x (its gradients with it, below the loss-level signal), no
+    checkpoint yet to return to. Before, the detector rolled back or stopped the run (exit 3) on it; now it is said as
+    a blip and the run trains to its end, every step logged once, nothing rolled back."""
+    cfg = make_cfg(TINY + STABLE + ["fault=loss_spike", "callbacks.fault.step=10", "callbacks.fault.factor=1.4",
+                                    "callbacks.checkpoint.every_n_steps=100", "callbacks.divergence.healthy_after=3"], tmp_path, dataset_dir)  # fmt: skip
+    train(cfg)
+    run = tmp_path / "run"
+    said = [e for e in logbook.read(run) if e["kind"] == "divergence_signal"]
+    assert [(e["step"], e["action"]) for e in said] == [(10, "warn")] and "a blip unless the spikes persist" in said[0]["message"], said
+    assert "loss_spike" in said[0]["signals"] and not corrections.load(run) and "stopped" not in _kinds(run)
+    rows = _rows(run)
+    assert sorted(rows) == list(range(1, 17)) and float(rows[10]["stability/loss_spike"]) == 1.0
+    healthy = [float(rows[s]["stability/healthy"]) for s in range(9, 17)]
+    assert healthy == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0], healthy  # a spike episode, over after 3 clean steps
