@@ -1,19 +1,22 @@
 """Per-step traces of real runs for the divergence detector's labelled set (issue 58, docs/stability.md).
 
-    python3 bench/stability_traces.py --out DIR --tokenizer T.tiktoken --set NAME [--jobs 4] [--date D]
+    python3 bench/stability_traces.py --out DIR --tokenizer T.tiktoken --set NAME [--jobs 4] [--steps N] [--only RUN ...]
 
 Each run of the set is ``train.py`` on the GPU with bench/recipe.py's shape (opt-125m unless the run says otherwise,
 bf16, compiled, batch 8 x 1024 of the torch and transformers sources) and every divergence action set to ``warn``,
-so each run's own course is recorded, whatever a detector would have done. As each run ends its trace
+so each run's own course is recorded, whatever a detector would have done; the runs named ``...-detector`` are the
+same rates with the detector acting as configured (its defaults, checkpoints every 100 steps), and their logbooks
+(DIR/logbooks/RUN.jsonl) say what it did. As each run ends its trace
 (lmtrain.training.stability.read_trace: loss, gradient norm, last-block activation RMS, learning rate, fp16 loss
 scale and overflows) is appended to DIR/traces.jsonl: a first line naming the source, then one line per step with
-the run's name. ``lmtrain replay`` and tests/test_stability_events.py judge them.
+the run's name. ``lmtrain replay --events`` and tests/test_stability.py judge them (tests/data/stability/events.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -32,6 +35,7 @@ WARN = [f"callbacks.divergence.{s}.action=warn" for s in
 CONSTANT = ["scheduler=constant", "optimizer.weight_decay=0", "scheduler.warmup_steps=100"]
 OPT = ["scheduler=cosine", "scheduler.warmup_steps=100", "optimizer.lr=6e-4"]  # the OPT recipe's rate at 125M
 GUARDED = ["model.qk_norm=true", "module.z_loss=1e-4"]
+ACTING = "+detector"  # in a run's overrides: its detector acts as configured (the defaults), checkpoints every 100 steps
 
 
 def blip(step: int, count: int = 1) -> list[str]:
@@ -51,6 +55,10 @@ SETS = {
         "qknorm-zloss-lr0.01-blip300x2": [*CONSTANT, *GUARDED, "optimizer.lr=0.01", *blip(300, 2)],
         "fp16-opt-recipe-blip600": [*OPT, "trainer.precision=16-mixed", *blip(600)],
         "fp16-lr0.1": [*CONSTANT, "trainer.precision=16-mixed", "optimizer.lr=0.1", "trainer.max_steps=400"],
+        # issue 58 part 4: the diverging rates again with the detector acting, against the same runs above (detector
+        # off: every action warn) and the OPT recipe's rate
+        "adamw-lr0.1-seed2-detector": [ACTING, *CONSTANT, "optimizer.lr=0.1", "seed=2", "trainer.max_steps=600"],
+        "adamw-lr0.04-seed2-detector": [ACTING, *CONSTANT, "optimizer.lr=0.04", "seed=2"],
     },
     # the CPU, model=tiny on the embedded corpus, batch 4 x 64: issue 58's blip run (3,000 steps), blips of bad data,
     # rates that diverge or stop learning (--cpu)
@@ -67,6 +75,7 @@ SETS = {
         "1.3b-adamw-lr0.003": ["model=opt-1.3b", *CONSTANT, "optimizer.lr=0.003"],
         "1.3b-qknorm-zloss-lr0.003": ["model=opt-1.3b", *CONSTANT, *GUARDED, "optimizer.lr=0.003"],
         "1.3b-opt-recipe-blip200": ["model=opt-1.3b", "scheduler=cosine", "scheduler.warmup_steps=100", "optimizer.lr=2e-4", *blip(200)],
+        "1.3b-adamw-lr0.003-detector": [ACTING, "model=opt-1.3b", *CONSTANT, "optimizer.lr=0.003", "callbacks.checkpoint.every_n_steps=50"],
     },
 }
 _LOCK = threading.Lock()
@@ -76,7 +85,9 @@ def run(out: Path, ds: Path, name: str, overrides: list[str], steps: int) -> Non
     from lmtrain.training.stability import read_trace
 
     rundir = out / "runs" / name
-    given = {o.split("=", 1)[0]: o for o in [f"trainer.max_steps={steps}", "callbacks.checkpoint.every_n_steps=0", *WARN, *overrides]}
+    acting = ACTING in overrides
+    course = ["callbacks.checkpoint.every_n_steps=100"] if acting else ["callbacks.checkpoint.every_n_steps=0", *WARN]
+    given = {o.split("=", 1)[0]: o for o in [f"trainer.max_steps={steps}", *course, *(o for o in overrides if o != ACTING)]}
     shape = (["model=tiny", "logger=csv", f"run_dir={rundir}", f"run_name={name}", "trainer.enable_progress_bar=false",
               "trainer.val_check_interval=100000"] if ds is None else base(ds, rundir, name))  # fmt: skip
     cmd = [sys.executable, str(ROOT / "train.py"), *shape, *sorted(given.values(), key=lambda o: "." in o.split("=", 1)[0])]
@@ -90,6 +101,9 @@ def run(out: Path, ds: Path, name: str, overrides: list[str], steps: int) -> Non
     with _LOCK, open(out / "traces.jsonl", "a") as fh:
         for stats in trace:
             fh.write(json.dumps({"run": name, **stats}) + "\n")
+    if (rundir / "logbook.jsonl").is_file():  # what the detector did, for the runs where it acts
+        (out / "logbooks").mkdir(exist_ok=True)
+        shutil.copyfile(rundir / "logbook.jsonl", out / "logbooks" / f"{name}.jsonl")
     print(json.dumps({"run": name, "exit": rc, "steps": len(trace), "wall_s": round(time.perf_counter() - t0, 1),
                       "last_loss": trace[-1]["loss"] if trace else None, "command": " ".join(cmd[2:])}), flush=True)  # fmt: skip
 
