@@ -76,6 +76,8 @@ SETS = {
         "1.3b-qknorm-zloss-lr0.003": ["model=opt-1.3b", *CONSTANT, *GUARDED, "optimizer.lr=0.003"],
         "1.3b-opt-recipe-blip200": ["model=opt-1.3b", "scheduler=cosine", "scheduler.warmup_steps=100", "optimizer.lr=2e-4", *blip(200)],
         "1.3b-adamw-lr0.003-detector": [ACTING, "model=opt-1.3b", *CONSTANT, "optimizer.lr=0.003", "callbacks.checkpoint.every_n_steps=50"],
+        "1.3b-adamw-lr0.01": ["model=opt-1.3b", *CONSTANT, "optimizer.lr=0.01"],
+        "1.3b-adamw-lr0.01-detector": [ACTING, "model=opt-1.3b", *CONSTANT, "optimizer.lr=0.01", "callbacks.checkpoint.every_n_steps=50"],
     },
 }
 _LOCK = threading.Lock()

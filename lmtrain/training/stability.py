@@ -25,7 +25,7 @@ DEFAULTS = {
     "loss_spike": {"z": 6.0, "min_ratio": 1.1, "persist": 5, "action": "rollback"},
     "grad_spike": {"z": 8.0, "min_ratio": 2.0, "persist": 5, "action": "warn"},
     "act_growth": {"ratio": 3.0, "action": "warn"},
-    "loss_level": {"ratio": 1.5, "action": "rollback"},
+    "loss_level": {"ratio": 1.5, "persist": 5, "action": "rollback"},
     "loss_trend": {"rise": 0.05, "action": "rollback"},
     "stall": {"window": 200, "min_delta": 0.02, "action": "stop"},
     "loss_scale": {"floor": 1.0, "action": "rollback"},
@@ -89,7 +89,7 @@ class Judge:
 
     Each fired signal is ``(name, why, action)``. A spike (``loss_spike``, ``grad_spike``) takes its action only once
     it persists: spikes spanning ``persist`` steps or more with fewer than ``healthy_after`` clean steps between them;
-    a shorter one is a *blip*, whose action is ``warn`` (``skip`` where the signal's action is ``skip``): a batch the
+    ``loss_level`` once the loss has stayed above its level ``persist`` steps in a row; a shorter one is a *blip*, whose action is ``warn`` (``skip`` where the signal's action is ``skip``): a batch the
     run recovers from by itself is not a divergence. ``loss_trend`` and ``stall`` fire once when their condition
     begins (and again only after it has ended): a rising or flat curve is one event, not one per step."""
 
@@ -125,6 +125,7 @@ class Judge:
         self.trouble_start: int | None = None  # the first step of the trouble a severe signal acts on
         self.episode_start: int | None = None  # the first spike of the spikes not yet followed by healthy_after clean steps
         self.first_loss: float | None = None  # the reference of ``loss_level``
+        self.level_streak = 0  # ``loss_level``: consecutive steps above it
         self.best: float | None = None  # the smoothed loss's lowest since judging began, and its step
         self.best_step: int | None = None
         self.rising = False  # loss_trend fired and the smoothed loss has not come back since
@@ -144,6 +145,7 @@ class Judge:
             "trouble_start": self.trouble_start,
             "episode_start": self.episode_start,
             "first_loss": self.first_loss,
+            "level_streak": self.level_streak,
             "best": self.best,
             "best_step": self.best_step,
             "rising": self.rising,
@@ -160,7 +162,7 @@ class Judge:
         self.act.load(state["act"])
         self.clean_streak, self.trouble_start = state["clean_streak"], state["trouble_start"]
         # absent in checkpoints written before these fields existed: judging them starts afresh
-        self.first_loss = state.get("first_loss")
+        self.first_loss, self.level_streak = state.get("first_loss"), state.get("level_streak", 0)
         self.recent = list(state.get("recent", []))
         self.episode_start, self.best, self.best_step = state.get("episode_start"), state.get("best"), state.get("best_step")
         self.rising, self.history = state.get("rising", False), [list(h) for h in state.get("history", [])]
@@ -213,8 +215,13 @@ class Judge:
             self.first_loss = loss
         ratio = self.signals["loss_level"]["ratio"]
         metrics["stability/loss_level"] = loss / self.first_loss if self.first_loss > 0 else 0.0
-        if self.first_loss > 0 and loss > ratio * self.first_loss:
-            fired.append(self._fire("loss_level", f"loss {loss:.4f} above {ratio:g}x the run's first loss {self.first_loss:.4f}"))
+        self.level_streak = self.level_streak + 1 if self.first_loss > 0 and loss > ratio * self.first_loss else 0
+        if self.level_streak:
+            why, persist = f"loss {loss:.4f} above {ratio:g}x the run's first loss {self.first_loss:.4f}", self.signals["loss_level"]["persist"]
+            if self.level_streak >= persist:
+                fired.append(self._fire("loss_level", f"{why}, {self.level_streak} steps in a row"))
+            else:  # the first steps' jolt (opt-1.3b at step 2: 1.56x, back under it at step 3): a blip
+                fired.append(("loss_level", f"{why}; a blip unless it stays there {persist} steps", "skip" if self.signals["loss_level"]["action"] == "skip" else "warn"))
         if overflow:  # the gradients are not finite: nothing more to judge on them
             return fired, True
         judging = self.loss.n >= max(self.warmup_steps, 2)  # never on statistics of nothing
