@@ -16,7 +16,9 @@ Steps are numbered as checkpoints number them: step 5 is the 5th optimizer step 
 * ``enospc``: the first save at or after ``step`` fails with ENOSPC (no space left on device);
 * ``truncate``: the first checkpoint at or after ``step`` has its largest file cut in half right after it is
   written (the post-save verification must catch it);
-* ``loss_spike``: the loss of step ``step`` is multiplied by ``factor`` (a real spike: the gradients follow);
+* ``loss_spike``: the loss of each of ``count`` steps from ``step`` on is multiplied by ``factor`` (a real spike:
+  the gradients follow); the preset's ``count`` of 5 persists long enough for the detector to act, ``count=1`` is a
+  blip it lets pass;
 * ``nan_loss``: the loss of step ``step`` becomes NaN on rank ``rank`` only;
 * ``act_growth``: from step ``step`` on, the last block's output is multiplied by ``factor`` ** (steps since);
 * ``hang``: rank ``rank`` stops at the start of optimizer step ``step`` and never goes on (a rank stuck outside any
@@ -123,9 +125,15 @@ class FaultInjector(L.Callback, SaveGuard):
             log.info(f"FAULT: rank {trainer.global_rank} hangs at step {step}")
             while True:  # noqa: ASYNC110 - the drill: a rank that never goes on
                 time.sleep(1.0)
-        if self.kind in ("loss_spike", "nan_loss") and step == self.step and self._arm():
-            _scale_next_loss(pl_module, self.factor if self.kind == "loss_spike" else float("nan"))
-            log.info(f"FAULT: {self.kind} at step {step} on rank {trainer.global_rank}")
+        if self.kind == "nan_loss" and step == self.step and self._arm():
+            _scale_next_loss(pl_module, float("nan"))
+            log.info(f"FAULT: nan_loss at step {step} on rank {trainer.global_rank}")
+        if self.kind == "loss_spike" and self.step <= step < self.step + self.count:
+            if self._growth_from is None and self._arm():  # each of the steps, from the one that armed it
+                self._growth_from = step
+                log.info(f"FAULT: loss_spike x{self.factor:g} in steps {step}..{self.step + self.count - 1} on rank {trainer.global_rank}")
+            if self._growth_from is not None:
+                _scale_next_loss(pl_module, self.factor)
         if self.kind == "act_growth" and step == self.step and self._growth_from is None and self._arm():
             self._growth_from = step
             pl_module.model.norm.register_forward_pre_hook(

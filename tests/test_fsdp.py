@@ -114,24 +114,24 @@ def test_a_sharded_run_resumes_exactly_and_its_checkpoint_serves_the_tools(tmp_p
 
 
 def _rollback_past_a_damaged_shard(tmp_path, dataset_dir, layout: list[str], base: list[str] = BASE) -> None:
-    """Step 9's checkpoint, healthy when saved, has rank 1's shard damaged at step 10; the spike at step 11 is rolled
-    back past it (the two ranks checking it spread over them, at the step they agree on) to step 6, and the run
-    finishes at step 12."""
+    """Step 9's checkpoint, healthy when saved, has rank 1's shard damaged at step 10; the spike of steps 11-15 is
+    rolled back at step 15 past it (the two ranks checking it spread over them, at the step they agree on) and past
+    step 12's (saved inside the spike) to step 6, and the run finishes at step 16."""
     spike = tmp_path / "runs" / "spike" / "checkpoints"
     args = [*base, f"paths.runs={tmp_path / 'runs'}", "run_name=spike", f"data.path={dataset_dir}", "data.prepare=null", *layout]
     res = run_train_cli([
         *args, "callbacks=default", "callbacks.disk_guard.margin_gb=0",
         "callbacks.checkpoint.every_n_steps=3", "callbacks.divergence.warmup_steps=5", "trainer.val_check_interval=100",
-        "callbacks.divergence.act_growth={ratio: 10.0, action: warn}", "trainer.max_steps=12", "scheduler.total_steps=12",
+        "callbacks.divergence.act_growth={ratio: 10.0, action: warn}", "trainer.max_steps=16", "scheduler.total_steps=16",
         "fault=loss_spike", "callbacks.fault.step=11", "+callbacks.damage._target_=tests.plugins.DamageCheckpoint",
         f"+callbacks.damage.dirpath={spike}", "+callbacks.damage.step=9", "+callbacks.damage.at=10", "+callbacks.damage.file=__1_0.distcp",
     ], tmp_path)  # fmt: skip
     assert res.returncode == 0, res.stderr[-4000:]
     assert "__1_0.distcp has CRC-32" in res.stderr and f"rollback: passing over damaged checkpoint {spike / 'step-0000009'}" in res.stderr
     (entry,) = corrections.load(tmp_path / "runs" / "spike")
-    assert entry["reason"] == "rollback" and entry["signal_step"] == 11 and entry["from_step"] == 6, entry
+    assert entry["reason"] == "rollback" and entry["signal_step"] == 15 and entry["from_step"] == 6, entry
     last = ck.newest(spike)
-    assert last.step == 12 and last.meta["crc32"] == {f: ck.file_crc32(last.path / f) for f in last.meta["files"]}, last.meta
+    assert last.step == 16 and last.meta["crc32"] == {f: ck.file_crc32(last.path / f) for f in last.meta["files"]}, last.meta
 
 
 GPU = [a for a in BASE if not a.startswith(("trainer.accelerator", "trainer.precision"))]

@@ -16,7 +16,7 @@ from lmtrain.formats import checkpoint as ck
 from lmtrain.formats import corrections, logbook
 from lmtrain.formats.metrics import by_step
 from lmtrain.training.run import train
-from lmtrain.training.stability import EMA, read_trace, replay
+from lmtrain.training.stability import EMA, Judge, read_trace, replay
 from tests.conftest import ROOT, TINY, make_cfg, run_train_cli
 
 STABLE = [
@@ -61,14 +61,17 @@ def test_loss_spike_rolls_back_to_a_healthy_checkpoint_with_a_lower_learning_rat
     cfg = make_cfg(TINY + STABLE + ["fault=loss_spike", "callbacks.fault.step=10"], tmp_path / "spike", dataset_dir)
     train(cfg)
     run = tmp_path / "spike" / "run"
+    # the spike of steps 10..14 (the drill's count: 5) acts once it persists, at step 14; the step-12 checkpoint,
+    # saved inside the spike, is no place to return to: back to step 8, skipping the data of steps 9..14
     (entry,) = corrections.load(run)
-    assert entry["reason"] == "rollback" and entry["signal_step"] == 10 and entry["from_step"] == 8 and entry["scale"] == 0.5
-    assert entry["skip_batches"] == 2
-    signal = next(e for e in logbook.read(run) if e["kind"] == "divergence_signal")
-    assert "loss_spike" in signal["signals"] and signal["action"] == "rollback" and signal["step"] == 10 and signal["tokens"] > 0
-    assert _kinds(run) == ["start", "divergence_signal", "rollback"]
+    assert entry["reason"] == "rollback" and entry["signal_step"] == 14 and entry["from_step"] == 8 and entry["scale"] == 0.5
+    assert entry["skip_batches"] == 6
+    signals = [e for e in logbook.read(run) if e["kind"] == "divergence_signal"]
+    assert [(e["step"], e["action"]) for e in signals] == [(10, "warn"), (11, "warn"), (12, "warn"), (13, "warn"), (14, "rollback")]
+    assert "loss_spike" in signals[-1]["signals"] and signals[-1]["tokens"] > 0 and "spikes over 5 steps from step 10" in signals[-1]["message"]
+    assert _kinds(run) == ["start", *["divergence_signal"] * 5, "rollback"]
     rows, ref_rows = _rows(run), _rows(tmp_path / "ref" / "run")
-    assert sorted(rows) == list(range(1, 17))  # the abandoned steps 9..10 were replaced by the new timeline
+    assert sorted(rows) == list(range(1, 17))  # the abandoned steps 9..14 were replaced by the new timeline
     for s in range(1, 9):  # up to the rollback's checkpoint: the reference run exactly
         assert rows[s]["train/loss"] == ref_rows[s]["train/loss"] and rows[s]["train/lr"] == ref_rows[s]["train/lr"]
     for s in range(9, 17):  # after it: half the scheduled learning rate
@@ -78,27 +81,28 @@ def test_loss_spike_rolls_back_to_a_healthy_checkpoint_with_a_lower_learning_rat
     assert healthy and all(healthy.values())
     from tests.test_report import read_png
 
-    lr = read_png(run / "plots" / "lr.png")[2]  # the rollback's correction and the divergence signal are marked
-    assert lr == {"train/lr": 16, "markers": 2} and read_png(run / "plots" / "loss.png")[2]["train/loss"] == 16
+    lr = read_png(run / "plots" / "lr.png")[2]  # the rollback's correction and the five signals are marked
+    assert lr == {"train/lr": 16, "markers": 6} and read_png(run / "plots" / "loss.png")[2]["train/loss"] == 16
     out = subprocess.run([sys.executable, "-m", "lmtrain.logbook", str(run)], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and "rolling back to step-0000008" in out.stdout
 
 
 def test_a_rollback_waits_for_the_save_still_being_written_and_returns_to_it(tmp_path, dataset_dir):
-    """The step-8 checkpoint is still being written in the background (its writer held 3 s) when the spike at step 10 is
-    judged: the rollback waits for it and returns to step 8, not to the older step 4 (what it found on disk while the
-    save was in flight: the cause of a test that failed under load)."""
-    cfg = make_cfg(TINY + STABLE + ["fault=loss_spike", "callbacks.fault.step=10", "callbacks.checkpoint.async_save=true",
+    """The step-8 checkpoint is still being written in the background (its writer held 3 s) when the one-step spike at
+    step 9 is judged (loss_spike.persist=1: it acts at once): the rollback waits for it and returns to step 8, not to
+    the older step 4 (what it found on disk while the save was in flight: the cause of a test that failed under load)."""
+    cfg = make_cfg(TINY + STABLE + ["fault=loss_spike", "callbacks.fault.step=9", "callbacks.fault.count=1", "callbacks.divergence.loss_spike.persist=1",
+                                    "callbacks.divergence.loss_level.persist=1", "callbacks.checkpoint.async_save=true",
                                     "+callbacks.slow._target_=tests.plugins.SlowSaveStart", "+callbacks.slow.seconds=3"],
                    tmp_path, dataset_dir)  # fmt: skip
     train(cfg)
     (entry,) = corrections.load(tmp_path / "run")
-    assert entry["reason"] == "rollback" and entry["signal_step"] == 10 and entry["from_step"] == 8, entry
+    assert entry["reason"] == "rollback" and entry["signal_step"] == 9 and entry["from_step"] == 8, entry
 
 
 def test_a_rollback_passes_over_a_checkpoint_damaged_since_its_save(tmp_path, dataset_dir, capsys, monkeypatch):
-    """The healthy step-8 checkpoint is damaged in place at step 9 (its size kept); the spike at step 10 rolls back
-    past it, naming it, to step 4, and the run finishes. Each checkpoint's contents are read once, where the rollback
+    """The healthy step-8 checkpoint is damaged in place at step 9 (its size kept); the spike of steps 10..14 rolls back
+    past it, naming it, and past step 12's (saved inside the spike), to step 4, and the run finishes. Each checkpoint's contents are read once, where the rollback
     chooses it, not again by the attempt that loads it."""
     ckpts = tmp_path / "run" / "checkpoints"
     read = []
@@ -111,7 +115,7 @@ def test_a_rollback_passes_over_a_checkpoint_damaged_since_its_save(tmp_path, da
     )  # fmt: skip
     train(cfg)
     (entry,) = corrections.load(tmp_path / "run")
-    assert entry["reason"] == "rollback" and entry["signal_step"] == 10 and entry["from_step"] == 4, entry
+    assert entry["reason"] == "rollback" and entry["signal_step"] == 14 and entry["from_step"] == 4, entry
     err = capsys.readouterr().err
     assert "rollback: passing over damaged checkpoint" in err
     assert err.count("model tiny (opt): ") == 1, err  # said once a run, not again at the rollback's attempt
@@ -136,9 +140,9 @@ def test_growing_activations_stop_the_run_without_saving_the_bad_state(tmp_path,
 
 
 def test_warn_and_skip_actions(tmp_path, dataset_dir):
-    """A spike with action skip: the step's update is dropped (parameters and optimizer state untouched)."""
+    """A one-step spike with action skip: the step's update is dropped (parameters and optimizer state untouched)."""
     cfg = make_cfg(
-        TINY + STABLE + ["fault=loss_spike", "callbacks.fault.step=10", "callbacks.divergence.loss_spike={action: skip}",
+        TINY + STABLE + ["fault=loss_spike", "callbacks.fault.step=10", "callbacks.fault.count=1", "callbacks.divergence.loss_spike={action: skip}",
                          "callbacks.divergence.grad_spike={action: warn}", "callbacks.divergence.loss_level={action: warn}", "+callbacks.rec._target_=tests.plugins.RecordLR",
                          f"+callbacks.rec.path={tmp_path / 'lr'}"],
         tmp_path, dataset_dir,
@@ -307,13 +311,25 @@ def test_a_loss_far_above_its_start_is_a_signal_during_the_warmup():
     again = DivergenceDetector()
     again.load_state_dict(det.state_dict())
     assert again.first_loss == 11.0
+    # with the shipped settings one step above the level is a blip (a real opt-1.3b run: 11.3, 17.7, 13.8, then
+    # healthy); five in a row act, the trouble dated from the first of them, no step of it healthy
+    jolt = replay(_steps([11.33, 17.67, 13.83, 10.82, 10.1]), warmup_steps=100)
+    assert [(e["step"], e["action"]) for e in jolt] == [(2, "warn")] and "a blip unless it stays there 5 steps" in jolt[0]["why"]
+    judge, healthy = Judge(warmup_steps=100), []
+    for stats in _steps([11.0, 10.5, 12.0, 17.0, 18.0, 19.0, 21.0, 24.0]):
+        fired, metrics = judge.judge(stats, stats["step"])
+        healthy.append(metrics["stability/healthy"])
+    assert judge.action(fired) == "rollback" and judge.trouble_start == 4 and "5 steps in a row" in fired[0][1]
+    assert healthy == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
 
 
 @pytest.mark.slow
 def test_an_operators_absurd_learning_rate_is_rolled_back_and_revoked(tmp_path, dataset_dir):
     """No fault group, bf16: a healthy run; when step 9 is done an operator sets the learning rate to 5.0
     (`python -m lmtrain.control RUN lr --value 5.0`). The run diverges, the detector rolls back to the checkpoint
-    of step 8, which predates the correction, revokes it (the replay passes step 9 without it) and ends healthy."""
+    of step 8, which predates the correction, revokes it (the replay passes step 9 without it) and ends healthy. The
+    divergence is said from step 11 and acted on at step 15, once it has lasted 5 steps; the checkpoint of step 12,
+    saved inside it, is passed over."""
     run = tmp_path / "run"
     cfg = make_cfg(
         TINY + STABLE + ["trainer.precision=bf16-mixed", "callbacks.lr_control.factor_bounds=[1e-4,1e5]",  # absurd, not rejected
@@ -327,7 +343,9 @@ def test_an_operators_absurd_learning_rate_is_rolled_back_and_revoked(tmp_path, 
     assert [e["reason"] for e in entries] == ["operator", "rollback"] and entries[1]["revokes"] == [0]
     assert entries[0]["from_step"] == 9 and entries[1]["from_step"] == 8 and corrections.in_force(entries) == [entries[1]]
     kinds = _kinds(run)
-    assert kinds[:3] == ["start", "lr_correction", "divergence_signal"] and kinds[3] == "rollback" and kinds.count("rollback") == 1
+    assert kinds[:3] == ["start", "lr_correction", "divergence_signal"] and kinds.count("rollback") == 1
+    signals = [(e["step"], e["action"]) for e in logbook.read(run) if e["kind"] == "divergence_signal"]
+    assert signals == [(11, "warn"), (12, "warn"), (13, "warn"), (14, "warn"), (15, "rollback")], signals
     rollback = next(e for e in logbook.read(run) if e["kind"] == "rollback")
     assert "revoked operator x" in rollback["message"] and rollback["revoked"][0]["reason"] == "operator"
     lrs = json.loads((tmp_path / "lr.rank0.json").read_text())  # the replay's learning rates (the last attempt's record)
@@ -487,7 +505,7 @@ def test_a_real_one_step_spike_is_a_blip_the_run_finishes_with_no_rollback(tmp_p
     """Issue 58's first event as a drill: one step's loss 1.4x (its gradients with it, below the loss-level signal), no
     checkpoint yet to return to. Before, the detector rolled back or stopped the run (exit 3) on it; now it is said as
     a blip and the run trains to its end, every step logged once, nothing rolled back."""
-    cfg = make_cfg(TINY + STABLE + ["fault=loss_spike", "callbacks.fault.step=10", "callbacks.fault.factor=1.4",
+    cfg = make_cfg(TINY + STABLE + ["fault=loss_spike", "callbacks.fault.step=10", "callbacks.fault.count=1", "callbacks.fault.factor=1.4",
                                     "callbacks.checkpoint.every_n_steps=100", "callbacks.divergence.healthy_after=3"], tmp_path, dataset_dir)  # fmt: skip
     train(cfg)
     run = tmp_path / "run"

@@ -171,9 +171,9 @@ class Judge:
 
     @property
     def healthy(self) -> bool:
-        """No trouble acted on, no spike episode open, the smoothed loss not rising: a checkpoint saved now is one to
-        return to."""
-        return self.trouble_start is None and self.episode_start is None and not self.rising
+        """No trouble acted on, no spike episode open, the loss not above its level, the smoothed loss not rising: a
+        checkpoint saved now is one to return to."""
+        return self.trouble_start is None and self.episode_start is None and not self.rising and not self.level_streak
 
     # -- the judgement -------------------------------------------------------------------------
     def judge(self, stats: dict, step: int) -> tuple[list[tuple[str, str, str]], dict[str, float]]:
@@ -186,6 +186,7 @@ class Judge:
             # a ramp began at the middle of the window whose mean was lowest; spikes at the first of them
             onsets = [step] + [self.best_step - TREND_STEPS // 2 for n, _, _ in fired if n == "loss_trend" and self.best_step is not None]
             onsets += [self.episode_start] if self.episode_start is not None else []
+            onsets += [step - self.level_streak + 1] if self.level_streak else []  # the loss above its level since then
             self.trouble_start = min(onsets)
         if severe or spike:
             self.clean_streak = 0
