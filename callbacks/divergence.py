@@ -67,7 +67,7 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
 
     def __init__(
         self,
-        warmup_steps: int = 20,
+        warmup_steps: int = 100,
         ema_beta: float = 0.95,
         healthy_after: int = 10,
         nonfinite: dict | None = None,

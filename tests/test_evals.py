@@ -187,9 +187,9 @@ def test_a_bad_evals_option_is_one_error_naming_it(tmp_path, kwargs, said):
 
 
 def test_the_evals_forwards_are_not_counted_in_the_training_steps_activations(tmp_path, dataset_dir):
-    """``train/act_rms`` (the last block's output RMS, the divergence detector's sign of activation growth) is the
-    training forwards' alone: the evals run before step 0 put the model in eval mode, and step 0's value is the same
-    as in a run without them (it mixed in the evals' forwards)."""
+    """``train/act_rms`` (the last block's output RMS, the divergence detector's sign of activation growth) and
+    ``train/attn_logit_bound`` are the training forwards' alone: the evals run before step 0 put the model in eval
+    mode, and the values are the same as in a run without them (act_rms mixed in the evals' forwards once)."""
     from lmtrain.formats.metrics import by_step
     from lmtrain.training.run import train
     from tests.conftest import make_cfg
@@ -199,5 +199,5 @@ def test_the_evals_forwards_are_not_counted_in_the_training_steps_activations(tm
         cfg = make_cfg([*[a for a in TINY if a != "callbacks=none"], *callbacks, "trainer.max_steps=2", "logger=csv",
                         "trainer.log_every_n_steps=1"], tmp_path / name, dataset_dir)  # fmt: skip
         train(cfg)
-        runs[name] = {s: r["train/act_rms"] for s, r in by_step(cfg.run_dir).items() if "train/act_rms" in r}
+        runs[name] = {s: (r["train/act_rms"], r["train/attn_logit_bound"]) for s, r in by_step(cfg.run_dir).items() if "train/act_rms" in r}
     assert runs["with"] == runs["without"] and len(runs["with"]) == 2, runs

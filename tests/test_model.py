@@ -389,3 +389,55 @@ def test_dropout_is_where_opt_put_it_residual_branches_only():
     for key in ("dropout", "attention_dropout"):
         with pytest.raises(ValueError, match=rf"model\.{key}=1\.0 must be in \[0, 1\)"):
             ModelConfig.from_dict(dict(preset("tiny").to_dict()), **{key: 1.0})
+
+
+@pytest.mark.parametrize("family,qk_norm", [("opt", False), ("llama", False), ("llama", True)])
+def test_the_attention_logit_bound_is_at_least_every_logit_and_follows_their_growth(monkeypatch, family, qk_norm):
+    """``train/attn_logit_bound``: each attention layer's largest query norm times its largest key norm over
+    sqrt(head_dim), read by LMModule's hook on the layer's QKProbe in training forwards. Checked against the logits
+    formed in full (q.k / sqrt(head_dim) over the causal positions): never below the largest; the first layer's
+    queries and keys grown 8x grow its bound 64x without QK-norm, and with QK-norm not at all (what QK-norm is for)."""
+    import functools
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from lmtrain.nn.model import QKProbe
+    from lmtrain.training.module import LMModule
+
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(family=family, vocab_size=96, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, qk_norm=qk_norm))
+    holder, exact, sdpa = SimpleNamespace(_qk_bounds=[]), [], F.scaled_dot_product_attention
+    for probe in (m for m in model.modules() if isinstance(m, QKProbe)):
+        probe.register_forward_pre_hook(functools.partial(LMModule._record_qk, holder))
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kw):
+        scores = (q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+        exact.append(scores.masked_fill(~causal, float("-inf")).amax().item())
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    idx = torch.randint(0, 96, (3, 32))
+
+    def bounds():
+        holder._qk_bounds.clear()
+        exact.clear()
+        with torch.no_grad():
+            model(idx)
+        return [b.item() for b in holder._qk_bounds]
+
+    model.eval()
+    assert bounds() == [] and len(exact) == 2  # evaluation forwards are not recorded
+    model.train()
+    before = bounds()
+    assert len(before) == 2 and all(logit <= bound * (1 + 1e-5) for logit, bound in zip(exact, before)), (exact, before)
+    with torch.no_grad():  # the query and key rows of every layer (with their biases), not the values
+        for block in model.blocks:
+            qk_rows = slice(0, 2 * 32)
+            block.attn.qkv.weight[qk_rows].mul_(8)
+            if block.attn.qkv.bias is not None:
+                block.attn.qkv.bias[qk_rows].mul_(8)
+    after = bounds()
+    assert all(logit <= bound * (1 + 1e-5) for logit, bound in zip(exact, after)), (exact, after)
+    assert after[0] == pytest.approx(before[0] if qk_norm else 64 * before[0], rel=1e-3), (before, after)  # the norm's eps

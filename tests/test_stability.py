@@ -453,6 +453,24 @@ def test_a_blip_is_said_and_a_persisting_spike_acts_dated_from_its_first_step():
     assert [e["action"] for e in replay(_steps(blip), warmup_steps=20, loss_spike={"action": "skip"})] == ["skip"]
 
 
+def test_the_attention_logit_bound_growing_is_an_early_sign_said_with_the_activations():
+    """``act_growth`` judges the attention-logit bound (train/attn_logit_bound) as it judges the last block's RMS:
+    past ``ratio`` times its average of healthy steps, a warning naming it (the default action), the loss still flat;
+    the bound's average is in the judgement's saved state."""
+    steps = _steps([5.0] * 160)
+    for i, s in enumerate(steps):
+        s["attn_bound"] = 20.0 if i < 150 else 20.0 * 1.5 ** (i - 149)  # from step 151 it grows 1.5x a step
+    said = replay(steps)
+    assert said[0]["step"] == 153 and said[0]["signals"] == ["act_growth"] and said[0]["action"] == "warn", said[0]
+    assert "attention-logit bound 67.5, 3.11x its average 21.73" in said[0]["why"], said[0]["why"]  # 30 and 45 were healthy
+    judge = Judge()
+    for s in steps[:150]:
+        judge.judge(s, s["step"])
+    again = Judge()
+    again.load_state_dict(judge.state_dict())
+    assert again.attn.mean == pytest.approx(20.0) and again.attn.n == judge.attn.n > 0
+
+
 def test_a_ramp_rolls_back_to_before_it_and_a_stall_warns_then_stops_unless_the_rate_is_near_zero():
     import random
 

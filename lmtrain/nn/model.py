@@ -242,6 +242,15 @@ def flex_attention_fn(device: torch.device):
     return _compiled_flex_attention()
 
 
+class QKProbe(nn.Module):
+    """Returns the queries and keys it is given, as they enter attention (after QK-norm and the rotary positions):
+    the place a hook reads them. lmtrain.training.module records from them each training step's attention-logit
+    bound (docs/stability.md); nothing else depends on it, and it holds no state."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -256,6 +265,7 @@ class Attention(nn.Module):
         # logits' growth, one cause of the loss spikes of large runs
         self.q_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.qk_probe = QKProbe()
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | BlockMask | None = None
@@ -273,6 +283,7 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.qk_probe(q, k)
         if isinstance(mask, BlockMask):
             y = flex_attention_fn(x.device)(q, k, v, block_mask=mask, enable_gqa=self.kv_heads != self.n_heads)
             return self.proj(y.transpose(1, 2).reshape(B, T, -1))

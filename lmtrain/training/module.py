@@ -157,6 +157,8 @@ class LMModule(L.LightningModule):
         self._train_z: list[torch.Tensor] = []
         self._act_sq: list[torch.Tensor] = []
         self._act_hook = None
+        self._qk_bounds: list[torch.Tensor] = []
+        self._qk_hooks: list = []
         self._pending_stats: list[_StepStats] = []
         self.last_train_loss: float | None = None
         self.last_train_lr: float | None = None  # the rate the optimizer used at the step of last_train_loss
@@ -227,6 +229,8 @@ class LMModule(L.LightningModule):
         final_norm = getattr(self.model, "norm", None)
         if self._act_hook is None and isinstance(final_norm, nn.Module):
             self._act_hook = final_norm.register_forward_pre_hook(self._record_activation)
+        if not self._qk_hooks:  # lmtrain.nn.model.Decoder's attention layers (another network may have none)
+            self._qk_hooks = [m.register_forward_pre_hook(self._record_qk) for m in self.model.modules() if type(m).__name__ == "QKProbe"]
         if self.compile == "auto":  # built without the config (lmtrain.training.speed resolves it there)
             self.compile = (strategy.root_device if strategy is not None else self.device).type == "cuda"
         if self.compile and parallelize is None and self._loss_fn is lm_loss:
@@ -279,6 +283,17 @@ class LMModule(L.LightningModule):
         if module.training:
             self._act_sq.append(args[0].detach().float().square().mean())
 
+    def _record_qk(self, module: nn.Module, args: tuple) -> None:
+        """Forward pre-hook on each attention layer's QKProbe, in training forwards only: the layer's bound on its
+        largest attention logit, the largest query norm times the largest key norm over sqrt(head_dim) (no logit
+        q.k / sqrt(head_dim) exceeds it); its growth is the sign of attention-logit growth (Wortsman et al. 2023)
+        at the cost of two norms, where the logits themselves are never formed by the fused attention kernels."""
+        if module.training:
+            q, k = args
+            qn = torch.linalg.vector_norm(q.detach(), dim=-1, dtype=torch.float32).amax()
+            kn = torch.linalg.vector_norm(k.detach(), dim=-1, dtype=torch.float32).amax()
+            self._qk_bounds.append(qn * kn * q.shape[-1] ** -0.5)
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Gradients are complete (and unscaled under fp16) here: measure and clip the global norm.
         max_norm = self.grad_clip if self.grad_clip else float("inf")
@@ -291,12 +306,15 @@ class LMModule(L.LightningModule):
                 torch.stack(self._train_losses).mean().float() if self._train_losses else nan,
                 torch.stack(self._act_sq).mean() if self._act_sq else nan,
                 torch.stack(self._train_z).mean().float() if self._train_z else nan,
+                torch.stack(self._qk_bounds).amax() if self._qk_bounds else nan,  # over layers and micro-batches
             ]
         )
         self._train_losses.clear()
         self._act_sq.clear()
         self._train_z.clear()
-        loss, act_ms, z = self.trainer.strategy.reduce(local, reduce_op="mean")  # every rank sees the same values
+        self._qk_bounds.clear()
+        # every rank sees the same values (the attention bound: the mean of the ranks' largest, so they judge alike)
+        loss, act_ms, z, qk = self.trainer.strategy.reduce(local, reduce_op="mean")
         scaler = precision.scaler_of(self.trainer)
         values = torch.stack(
             [
@@ -306,6 +324,7 @@ class LMModule(L.LightningModule):
                 precision.loss_scale(scaler).to(loss) if scaler is not None else nan,
                 precision.overflowed(scaler, optimizer).to(loss) if scaler is not None else nan,  # the same on every rank
                 z,
+                qk,
             ]
         )
         self._pending_stats.append(_StepStats.record(self.trainer, optimizer, values))
@@ -335,10 +354,12 @@ class LMModule(L.LightningModule):
         del self._pending_stats[: len(todo)]
         drop = False
         for rec in todo:
-            loss, norm, act_rms, scale, overflow, z = rec.read()
+            loss, norm, act_rms, scale, overflow, z, qk = rec.read()
             extra = {"train/loss": loss, "train/lr": rec.lr, "train/grad_norm": norm}
             if self._act_hook is not None:
                 extra["train/act_rms"] = act_rms
+            if self._qk_hooks:
+                extra["train/attn_logit_bound"] = qk
             if self.z_loss:
                 extra["train/z_loss"] = self.z_loss * z  # the penalty added to the objective (OLMo-core's "Z loss")
             log_direct(self.trainer, extra, step=rec.step)
@@ -348,6 +369,7 @@ class LMModule(L.LightningModule):
                 "loss": loss,
                 "grad_norm": norm,
                 "act_rms": extra.get("train/act_rms"),
+                "attn_bound": extra.get("train/attn_logit_bound"),
                 "loss_scale": None if math.isnan(scale) else scale,
                 "overflow": None if math.isnan(overflow) else bool(overflow),  # fp16: the scaler skips this update
             }

@@ -1,8 +1,8 @@
 """The divergence detector's judgement as a function of per-step statistics, apart from any trainer, so that it can be
 replayed offline over a recorded run (a *trace*) and judged on real events (docs/stability.md).
 
-A trace is a list of steps, each ``{"step": N, "loss": ..., "grad_norm": ..., "act_rms": ..., "loss_scale": ...,
-"overflow": ..., "lr": ...}`` (the last four may be None): what :class:`lmtrain.training.module.LMModule` hands the
+A trace is a list of steps, each ``{"step": N, "loss": ..., "grad_norm": ..., "act_rms": ..., "attn_bound": ...,
+"loss_scale": ..., "overflow": ..., "lr": ...}`` (all but the first three may be None or absent): what :class:`lmtrain.training.module.LMModule` hands the
 detector every optimizer step. :func:`read_trace` reads one from a run's metrics record; :func:`replay` runs a
 :class:`Judge` over it and returns every step a signal fired, with the action the detector would take.
 
@@ -119,7 +119,7 @@ class Judge:
         if not 0 < ema_beta < 1:
             raise InputError(f"callbacks.divergence: ema_beta={ema_beta} must be in (0, 1)")
         self.warmup_steps, self.healthy_after = warmup_steps, healthy_after
-        self.loss, self.grad, self.act = EMA(ema_beta), EMA(ema_beta), EMA(ema_beta)
+        self.loss, self.grad, self.act, self.attn = EMA(ema_beta), EMA(ema_beta), EMA(ema_beta), EMA(ema_beta)
         self.recent: list[float] = []  # the last TREND_STEPS losses that were not spikes: ``loss_trend`` and ``stall``
         self.clean_streak = 0
         self.trouble_start: int | None = None  # the first step of the trouble a severe signal acts on
@@ -140,6 +140,7 @@ class Judge:
             "loss": self.loss.state(),
             "grad": self.grad.state(),
             "act": self.act.state(),
+            "attn": self.attn.state(),
             "recent": list(self.recent),
             "clean_streak": self.clean_streak,
             "trouble_start": self.trouble_start,
@@ -160,6 +161,8 @@ class Judge:
         self.loss.load(state["loss"])
         self.grad.load(state["grad"])
         self.act.load(state["act"])
+        if "attn" in state:
+            self.attn.load(state["attn"])
         self.clean_streak, self.trouble_start = state["clean_streak"], state["trouble_start"]
         # absent in checkpoints written before these fields existed: judging them starts afresh
         self.first_loss, self.level_streak = state.get("first_loss"), state.get("level_streak", 0)
@@ -246,11 +249,16 @@ class Judge:
                 else:  # a blip: said, kept out of the statistics, not acted on
                     blip = "skip" if self.signals[name]["action"] == "skip" else "warn"
                     fired.append((name, f"{why}; a blip unless the spikes persist over {persist} steps", blip))
-        if act is not None and math.isfinite(act):
-            ratio = act / self.act.mean if self.act.n and self.act.mean > 0 else 1.0
-            metrics["stability/act_ratio"] = ratio
-            if judging and ratio > self.signals["act_growth"]["ratio"]:
-                fired.append(self._fire("act_growth", f"final-layer activation RMS {act:.4g}, {ratio:.2f}x its average {self.act.mean:.4g}"))
+        grown = []  # act_growth: the last block's output, or the attention-logit bound, far above its average
+        for value, ema, key, what in ((act, self.act, "act_ratio", "final-layer activation RMS"),
+                                      (stats.get("attn_bound"), self.attn, "attn_ratio", "attention-logit bound")):  # fmt: skip
+            if value is not None and math.isfinite(value):
+                ratio = value / ema.mean if ema.n and ema.mean > 0 else 1.0
+                metrics[f"stability/{key}"] = ratio
+                if judging and ratio > self.signals["act_growth"]["ratio"]:
+                    grown.append(f"{what} {value:.4g}, {ratio:.2f}x its average {ema.mean:.4g}")
+        if grown:
+            fired.append(self._fire("act_growth", "; ".join(grown)))
         if not spikes:
             fired += self._trend_signals(loss, lr, step, judging, metrics)
         return fired, bool(spikes)
@@ -333,6 +341,9 @@ class Judge:
         act = stats.get("act_rms")
         if act is not None and math.isfinite(act):
             self.act.update(act)
+        attn = stats.get("attn_bound")
+        if attn is not None and math.isfinite(attn):
+            self.attn.update(attn)
         self.clean_streak += 1
         if self.clean_streak >= self.healthy_after:
             self.trouble_start = self.episode_start = None
@@ -446,8 +457,8 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
-TRACE_KEYS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "act_rms": "train/act_rms", "lr": "train/lr",
-              "loss_scale": "train/loss_scale"}  # fmt: skip
+TRACE_KEYS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "act_rms": "train/act_rms",
+              "attn_bound": "train/attn_logit_bound", "lr": "train/lr", "loss_scale": "train/loss_scale"}  # fmt: skip
 
 
 def read_trace(run_dir: str | Path) -> list[dict]:
