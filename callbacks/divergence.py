@@ -11,7 +11,8 @@ module all-reduces them), so every rank takes the same decision:
   ``healthy_after`` clean steps between them. A shorter one is a *blip* (one odd batch the run recovers from by
   itself): said (``warn``), kept out of the averages, never a rollback or a stop;
 * ``grad_spike``: the same test on the gradient norm (before clipping);
-* ``act_growth``: the RMS of the last block's output (``train/act_rms``) above ``ratio`` times its average;
+* ``act_growth``: the RMS of the last block's output (``train/act_rms``) or the attention-logit bound
+  (``train/attn_logit_bound``, lmtrain.training.module) above ``ratio`` times its average;
 * ``loss_level``: the loss above ``ratio`` times the run's first loss (at initialisation about ln(vocabulary)):
   judged from the first step, so a run that diverges during the warm-up, before the spike statistics are
   trusted, is still caught;
