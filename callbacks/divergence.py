@@ -53,7 +53,7 @@ from lmtrain.training import compat
 from lmtrain.training.checkpoint.resume import rollback_target
 from lmtrain.training.contracts import CheckpointStore, RequestsRollback, StepChecker, StopsTraining
 from lmtrain.training.logs import log_direct
-from lmtrain.training.stability import Judge
+from lmtrain.training.stability import WARMUP_STEPS, Judge
 
 
 class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, StepChecker):
@@ -68,7 +68,7 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
 
     def __init__(
         self,
-        warmup_steps: int = 100,
+        warmup_steps: int = WARMUP_STEPS,
         ema_beta: float = 0.95,
         healthy_after: int = 10,
         nonfinite: dict | None = None,

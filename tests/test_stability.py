@@ -400,8 +400,10 @@ def test_the_labelled_real_events_meet_the_targets_with_the_shipped_settings():
     settings a run gets: no rollback or stop on a healthy run or a blip, every divergence and ramp acted on within 20
     steps of its onset (a ramp back to before it began), every stall flagged within 200 steps. The command of
     docs/stability.md prints the table the page shows."""
-    from lmtrain.training.stability import read_traces, score
+    from lmtrain.training.stability import DEFAULTS, WARMUP_STEPS, read_traces, score
 
+    shipped = _shipped()  # what `lmtrain replay --events` judges with (the code's defaults) is what a run gets
+    assert shipped["warmup_steps"] == WARMUP_STEPS and {k: shipped[k] for k in DEFAULTS} == DEFAULTS
     folder = ROOT / "tests" / "data" / "stability"
     events = json.loads((folder / "events.json").read_text())["events"]
     traces = {(f, r): t for f in {e["trace"] for e in events} for r, t in read_traces(folder / f).items()}

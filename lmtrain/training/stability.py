@@ -33,6 +33,7 @@ DEFAULTS = {
 }
 TREND_STEPS = 50  # ``loss_trend`` and ``stall`` follow the mean loss of this many steps (of those that were not spikes)
 NOISE_Z = 5.0  # a rise must also exceed this many standard errors of the difference of two TREND_STEPS means
+WARMUP_STEPS = 100  # healthy steps before spikes, trends and stalls are judged (conf/callbacks/stability.yaml's too)
 LOW_LR = 0.1  # a learning rate below this fraction of the run's highest is "near zero": no stall is judged there
 
 
@@ -95,7 +96,7 @@ class Judge:
 
     def __init__(
         self,
-        warmup_steps: int = 100,
+        warmup_steps: int = WARMUP_STEPS,
         ema_beta: float = 0.95,
         healthy_after: int = 10,
         nonfinite: dict | None = None,
