@@ -128,12 +128,8 @@ class FaultInjector(L.Callback, SaveGuard):
         if self.kind == "nan_loss" and step == self.step and self._arm():
             _scale_next_loss(pl_module, float("nan"))
             log.info(f"FAULT: nan_loss at step {step} on rank {trainer.global_rank}")
-        if self.kind == "loss_spike" and self.step <= step < self.step + self.count:
-            if self._growth_from is None and self._arm():  # each of the steps, from the one that armed it
-                self._growth_from = step
-                log.info(f"FAULT: loss_spike x{self.factor:g} in steps {step}..{self.step + self.count - 1} on rank {trainer.global_rank}")
-            if self._growth_from is not None:
-                _scale_next_loss(pl_module, self.factor)
+        if self.kind == "loss_spike" and self._in_stretch(step, f"loss_spike x{self.factor:g} on rank {trainer.global_rank}"):
+            _scale_next_loss(pl_module, self.factor)
         if self.kind == "act_growth" and step == self.step and self._growth_from is None and self._arm():
             self._growth_from = step
             pl_module.model.norm.register_forward_pre_hook(
@@ -153,12 +149,18 @@ class FaultInjector(L.Callback, SaveGuard):
             )
             log.info(f"FAULT: gradients x{self.factor:g} in steps {step}..{end - 1}")
 
-        if self.kind == "bad_data" and self.step <= step < self.step + self.count:
-            if self._growth_from is None and self._arm():  # every micro-batch of the steps, from the one that armed it
-                self._growth_from = step
-                log.info(f"FAULT: bad data (shuffled tokens) in steps {step}..{self.step + self.count - 1}")
-            if self._growth_from is not None:
-                _shuffle_tokens(batch)
+        if self.kind == "bad_data" and self._in_stretch(step, "bad data (shuffled tokens)"):  # every micro-batch
+            _shuffle_tokens(batch)
+
+    def _in_stretch(self, step: int, what: str) -> bool:
+        """Whether ``step`` is one of the ``count`` steps from ``step`` on that the drill acts in: from the one that
+        armed it (once per run directory, said there) to the stretch's end."""
+        if not self.step <= step < self.step + self.count:
+            return False
+        if self._growth_from is None and self._arm():
+            self._growth_from = step
+            log.info(f"FAULT: {what} in steps {step}..{self.step + self.count - 1}")
+        return self._growth_from is not None
 
     def _slow_down(self, model: torch.nn.Module) -> None:
         """The forward pass (this micro-batch's start to the final norm) held back to ``factor`` times its time."""

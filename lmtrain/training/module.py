@@ -13,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lmtrain.errors import InputError
 from lmtrain.nn.loss import cross_entropy, loss_parts, z_loss_problem
+from lmtrain.nn.model import QKProbe
 from lmtrain.nn.optim import build_optimizer
 from lmtrain.training import compat, fastpaths, precision
 from lmtrain.training import fp8 as fp8_module
@@ -230,7 +231,7 @@ class LMModule(L.LightningModule):
         if self._act_hook is None and isinstance(final_norm, nn.Module):
             self._act_hook = final_norm.register_forward_pre_hook(self._record_activation)
         if not self._qk_hooks:  # lmtrain.nn.model.Decoder's attention layers (another network may have none)
-            self._qk_hooks = [m.register_forward_pre_hook(self._record_qk) for m in self.model.modules() if type(m).__name__ == "QKProbe"]
+            self._qk_hooks = [m.register_forward_pre_hook(self._record_qk) for m in self.model.modules() if isinstance(m, QKProbe)]
         if self.compile == "auto":  # built without the config (lmtrain.training.speed resolves it there)
             self.compile = (strategy.root_device if strategy is not None else self.device).type == "cuda"
         if self.compile and parallelize is None and self._loss_fn is lm_loss:
