@@ -91,7 +91,9 @@ class FaultInjector(L.Callback, SaveGuard):
     def __init__(self, kind: str, step: int, run_dir: str, rank: int | None = 0, factor: float = 20.0, count: int = 1) -> None:
         if kind not in KINDS:
             raise InputError(f"fault.kind={kind!r}: use one of {list(KINDS)}")
-        self.kind, self.step, self.rank, self.factor, self.count = kind, int(step), rank, float(factor), int(count)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise InputError(f"fault.count={count!r} must be a whole number of steps >= 1")
+        self.kind, self.step, self.rank, self.factor, self.count = kind, int(step), rank, float(factor), count
         self._growth_from: int | None = None
         self._batch_started: float | None = None
         self.marker = Path(run_dir) / ".faults" / f"{kind}-{self.step}"

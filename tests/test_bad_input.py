@@ -140,6 +140,9 @@ def test_resuming_with_another_data_seed_is_refused(tiny_cfg, tmp_path, dataset_
         (["strategy=fsdp", "strategy.activation_checkpointing=some"], r"strategy.activation_checkpointing='some': use one of"),
         (["strategy=fsdp", "strategy.reduce_dtype=fp8"], r"strategy.reduce_dtype='fp8': use one of \['float32', 'bfloat16'\]"),
         (["fault=crash", "callbacks.fault.kind=boom"], r"fault.kind='boom': use one of"),
+        (["fault=loss_spike", "callbacks.fault.count=0"], r"fault.count=0 must be a whole number of steps >= 1"),
+        (["callbacks=default", "callbacks.divergence.loss_level.persist=0"], r"callbacks.divergence.loss_level.persist=0 must be a whole number of steps >= 1"),
+        (["callbacks=default", "callbacks.divergence.loss_spike.persist=2.5"], r"callbacks.divergence.loss_spike.persist=2.5 must be a whole number"),
         (["module.sdpa_backend=fast"], r"module.sdpa_backend='fast': use one of"),
         (["callbacks=[none,samples]", "callbacks.samples.prompts=[]"], r"callbacks.samples.prompts: give one or more non-empty prompts"),
         (

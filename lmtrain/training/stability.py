@@ -78,6 +78,8 @@ def signal_specs(given: dict[str, dict | None]) -> dict[str, dict]:
         for key, value in spec.items():
             if key != "action" and (isinstance(value, bool) or not isinstance(value, int | float)):
                 raise InputError(f"callbacks.divergence.{name}.{key}={value!r} must be a number")
+        if "persist" in spec and (not isinstance(spec["persist"], int) or spec["persist"] < 1):
+            raise InputError(f"callbacks.divergence.{name}.persist={spec['persist']!r} must be a whole number of steps >= 1")
         out[name] = spec
     return out
 
