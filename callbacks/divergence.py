@@ -39,6 +39,14 @@ every checkpoint's ``meta.json`` carries its health fields. A rollback also revo
 learning-rate corrections issued after its checkpoint (lmtrain.formats.corrections): they belong to the abandoned timeline.
 A ``stop``, or a rollback that cannot happen, ends the run with :class:`lmtrain.errors.RunStopped` (exit status 3; a
 stall's stop 6). The judgement itself is :class:`lmtrain.training.stability.Judge`, replayable offline.
+
+With ``rerun`` (the default), a *suspect* step (a non-finite loss, or a loss spike, the first of a stretch) is computed
+again on the same batches before its update (lmtrain.training.module.LMModule). Where a rank's second loss differs
+from its first (beyond half the spike's height), that rank's hardware computed wrongly once (a flipped bit, a failing
+card): its update is dropped, the rank and its host named in a ``hardware_fault`` entry and counted, the step judged
+as nothing; a rank with ``FAULTS_TO_STOP`` such steps in the run stops it (exit status 3), for its node to be checked
+(``lmtrain doctor``) and left out. The same result again is the data or the model, judged as always, the logbook saying
+which evidence chose.
 """
 
 from __future__ import annotations
@@ -55,6 +63,8 @@ from lmtrain.training.contracts import CheckpointStore, RequestsRollback, StepCh
 from lmtrain.training.logs import log_direct
 from lmtrain.training.stability import WARMUP_STEPS, Judge
 
+FAULTS_TO_STOP = 3  # steps whose result did not repeat on one rank, in one run, before it stops for that rank's node to be checked
+
 
 class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, StepChecker):
     """Args (each signal is a dict; missing keys take the defaults in ``lmtrain.training.stability.DEFAULTS``):
@@ -64,6 +74,7 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
     rollback_lr_scale: learning-rate factor applied from the rollback's checkpoint on.
     skip_data: after a rollback, skip the batches read between that checkpoint and the signal.
     max_rollbacks, rollback_window: the cap.
+    rerun: compute a suspect step again on its batches before its update, telling a hardware fault from the data.
     """
 
     def __init__(
@@ -84,6 +95,7 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
         skip_data: bool = True,
         max_rollbacks: int = 3,
         rollback_window: int = 1000,
+        rerun: bool = True,
     ) -> None:
         super().__init__(
             warmup_steps=warmup_steps, ema_beta=ema_beta, healthy_after=healthy_after, nonfinite=nonfinite, loss_spike=loss_spike,
@@ -96,6 +108,11 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
             )
         self.rollback_lr_scale, self.skip_data = rollback_lr_scale, skip_data
         self.max_rollbacks, self.rollback_window = max_rollbacks, rollback_window
+        if not isinstance(rerun, bool):
+            raise InputError(f"callbacks.divergence.rerun={rerun!r} must be true or false")
+        self.reruns_suspects = rerun
+        self.faults: dict[int, int] = {}  # rank -> steps whose result did not repeat there, in this run
+        self._reproduced: int | None = None  # the last step of a stretch of suspect steps whose first one came out the same again
         self.rollback_request: dict | None = None
         self.stop_reason: str | None = None
         self.stopping = False
@@ -115,6 +132,66 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
         """A ``skip`` must act on the very update the statistics describe, so they are read at once (a device sync
         per step); every other action is taken one step later, when the device has long finished that step."""
         return any(spec["action"] == "skip" for spec in self.signals.values())
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "faults": {str(r): n for r, n in self.faults.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.faults = {int(r): int(n) for r, n in state.get("faults", {}).items()}
+
+    # -- a suspect step computed again (LMModule._rerun) -------------------------------------------
+    def suspects(self, loss: float, step: int) -> tuple[str, float] | None:
+        """A suspect step, unless it goes on a stretch whose first step came out the same again (a spike that persists
+        is the run's own doing, not a fault at each step)."""
+        suspect = None if self.stopping else self.suspect(loss)
+        if suspect is not None and self._reproduced == step - 1:
+            self._reproduced = step
+            return None
+        self._reproduced = None
+        return suspect
+
+    def on_rerun(self, trainer, pl_module, step: int, verdict: dict) -> bool:
+        log_direct(trainer, {"stability/rerun_loss": verdict["again"]}, step=step)
+        ranks = verdict["differs"]
+        if not ranks:
+            self._reproduced = step
+            self._event(
+                trainer,
+                "rerun",
+                f"step {step}: {verdict['why']}; computed again on the same batches before the update: {verdict['again']:.4f}, "
+                "the same on every rank: the data or the model, not the hardware; judged as such",
+                alert=False,
+                step=step,
+            )
+            return False
+        hosts = verdict["hosts"]
+        for r in ranks:
+            self.faults[r] = self.faults.get(r, 0) + 1
+        where = "; ".join(
+            f"rank {r} on {hosts[r]}: {verdict['results'][r][0]:.4g}, then {verdict['results'][r][1]:.4g} ({self.faults[r]} in this run)" for r in ranks
+        )
+        others = " (the other ranks' results repeated)" if len(ranks) < trainer.world_size else ""
+        self._event(
+            trainer,
+            "hardware_fault",
+            f"step {step}: {verdict['why']}; the same batches computed again before the update gave another loss: {where}{others}: "
+            "a fault of that hardware, not the data or the model; the update is dropped",
+            step=step,
+            ranks=ranks,
+            hosts=[hosts[r] for r in ranks],
+            results=[verdict["results"][r] for r in ranks],
+            faults={str(r): self.faults[r] for r in ranks},
+        )
+        worst = max(ranks, key=lambda r: self.faults[r])
+        if self.faults[worst] >= FAULTS_TO_STOP:
+            self._stop(
+                trainer,
+                f"step {step}: rank {worst} on {hosts[worst]} computed {self.faults[worst]} steps that did not repeat in this run: "
+                "stopping so that its node is checked (lmtrain doctor) and left out of the job",
+                step,
+            )
+        return True
 
     def check_step(self, trainer, pl_module, stats: dict) -> bool:
         """Judge one optimizer step's statistics (``step``: its number, counted from 1; defaults to now); True:
@@ -208,7 +285,10 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
         self.checkpointer.discard_current_state()
         return True
 
-    def _event(self, trainer, kind: str, message: str, **fields) -> None:
+    def _event(self, trainer, kind: str, message: str, alert: bool = True, **fields) -> None:
         log.info(f"{kind}: {message}")
         if trainer.is_global_zero and self.run_dir is not None:
-            logbook.alert(self.run_dir, kind, message, said=True, **fields)
+            if alert:
+                logbook.alert(self.run_dir, kind, message, said=True, **fields)
+            else:
+                logbook.append(self.run_dir, kind, message, **fields)

@@ -17,9 +17,14 @@ Steps are numbered as checkpoints number them: step 5 is the 5th optimizer step 
 * ``truncate``: the first checkpoint at or after ``step`` has its largest file cut in half right after it is
   written (the post-save verification must catch it);
 * ``loss_spike``: the loss of each of ``count`` steps from ``step`` on is multiplied by ``factor`` (a real spike:
-  the gradients follow); the preset's ``count`` of 5 persists long enough for the detector to act, ``count=1`` is a
-  blip it lets pass;
-* ``nan_loss``: the loss of step ``step`` becomes NaN on rank ``rank`` only;
+  the gradients follow; the same batch computed again in that step spikes again, as the data or the model would make
+  it); the preset's ``count`` of 5 persists long enough for the detector to act, ``count=1`` is a blip it lets pass;
+* ``nan_loss``: the loss of step ``step`` becomes NaN on rank ``rank`` only (again if that step is computed again: the
+  data or the model's doing);
+* ``sdc``: silent data corruption, a hardware fault: in rank ``rank``'s first forward pass of each of ``count`` steps from
+  ``step`` on, one value
+  of the last block's output has its exponent's bits all set (a non-finite number, as a flipped bit on a failing card
+  makes); the same batch computed again is right (the divergence detector's rerun names the rank);
 * ``act_growth``: from step ``step`` on, the last block's output is multiplied by ``factor`` ** (steps since);
 * ``hang``: rank ``rank`` stops at the start of optimizer step ``step`` and never goes on (a rank stuck outside any
   collective: the others wait for it in the next one), for the watchdog (lmtrain.callbacks.watchdog) to catch;
@@ -50,7 +55,10 @@ from lmtrain.errors import InputError
 from lmtrain.training import compat
 from lmtrain.training.contracts import CheckpointStore, SaveGuard
 
-KINDS = ("crash", "crash_mid_save", "crash_after_save", "enospc", "truncate", "loss_spike", "nan_loss", "act_growth", "grad_overflow", "hang", "slow_rank", "bad_data")
+KINDS = (
+    "crash", "crash_mid_save", "crash_after_save", "enospc", "truncate", "loss_spike", "nan_loss", "sdc", "act_growth", "grad_overflow",
+    "hang", "slow_rank", "bad_data",
+)  # fmt: skip
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -66,15 +74,29 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def _scale_next_loss(pl_module, factor: float) -> None:
-    """The next loss the module computes (this step's training loss) multiplied by ``factor``: the module's ``loss``
-    wrapped on the instance for one call, so the gradients follow; nothing of the drill lives in LMModule."""
+def _scale_losses(trainer, pl_module, factor: float) -> None:
+    """Every loss the module computes in the current optimizer step (its micro-batches, and the same batches computed
+    again before its update) multiplied by ``factor``: the module's ``loss`` wrapped on the instance until the step
+    is over, so the gradients follow; nothing of the drill lives in LMModule."""
+    step = compat.step_number(trainer)
 
-    def once(inputs, targets):
-        del pl_module.loss  # the class's method again
-        return pl_module.loss(inputs, targets) * factor
+    def scaled(*args):
+        if compat.step_number(trainer) != step:  # the step is over: the class's method again
+            del pl_module.loss
+            return pl_module.loss(*args)
+        return type(pl_module).loss(pl_module, *args) * factor
 
-    pl_module.loss = once
+    pl_module.loss = scaled
+
+
+def _flip_one_value(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its first value's exponent bits all set (infinite or NaN), as a flipped bit on a failing card leaves
+    it; the gradient flows to the others as if they had been computed so."""
+    as_int, mask = {torch.float32: (torch.int32, 0x7F800000), torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00)}[x.dtype]
+    bad = (x.detach().reshape(-1)[:1].clone().view(as_int) | mask).view(x.dtype)
+    where = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+    where.view(-1)[0] = True
+    return torch.where(where, bad, x)
 
 
 def _shuffle_tokens(batch) -> None:
@@ -95,6 +117,7 @@ class FaultInjector(L.Callback, SaveGuard):
             raise InputError(f"fault.count={count!r} must be a whole number of steps >= 1")
         self.kind, self.step, self.rank, self.factor, self.count = kind, int(step), rank, float(factor), count
         self._growth_from: int | None = None
+        self._sdc_step: int | None = None
         self._batch_started: float | None = None
         self.marker = Path(run_dir) / ".faults" / f"{kind}-{self.step}"
 
@@ -128,10 +151,21 @@ class FaultInjector(L.Callback, SaveGuard):
             while True:  # noqa: ASYNC110 - the drill: a rank that never goes on
                 time.sleep(1.0)
         if self.kind == "nan_loss" and step == self.step and self._arm():
-            _scale_next_loss(pl_module, float("nan"))
+            _scale_losses(trainer, pl_module, float("nan"))
             log.info(f"FAULT: nan_loss at step {step} on rank {trainer.global_rank}")
         if self.kind == "loss_spike" and self._in_stretch(step, f"loss_spike x{self.factor:g} on rank {trainer.global_rank}"):
-            _scale_next_loss(pl_module, self.factor)
+            _scale_losses(trainer, pl_module, self.factor)
+        if self.kind == "sdc" and self._sdc_step != step and self._in_stretch(step, f"silent data corruption on rank {trainer.global_rank}"):
+            self._sdc_step = step  # the step's first forward pass only
+            hook = None
+
+            def corrupt(module, args):
+                if not module.training:
+                    return None
+                hook.remove()  # once: the same batch computed again is right
+                return (_flip_one_value(args[0]), *args[1:])
+
+            hook = pl_module.model.norm.register_forward_pre_hook(corrupt, prepend=True)
         if self.kind == "act_growth" and step == self.step and self._growth_from is None and self._arm():
             self._growth_from = step
             pl_module.model.norm.register_forward_pre_hook(

@@ -31,13 +31,23 @@ def test_trainer_privates_after_a_real_fit(tmp_path):
         default_root_dir=tmp_path, limit_val_batches=0, accelerator="cpu", devices=1,
     )  # fmt: skip
     model = BoringModel()
+    ends = []
+    model.on_before_backward = lambda loss: ends.append(compat.ends_optimizer_step(trainer))
     trainer.fit(model)
+    assert ends == [True] * 3  # no accumulation: every micro-batch ends its step
     assert compat.step_number(trainer) == 4  # the next step's number: 3 were done
     state = compat.dump_checkpoint(trainer)
     assert state["global_step"] == 3 and set(state["state_dict"]) == set(model.state_dict()) and state["optimizer_states"]
     mesh = object()
     compat.set_module_device_mesh(model, mesh)
     assert model.device_mesh is mesh
+    ends.clear()
+    trainer = L.Trainer(
+        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path, limit_val_batches=0, accelerator="cpu", devices=1, accumulate_grad_batches=3,
+    )  # fmt: skip
+    trainer.fit(model)  # 3 micro-batches a step: the third ends it
+    assert ends == [False, False, True] * 2
 
 
 def test_config_node_returns_the_unresolved_node():

@@ -69,7 +69,10 @@ def test_loss_spike_rolls_back_to_a_healthy_checkpoint_with_a_lower_learning_rat
     signals = [e for e in logbook.read(run) if e["kind"] == "divergence_signal"]
     assert [(e["step"], e["action"]) for e in signals] == [(10, "warn"), (11, "warn"), (12, "warn"), (13, "warn"), (14, "rollback")]
     assert "loss_spike" in signals[-1]["signals"] and signals[-1]["tokens"] > 0 and "spikes over 5 steps from step 10" in signals[-1]["message"]
-    assert _kinds(run) == ["start", *["divergence_signal"] * 5, "rollback"]
+    # its first step was computed again before its update, the same: the data or the model, said so
+    assert _kinds(run) == ["start", "rerun", *["divergence_signal"] * 5, "rollback"]
+    rerun = next(e for e in logbook.read(run) if e["kind"] == "rerun")
+    assert rerun["step"] == 10 and "the same on every rank: the data or the model, not the hardware" in rerun["message"], rerun
     rows, ref_rows = _rows(run), _rows(tmp_path / "ref" / "run")
     assert sorted(rows) == list(range(1, 17))  # the abandoned steps 9..14 were replaced by the new timeline
     for s in range(1, 9):  # up to the rollback's checkpoint: the reference run exactly
@@ -121,6 +124,31 @@ def test_a_rollback_passes_over_a_checkpoint_damaged_since_its_save(tmp_path, da
     assert err.count("model tiny (opt): ") == 1, err  # said once a run, not again at the rollback's attempt
     assert max(c.step for c in ck.scan(ckpts)) == 16
     assert read == ["step-0000008", "step-0000004"], read
+
+
+def test_a_result_that_does_not_repeat_is_the_hardware_named_with_its_update_dropped(tmp_path, dataset_dir):
+    """fault=sdc (silent data corruption): one value of the forward pass of steps 10, 11 and 12 made non-finite, as a
+    failing card does. Each step's loss is NaN; computed again on the same batch before the update it is finite: the
+    hardware, not the data or the model. The rank and its host are named, the update dropped (else the weights would
+    be NaN and the next step's second result too), the step judged as nothing (no `nonfinite`, no rollback), and at
+    the third such step the run stops for the node to be checked."""
+    cfg = make_cfg(TINY + STABLE + ["fault=sdc", "callbacks.fault.step=10", "callbacks.fault.count=3"], tmp_path, dataset_dir)
+    with pytest.raises(RunStopped, match=r"rank 0 on \S+ \(cpu\) computed 3 steps that did not repeat in this run"):
+        train(cfg)
+    run = tmp_path / "run"
+    entries = logbook.read(run)
+    faults = [e for e in entries if e["kind"] == "hardware_fault"]
+    assert [e["step"] for e in faults] == [10, 11, 12] and all(e["ranks"] == [0] and e["alert"] for e in faults), faults
+    assert [e["faults"] for e in faults] == [{"0": 1}, {"0": 2}, {"0": 3}]
+    first, again = faults[0]["results"][0]
+    assert math.isnan(first) and math.isfinite(again) and "the update is dropped" in faults[0]["message"]
+    assert not [e for e in entries if e["kind"] == "divergence_signal" and "nonfinite" in e["signals"]] and not corrections.load(run)
+    assert [e["kind"] for e in entries][-2:] == ["stop", "stopped"]
+    rows = _rows(run)
+    assert [float(rows[s]["stability/rerun_differs"]) for s in (10, 11)] == [1.0, 1.0] and math.isnan(float(rows[10]["train/loss"]))
+    assert 7 < float(rows[10]["stability/rerun_loss"]) < 9  # ln(vocabulary) is 8.3
+    # replayed offline, the steps a rank computed wrongly fire nothing, as in the run
+    assert not [e for e in replay(read_trace(run), warmup_steps=5) if e["step"] in (10, 11)]
 
 
 def test_growing_activations_stop_the_run_without_saving_the_bad_state(tmp_path, dataset_dir):
@@ -204,7 +232,8 @@ def test_real_divergence_is_caught_rolled_back_and_capped(tmp_path, dataset_dir)
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_nan_on_one_rank_and_an_operator_lr_change_apply_on_both_ranks(tmp_path, dataset_dir):
-    """2 processes (gloo): a NaN loss on rank 1 only is seen by both ranks, which skip the same step; an operator's
+    """2 processes (gloo): a NaN loss on rank 1 only is seen by both ranks, which skip the same step; a value of rank
+    1's forward pass corrupted once is told from it and rank 1 named; an operator's
     `python -m lmtrain.control RUN_DIR lr --scale 0.25` issued when step 5 is done is applied by both ranks from the next."""
     run_dir = tmp_path / "runs" / "two"
     args = [a for a in TINY if not a.startswith("trainer.devices")] + STABLE + [
@@ -212,7 +241,8 @@ def test_nan_on_one_rank_and_an_operator_lr_change_apply_on_both_ranks(tmp_path,
         "data.prepare=null", "trainer.max_steps=10", "fault=nan_loss", "callbacks.fault.step=7", "callbacks.fault.rank=1",
         "callbacks.divergence.nonfinite={action: skip}", "+callbacks.rec._target_=tests.plugins.RecordLR",
         f"+callbacks.rec.path={tmp_path / 'lr'}", "+callbacks.op._target_=tests.plugins.OperatorAt", f"+callbacks.op.run_dir={run_dir}",
-        "+callbacks.op.step=5", "+callbacks.op.scale=0.25",
+        "+callbacks.op.step=5", "+callbacks.op.scale=0.25", "+callbacks.sdc._target_=lmtrain.callbacks.fault.FaultInjector",
+        "+callbacks.sdc.kind=sdc", "+callbacks.sdc.step=9", "+callbacks.sdc.rank=1", f"+callbacks.sdc.run_dir={run_dir}",
     ]  # fmt: skip
     res = run_train_cli(args, tmp_path)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -224,8 +254,17 @@ def test_nan_on_one_rank_and_an_operator_lr_change_apply_on_both_ranks(tmp_path,
     sig = [e for e in logbook.read(run_dir) if e["kind"] == "divergence_signal"]
     assert len(sig) == 1 and sig[0]["signals"] == ["nonfinite"] and sig[0]["step"] == 7
     assert "lr_correction" in _kinds(run_dir)
+    # step 7's NaN came again when computed again (the drill stands for the data or the model); step 9's, a value of
+    # rank 1's forward pass corrupted once (fault sdc), did not: rank 1 is named, the update dropped on both ranks
+    (rerun,) = [e for e in logbook.read(run_dir) if e["kind"] == "rerun"]
+    assert rerun["step"] == 7 and "the data or the model" in rerun["message"]
+    (fault,) = [e for e in logbook.read(run_dir) if e["kind"] == "hardware_fault"]
+    assert fault["step"] == 9 and fault["ranks"] == [1] and "the other ranks' results repeated" in fault["message"], fault
+    assert fault["hosts"][0].endswith("(cpu)") and "rank 1 on " in fault["message"]
     rows = _rows(run_dir)
-    assert math.isnan(float(rows[7]["train/loss"])) and all(math.isfinite(float(rows[s]["train/loss"])) for s in rows if s != 7)
+    assert all(math.isnan(float(rows[s]["train/loss"])) for s in (7, 9))
+    assert all(math.isfinite(float(rows[s]["train/loss"])) for s in rows if s not in (7, 9))
+    assert float(rows[9]["stability/rerun_differs"]) == 1.0 and float(rows[7]["stability/rerun_differs"]) == 0.0
     assert float(ref["5"]) < 0.3 * float(ref["4"])  # x0.25 on top of the (slowly decaying) schedule
 
 
@@ -343,7 +382,7 @@ def test_an_operators_absurd_learning_rate_is_rolled_back_and_revoked(tmp_path, 
     assert [e["reason"] for e in entries] == ["operator", "rollback"] and entries[1]["revokes"] == [0]
     assert entries[0]["from_step"] == 9 and entries[1]["from_step"] == 8 and corrections.in_force(entries) == [entries[1]]
     kinds = _kinds(run)
-    assert kinds[:3] == ["start", "lr_correction", "divergence_signal"] and kinds.count("rollback") == 1
+    assert kinds[:4] == ["start", "lr_correction", "rerun", "divergence_signal"] and kinds.count("rollback") == 1
     signals = [(e["step"], e["action"]) for e in logbook.read(run) if e["kind"] == "divergence_signal"]
     assert signals == [(11, "warn"), (12, "warn"), (13, "warn"), (14, "warn"), (15, "rollback")], signals
     rollback = next(e for e in logbook.read(run) if e["kind"] == "rollback")

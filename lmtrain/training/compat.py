@@ -31,6 +31,13 @@ def step_number(trainer) -> int:
     return trainer.fit_loop.epoch_loop._batches_that_stepped + 1
 
 
+def ends_optimizer_step(trainer) -> bool:
+    """Whether the current training micro-batch is the last of its optimizer step (its backward pass is followed by the
+    optimizer's step): ``fit_loop.epoch_loop._should_accumulate()``, which Lightning asks there itself; no public API
+    says it before the step."""
+    return not trainer.fit_loop.epoch_loop._should_accumulate()
+
+
 def validates_after_this_batch(trainer) -> bool:
     """Whether Lightning will run its scheduled validation right after the current training batch's end hooks: its own
     decision (``fit_loop.epoch_loop._should_check_val_fx`` and ``_skip_next_val``), asked with ``should_stop`` cleared,

@@ -45,10 +45,24 @@ class StepChecker:
     :meth:`check_step` on every rank, with the same (reduced) statistics, one step late unless ``needs_same_step``."""
 
     needs_same_step: bool = False  # True: the statistics of this very update are needed now (a device sync per step)
+    reruns_suspects: bool = False  # True: each step's loss is read before its update, for :meth:`suspects`
 
     def check_step(self, trainer, pl_module, stats: dict) -> bool:
-        """``stats``: step (its number, from 1), loss, grad_norm, act_rms, loss_scale, overflow. True: drop this update."""
+        """``stats``: step (its number, from 1), loss, grad_norm, act_rms, loss_scale, overflow; for a step computed
+        again (:meth:`on_rerun`) ``rerun_differs`` (how many ranks' results differed) and ``rerun_loss``. True: drop this update."""
         raise NotImplementedError
+
+    def suspects(self, loss: float, step: int) -> tuple[str, float] | None:
+        """With ``reruns_suspects``: step ``step``'s loss (all ranks' mean), read as its forward passes ended. ``(why,
+        tolerance)``: compute the step again on the same batches before its update, a rank's two losses counting as the
+        same within ``tolerance``; None: go on."""
+        return None
+
+    def on_rerun(self, trainer, pl_module, step: int, verdict: dict) -> bool:
+        """A suspect step computed again: ``verdict`` has ``why``, ``loss``, ``again`` (the ranks' mean of the second
+        results), ``tolerance``, ``differs`` (the ranks whose results differed), ``results`` (each rank's [first,
+        second]) and ``hosts`` (each rank's host and device, where some differed). True: drop this update."""
+        return False
 
 
 class SaveGuard:

@@ -55,6 +55,19 @@ def sdpa_backends(spec: str | list[str] | None) -> list[SDPBackend] | None:
     return [SDPA_BACKENDS[n] for n in names]
 
 
+def _hosts(trainer) -> list[str]:
+    """Every rank's host and device, by rank (a collective: every rank calls it)."""
+    import socket
+
+    device = trainer.strategy.root_device
+    me = f"{socket.gethostname()} ({device})"
+    if trainer.world_size == 1 or not torch.distributed.is_initialized():
+        return [me]
+    out: list = [None] * trainer.world_size
+    torch.distributed.all_gather_object(out, me)
+    return out
+
+
 def batch_seed(seed: int, batch: int, rank: int) -> int:
     """A well-mixed 63-bit seed for one (seed, batch, rank)."""
     x = (seed * 0x9E3779B97F4A7C15 + batch * 0xBF58476D1CE4E5B9 + rank * 0x94D049BB133111EB) % (1 << 64)
@@ -71,20 +84,37 @@ class _StepStats:
     lr: float
     values: torch.Tensor
     ready: torch.cuda.Event | None
+    rerun: dict | None = None  # the step computed again on its batches before its update (LMModule._rerun)
 
     @classmethod
-    def record(cls, trainer, optimizer, values: torch.Tensor) -> _StepStats:
-        ready = None
-        if values.is_cuda:
-            values = values.detach().to("cpu", non_blocking=True)  # into pinned memory: needs the event below
-            ready = torch.cuda.Event()
-            ready.record()
-        return cls(compat.step_number(trainer), optimizer.param_groups[0]["lr"], values, ready)
+    def record(cls, trainer, optimizer, values: torch.Tensor, rerun: dict | None = None) -> _StepStats:
+        values, ready = _to_host(values)
+        return cls(compat.step_number(trainer), optimizer.param_groups[0]["lr"], values, ready, rerun)
 
     def read(self) -> list[float]:
         if self.ready is not None:
             self.ready.synchronize()
         return [float(v) for v in self.values.tolist()]
+
+
+def _to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A device tensor's copy on its way into pinned host memory without blocking, and the event marking its arrival."""
+    if not values.is_cuda:
+        return values.detach(), None
+    values = values.detach().to("cpu", non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return values, ready
+
+
+@dataclass
+class _MicroBatch:
+    """A training micro-batch kept until its step's update, to compute it again (LMModule._rerun): the tensors, and the
+    random state its forward pass drew dropout from."""
+
+    batch: tuple
+    cpu_rng: torch.Tensor
+    cuda_rng: torch.Tensor | None
 
 
 class LMModule(L.LightningModule):
@@ -161,6 +191,9 @@ class LMModule(L.LightningModule):
         self._qk_bounds: list[torch.Tensor] = []
         self._qk_hooks: list = []
         self._pending_stats: list[_StepStats] = []
+        self._step_batches: list[_MicroBatch] = []  # this optimizer step's, while a checker reruns suspect steps
+        self._step_loss: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # (global, local) loss, as forward ended
+        self._rerunning = False
         self.last_train_loss: float | None = None
         self.last_train_lr: float | None = None  # the rate the optimizer used at the step of last_train_loss
         self.init_weights_from = None  # init_from=DIR (lmtrain.training.init_from.Loader): read into the model once built
@@ -252,6 +285,7 @@ class LMModule(L.LightningModule):
         self._onednn_off = fp8_module.emulate_cpu_matmuls(fastpaths.uses_float8(self.head, self.fp8), self.device, self.trainer.precision)
 
     def teardown(self, stage: str) -> None:
+        self._step_batches, self._step_loss = [], None  # a step abandoned by a stop keeps nothing
         torch.compiler.set_stance("default")  # a validation that raised leaves no stance behind
         fp8_module.restore_onednn(getattr(self, "_onednn_off", False))
         self._onednn_off = False
@@ -263,6 +297,9 @@ class LMModule(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         inputs, targets, *doc = batch  # (B, T), (B, T), and with data.document_mask each token's document (B, T)
+        if self._reruns():
+            cuda = torch.cuda.get_rng_state(inputs.device) if inputs.is_cuda else None
+            self._step_batches.append(_MicroBatch(tuple(batch), torch.get_rng_state(), cuda))
         loss, parts = loss_parts(self.loss(inputs, targets, *doc))
         if parts is None:
             self._train_losses.append(loss.detach())
@@ -281,7 +318,7 @@ class LMModule(L.LightningModule):
     def _record_activation(self, module: nn.Module, args: tuple) -> None:
         """Forward pre-hook on the final norm: mean square of the last block's output (the residual stream), in
         training forwards only (the norm's own mode: the evals put the model, not this module, in eval mode)."""
-        if module.training:
+        if module.training and not self._rerunning:
             self._act_sq.append(args[0].detach().float().square().mean())
 
     def _record_qk(self, module: nn.Module, args: tuple) -> None:
@@ -289,11 +326,85 @@ class LMModule(L.LightningModule):
         largest attention logit, the largest query norm times the largest key norm over sqrt(head_dim) (no logit
         q.k / sqrt(head_dim) exceeds it); its growth is the sign of attention-logit growth (Wortsman et al. 2023)
         at the cost of two norms, where the logits themselves are never formed by the fused attention kernels."""
-        if module.training:
+        if module.training and not self._rerunning:
             q, k = args
             qn = torch.linalg.vector_norm(q.detach(), dim=-1, dtype=torch.float32).amax()
             kn = torch.linalg.vector_norm(k.detach(), dim=-1, dtype=torch.float32).amax()
             self._qk_bounds.append(qn * kn * q.shape[-1] ** -0.5)
+
+    # -- a suspect step computed again on the same batches --------------------------------------
+    def _reruns(self) -> list[StepChecker]:
+        return [c for c in self._checkers() if c.reruns_suspects] if self._trainer is not None else []
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        """As the step's last forward pass ends, before its backward pass is launched: the step's loss (all ranks'
+        mean) and this rank's own, on their way to the host. Read before the update (``_rerun``), they cost no wait
+        for the device: its backward pass is queued behind them."""
+        if self._train_losses and compat.ends_optimizer_step(self.trainer) and self._reruns():
+            local = torch.stack(self._train_losses).mean().float()
+            glob = self.trainer.strategy.reduce(local.clone(), reduce_op="mean")
+            self._step_loss = _to_host(torch.stack([glob, local]))
+
+    def _rerun(self, checkers: list[StepChecker]) -> dict | None:
+        """A suspect step (``StepChecker.suspects``: a non-finite loss, a spike) computed again on the same micro-batches,
+        with the same parameters and random state, before its update. A hardware fault (a flipped bit, a bad card)
+        rarely strikes twice alike; the data and the model give the same loss again. Each rank compares its own two
+        results, within the checker's tolerance; every rank learns which ranks differed. None: not suspect."""
+        batches, self._step_batches = self._step_batches, []
+        pending, self._step_loss = self._step_loss, None
+        if pending is None or not checkers:
+            return None
+        values, ready = pending
+        if ready is not None:
+            ready.synchronize()  # the forward pass's end: the device is busy with the backward pass queued after it
+        glob, local = (float(v) for v in values.tolist())
+        step = compat.step_number(self.trainer)
+        suspect = next((s for c in checkers if (s := c.suspects(glob, step)) is not None), None)
+        if suspect is None:
+            return None
+        why, tolerance = suspect
+        again = self._forward_again(batches)
+        same = (not math.isfinite(local) and not math.isfinite(again)) or abs(local - again) <= max(tolerance, 0.05 * abs(again))
+        world, rank = self.trainer.world_size, self.global_rank
+        table = torch.zeros(world, 3, dtype=torch.float64, device=self.device)
+        table[rank] = torch.tensor([float(not same), local, again], dtype=torch.float64)
+        table = self.trainer.strategy.reduce(table, reduce_op="sum").cpu()  # each rank's row: the same on every rank
+        differs = [r for r in range(world) if table[r, 0] > 0]
+        return {
+            "why": why,
+            "loss": glob,
+            "again": float(table[:, 2].mean()),
+            "tolerance": tolerance,
+            "differs": differs,
+            "results": [[float(a), float(b)] for a, b in table[:, 1:].tolist()],
+            "hosts": _hosts(self.trainer) if differs else None,
+        }
+
+    def _forward_again(self, batches: list[_MicroBatch]) -> float:
+        """This rank's mean loss over ``batches`` computed again (no gradients; eagerly, where a compiled graph was
+        made for a training step: the result is compared within a tolerance, never bit for bit), each with the random
+        state its first forward pass had; the run's own random state is put back after."""
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        self._rerunning = True
+        torch.compiler.set_stance("force_eager")
+        try:
+            losses = []
+            with torch.no_grad():
+                for mb in batches:
+                    torch.set_rng_state(mb.cpu_rng)
+                    if mb.cuda_rng is not None:
+                        torch.cuda.set_rng_state(mb.cuda_rng, self.device)
+                    inputs, targets, *doc = mb.batch
+                    loss, parts = loss_parts(self.loss(inputs, targets, *doc))
+                    losses.append((loss if parts is None else parts[0]).float())
+            return float(torch.stack(losses).mean()) if losses else float("nan")
+        finally:
+            torch.compiler.set_stance("default")
+            self._rerunning = False
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, self.device)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Gradients are complete (and unscaled under fp16) here: measure and clip the global norm.
@@ -328,13 +439,20 @@ class LMModule(L.LightningModule):
                 qk,
             ]
         )
-        self._pending_stats.append(_StepStats.record(self.trainer, optimizer, values))
         # Only what the device has finished is read: the statistics of this step are judged at the next one (or at a
         # save, or at the end), so the host never waits for the device mid-step. A checker that must act on this very
         # update (a `skip` action) asks for it now: one device sync per step.
         checkers = self._checkers()
-        now = any(c.needs_same_step for c in checkers)
-        if self._judge_stats(checkers, keep_newest=not now):
+        drop = self._judge_stats(checkers)  # the steps before this one
+        rerun = self._rerun([c for c in checkers if c.reruns_suspects])  # this one's loss, read as its forward ended
+        self._pending_stats.append(_StepStats.record(self.trainer, optimizer, values, rerun))
+        if rerun is not None:  # every rank has the same verdict
+            for checker in checkers:
+                if checker.reruns_suspects:
+                    drop |= bool(checker.on_rerun(self.trainer, self, compat.step_number(self.trainer), rerun))
+        if any(c.needs_same_step for c in checkers):
+            drop |= self._judge_stats(checkers)
+        if drop:
             self.drop_update(optimizer)
 
     def _checkers(self) -> list[StepChecker]:
@@ -343,16 +461,15 @@ class LMModule(L.LightningModule):
     def flush_step_stats(self) -> None:
         """Log and judge every step's statistics not yet read (before a checkpoint is saved, at the end)."""
         if self._pending_stats:
-            self._judge_stats(self._checkers(), keep_newest=False)
+            self._judge_stats(self._checkers())
 
-    def _judge_stats(self, checkers: list, keep_newest: bool) -> bool:
+    def _judge_stats(self, checkers: list) -> bool:
         """Log the pending steps' statistics and run the checkers on them; True: drop the current update.
 
         Nothing here goes through ``self.log``: Lightning turns every logged value into a device tensor and reads it
         back with ``.item()`` each step (for the progress bar), a device sync that left the GPU idle at every step
         boundary (measured: docs/BENCHMARKS.md). The progress bar reads ``last_train_loss`` instead."""
-        todo = self._pending_stats[:-1] if keep_newest else list(self._pending_stats)
-        del self._pending_stats[: len(todo)]
+        todo, self._pending_stats = self._pending_stats, []
         drop = False
         for rec in todo:
             loss, norm, act_rms, scale, overflow, z, qk = rec.read()
@@ -374,6 +491,8 @@ class LMModule(L.LightningModule):
                 "loss_scale": None if math.isnan(scale) else scale,
                 "overflow": None if math.isnan(overflow) else bool(overflow),  # fp16: the scaler skips this update
             }
+            if rec.rerun is not None:  # computed again before its update: how many ranks' results differed, and the loss
+                stats["rerun_differs"], stats["rerun_loss"] = len(rec.rerun["differs"]), rec.rerun["again"]
             for checker in checkers:  # all ranks decide alike: the statistics are global
                 drop |= bool(checker.check_step(self.trainer, self, stats))
         return drop

@@ -2,7 +2,7 @@
 replayed offline over a recorded run (a *trace*) and judged on real events (docs/stability.md).
 
 A trace is a list of steps, each ``{"step": N, "loss": ..., "grad_norm": ..., "act_rms": ..., "attn_bound": ...,
-"loss_scale": ..., "overflow": ..., "lr": ...}`` (all but the first three may be None or absent): what :class:`lmtrain.training.module.LMModule` hands the
+"loss_scale": ..., "overflow": ..., "lr": ..., "rerun_differs": ...}`` (all but the first three may be None or absent): what :class:`lmtrain.training.module.LMModule` hands the
 detector every optimizer step. :func:`read_trace` reads one from a run's metrics record; :func:`replay` runs a
 :class:`Judge` over it and returns every step a signal fired, with the action the detector would take.
 
@@ -182,10 +182,32 @@ class Judge:
         return self.trouble_start is None and self.episode_start is None and not self.rising and not self.level_streak
 
     # -- the judgement -------------------------------------------------------------------------
+    def suspect(self, loss: float) -> tuple[str, float] | None:
+        """Whether a step whose loss is ``loss`` should be computed again on its batches before its update, to tell a
+        hardware fault from the data or the model: a non-finite loss, or a loss spike by the running statistics (from
+        the end of the warm-up). ``(why, tolerance)``: a rank's second result within ``tolerance`` of its first is the
+        same (half the spike's height: a fault of one rank that spiked the mean moved that rank's loss by the whole
+        height, and more); None: not suspect."""
+        if not math.isfinite(loss):
+            return f"a non-finite loss ({loss})", 0.0
+        sp = self.signals["loss_spike"]
+        z = self.loss.z(loss)
+        if self.loss.n >= max(self.warmup_steps, 2) and z > sp["z"] and loss > sp["min_ratio"] * self.loss.mean:
+            return f"loss {loss:.4f} vs average {self.loss.mean:.4f} (z={z:.1f})", (loss - self.loss.mean) / 2
+        return None
+
     def judge(self, stats: dict, step: int) -> tuple[list[tuple[str, str, str]], dict[str, float]]:
         """One step's statistics judged: the signals fired, as (name, why, action), and the figures logged every
-        step. A step that fires nothing feeds the running statistics, unless the fp16 scaler skipped it."""
+        step. A step that fires nothing feeds the running statistics, unless the fp16 scaler skipped it. A step
+        computed again whose result differed on some rank (``rerun_differs``) was a fault of that rank's hardware,
+        its update dropped: it fires nothing and feeds nothing."""
         metrics: dict[str, float] = {}
+        if stats.get("rerun_differs") is not None:
+            metrics["stability/rerun_differs"] = float(stats["rerun_differs"])
+            if stats["rerun_differs"]:
+                metrics["stability/healthy"] = float(self.healthy)
+                metrics.update({f"stability/{name}": 0.0 for name in self.signals})
+                return [], metrics
         fired, spike = self._signals(stats, step, metrics)
         severe = [a for _, _, a in fired if a != "warn"]
         if severe and self.trouble_start is None:
@@ -461,7 +483,8 @@ def table(results: list[dict]) -> str:
 
 
 TRACE_KEYS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "act_rms": "train/act_rms",
-              "attn_bound": "train/attn_logit_bound", "lr": "train/lr", "loss_scale": "train/loss_scale"}  # fmt: skip
+              "attn_bound": "train/attn_logit_bound", "lr": "train/lr", "loss_scale": "train/loss_scale",
+              "rerun_differs": "stability/rerun_differs"}  # fmt: skip
 
 
 def read_trace(run_dir: str | Path) -> list[dict]:
