@@ -1,6 +1,7 @@
 """``lmtrain doctor`` at the start of training (``callbacks=[default,doctor]``): every rank's matrix-product rate and
 memory bandwidth, and the all-reduce bus bandwidth within and across the nodes, measured once the process group is up
-and before the model is built (lmtrain.training.health). The table goes to the console and the logbook (a ``doctor`` entry); a
+and before the model is built (lmtrain.training.health), and the run's own record of each device's hardware faults (a
+restart on the card that stopped the run is stopped here). The table goes to the console and the logbook (a ``doctor`` entry); a
 figure out of bounds stops the job before its expensive part, with the figures in one line and exit status 3."""
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ class Doctor(L.Callback):
         from lmtrain.training import health
 
         device = trainer.strategy.root_device
-        self.result = health.examine(device, self.min_share, self.min_card_share, self.min_busbw, self.seconds, node=trainer.node_rank)
+        self.result = health.examine(
+            device, self.min_share, self.min_card_share, self.min_busbw, self.seconds, node=trainer.node_rank, run_dir=self.run_dir
+        )
         if device.type == "cuda":
             torch.cuda.empty_cache()
         flags = self.result["flags"]

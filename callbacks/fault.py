@@ -118,6 +118,7 @@ class FaultInjector(L.Callback, SaveGuard):
         self.kind, self.step, self.rank, self.factor, self.count = kind, int(step), rank, float(factor), count
         self._growth_from: int | None = None
         self._sdc_step: int | None = None
+        self._sdc_hook = None
         self._batch_started: float | None = None
         self.marker = Path(run_dir) / ".faults" / f"{kind}-{self.step}"
 
@@ -156,16 +157,10 @@ class FaultInjector(L.Callback, SaveGuard):
         if self.kind == "loss_spike" and self._in_stretch(step, f"loss_spike x{self.factor:g} on rank {trainer.global_rank}"):
             _scale_losses(trainer, pl_module, self.factor)
         if self.kind == "sdc" and self._sdc_step != step and self._in_stretch(step, f"silent data corruption on rank {trainer.global_rank}"):
-            self._sdc_step = step  # the step's first forward pass only
-            hook = None
-
-            def corrupt(module, args):
-                if not module.training:
-                    return None
-                hook.remove()  # once: the same batch computed again is right
-                return (_flip_one_value(args[0]), *args[1:])
-
-            hook = pl_module.model.norm.register_forward_pre_hook(corrupt, prepend=True)
+            self._sdc_step = step  # the step's first forward pass only: taken off before its backward pass (on_before_backward)
+            self._sdc_hook = pl_module.model.norm.register_forward_pre_hook(
+                lambda module, args: (_flip_one_value(args[0]), *args[1:]) if module.training else None, prepend=True
+            )
         if self.kind == "act_growth" and step == self.step and self._growth_from is None and self._arm():
             self._growth_from = step
             pl_module.model.norm.register_forward_pre_hook(
@@ -187,6 +182,11 @@ class FaultInjector(L.Callback, SaveGuard):
 
         if self.kind == "bad_data" and self._in_stretch(step, "bad data (shuffled tokens)"):  # every micro-batch
             _shuffle_tokens(batch)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self._sdc_hook is not None:  # once: the same batch computed again (before the update) is right
+            self._sdc_hook.remove()
+            self._sdc_hook = None
 
     def _in_stretch(self, step: int, what: str) -> bool:
         """Whether ``step`` is one of the ``count`` steps from ``step`` on that the drill acts in: from the one that

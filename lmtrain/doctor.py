@@ -16,7 +16,9 @@ CPU figure is one core's, timed by the measuring thread's own CPU time (other wo
 One table comes out, with every figure below ``--min-share`` of the other ranks' (or nodes') median, below
 ``--min-card-share`` of the card's datasheet figure, or an all-reduce below ``--min-busbw``, flagged. The exit status
 is 0 when nothing is flagged, 1 when something is (a batch script stops there: ``lmtrain doctor || exit 1``), 2 for
-bad options. ``--json FILE`` writes the figures. ``--slow-rank R`` rehearses a slow card: rank R does each measured
+bad options. ``--run RUN_DIR`` also counts, per device, the training steps of that run whose result did not repeat
+when computed again (the divergence detector's ``hardware_fault`` entries), and flags a device with 3 or more.
+``--json FILE`` writes the figures. ``--slow-rank R`` rehearses a slow card: rank R does each measured
 operation three times. The same check runs at the start of training with ``callbacks=[default,doctor]``.
 """
 
@@ -67,6 +69,10 @@ def parser(prog: str = "python -m lmtrain.doctor") -> argparse.ArgumentParser:
     )
     p.add_argument("--seconds", type=_positive, default=1.0, help="length of each timed loop (1.0)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the figures to FILE (rank 0)")
+    p.add_argument(
+        "--run", type=Path, default=None, metavar="RUN_DIR",
+        help="count, per device, the training steps of this run whose result did not repeat (its logbook's hardware faults); flag 3 or more",
+    )  # fmt: skip
     p.add_argument("--slow-rank", type=int, default=None, metavar="R", help="rehearsal: rank R does each measured operation three times")
     return p
 
@@ -88,6 +94,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.doctor") 
     if args.slow_rank is not None and not 0 <= args.slow_rank < world:
         print(f"error: --slow-rank {args.slow_rank}: the job has ranks 0 to {world - 1}", file=sys.stderr)
         return 2
+    if args.run is not None and not (args.run / "logbook.jsonl").is_file():
+        print(f"error: --run {args.run}: no run directory there (no logbook.jsonl)", file=sys.stderr)
+        return 2
     if args.json is not None and not args.json.parent.is_dir():
         print(f"error: --json {args.json}: no folder {args.json.parent}", file=sys.stderr)
         return 2
@@ -102,7 +111,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.doctor") 
     try:
         node = next((int(os.environ[v]) for v in ("GROUP_RANK", "SLURM_NODEID") if os.environ.get(v, "").isdigit()), None)
         busbw = args.min_busbw and args.min_busbw * 1e9
-        result = examine(device, args.min_share, args.min_card_share, busbw, args.seconds, args.slow_rank, node)
+        result = examine(device, args.min_share, args.min_card_share, busbw, args.seconds, args.slow_rank, node, args.run)
     except (InputError, RuntimeError) as exc:
         print(f"error: doctor: {exc}", file=sys.stderr)
         return 1

@@ -143,6 +143,7 @@ def test_resuming_with_another_data_seed_is_refused(tiny_cfg, tmp_path, dataset_
         (["fault=loss_spike", "callbacks.fault.count=0"], r"fault.count=0 must be a whole number of steps >= 1"),
         (["callbacks=default", "callbacks.divergence.loss_level.persist=0"], r"callbacks.divergence.loss_level.persist=0 must be a whole number of steps >= 1"),
         (["callbacks=default", "callbacks.divergence.loss_spike.persist=2.5"], r"callbacks.divergence.loss_spike.persist=2.5 must be a whole number"),
+        (["callbacks=default", "callbacks.divergence.rerun=sometimes"], r"callbacks.divergence.rerun='sometimes' must be true or false"),
         (["module.sdpa_backend=fast"], r"module.sdpa_backend='fast': use one of"),
         (["callbacks=[none,samples]", "callbacks.samples.prompts=[]"], r"callbacks.samples.prompts: give one or more non-empty prompts"),
         (

@@ -57,6 +57,7 @@ def test_one_process_prints_its_figures_and_writes_them(tmp_path):
         (["--seconds", "-1"], "--seconds: '-1': a number > 0"),
         (["--slow-rank", "3"], "--slow-rank 3: the job has ranks 0 to 0"),
         (["--json", "/nonexistent/d.json"], "--json /nonexistent/d.json: no folder /nonexistent"),
+        (["--run", "/nonexistent/run"], "--run /nonexistent/run: no run directory there (no logbook.jsonl)"),
     ],
 )
 def test_bad_options_are_one_line_and_status_2(tmp_path, args, says):

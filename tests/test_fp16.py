@@ -153,6 +153,7 @@ def test_fp16_under_fsdp_on_two_ranks_skips_alike_and_rolls_back(tmp_path, datas
     scales = [json.loads((tmp_path / f"scale.rank{r}.json").read_text()) for r in (0, 1)]
     assert scales[0] == scales[1] and scales[0]["3"] == 65536.0 and scales[0]["5"] == 16384.0  # halved twice, on both ranks
     run = tmp_path / "runs" / "f"
-    assert [k for k in _kinds(run) if k != "lr_correction"] == ["start", "divergence_signal", "rollback"]
+    # the NaN of step 10 came out the same when computed again (the drill stands for the data or the model)
+    assert [k for k in _kinds(run) if k != "lr_correction"] == ["start", "rerun", "divergence_signal", "rollback"]
     assert _series(run, "train/skipped_steps")[-1] == 2.0  # the replay restored the count of step 8: the NaN step was abandoned
     assert ck.newest(run / "checkpoints").step == 16

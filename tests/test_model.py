@@ -407,7 +407,7 @@ def test_the_attention_logit_bound_is_at_least_every_logit_and_follows_their_gro
 
     torch.manual_seed(0)
     model = Decoder(ModelConfig(family=family, vocab_size=96, max_seq_len=32, d_model=32, n_layers=2, n_heads=4, qk_norm=qk_norm))
-    holder, exact, sdpa = SimpleNamespace(_qk_bounds=[]), [], F.scaled_dot_product_attention
+    holder, exact, sdpa = SimpleNamespace(_qk_bounds=[], _rerunning=False), [], F.scaled_dot_product_attention
     for probe in (m for m in model.modules() if isinstance(m, QKProbe)):
         probe.register_forward_pre_hook(functools.partial(LMModule._record_qk, holder))
 

@@ -149,6 +149,39 @@ def test_a_result_that_does_not_repeat_is_the_hardware_named_with_its_update_dro
     assert 7 < float(rows[10]["stability/rerun_loss"]) < 9  # ln(vocabulary) is 8.3
     # replayed offline, the steps a rank computed wrongly fire nothing, as in the run
     assert not [e for e in replay(read_trace(run), warmup_steps=5) if e["step"] in (10, 11)]
+    # counted for doctor: `lmtrain doctor --run RUN` flags the device (exit 1), as the start of a restart would
+    from tests.test_doctor import _doctor
+
+    done = _doctor(["--seconds", "0.05", "--run", str(run)], tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "3 training steps whose result did not repeat when computed again" in done.stdout and "faults in run" in done.stdout, done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="a compiled bf16 step computed again on a GPU: run on a GPU")
+def test_on_a_gpu_a_corrupted_value_is_named_and_a_spike_is_not(tmp_path, dataset_dir):
+    """One GPU, bf16, the training step compiled (module.compile=auto): the loss is read from the device as the
+    forward pass ends, and a suspect step computed again eagerly. A value corrupted once at step 10 (fault sdc) is a
+    hardware fault, its update dropped; a spike of the data or the model at step 13 (fault loss_spike, one step) comes
+    out the same again and is a blip. The run finishes, exit 0."""
+    gpu = [a for a in TINY if not a.startswith(("trainer.accelerator", "trainer.precision"))]
+    args = gpu + STABLE + [
+        "trainer.accelerator=gpu", "trainer.precision=bf16-mixed", "fault=sdc", "callbacks.fault.step=10",
+        "+callbacks.spike._target_=lmtrain.callbacks.fault.FaultInjector", "+callbacks.spike.kind=loss_spike", "+callbacks.spike.step=13",
+        f"+callbacks.spike.run_dir={tmp_path / 'runs' / 'gpu'}", f"paths.runs={tmp_path / 'runs'}", f"data.path={dataset_dir}",
+        "data.prepare=null", "run_name=gpu",
+    ]  # fmt: skip
+    res = run_train_cli(args, tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    run = tmp_path / "runs" / "gpu"
+    entries = logbook.read(run)
+    (fault,) = [e for e in entries if e["kind"] == "hardware_fault"]
+    assert fault["step"] == 10 and fault["ranks"] == [0] and "(cuda:0)" in fault["hosts"][0], fault
+    (rerun,) = [e for e in entries if e["kind"] == "rerun"]
+    assert rerun["step"] == 13 and "the data or the model" in rerun["message"], rerun
+    rows = _rows(run)
+    assert float(rows[13]["stability/rerun_loss"]) > 10 * float(rows[12]["train/loss"])  # the spike again: x20
+    assert all(math.isfinite(float(rows[s]["train/loss"])) for s in rows if s != 10) and not corrections.load(run)
 
 
 def test_growing_activations_stop_the_run_without_saving_the_bad_state(tmp_path, dataset_dir):

@@ -61,7 +61,7 @@ class StepChecker:
     def on_rerun(self, trainer, pl_module, step: int, verdict: dict) -> bool:
         """A suspect step computed again: ``verdict`` has ``why``, ``loss``, ``again`` (the ranks' mean of the second
         results), ``tolerance``, ``differs`` (the ranks whose results differed), ``results`` (each rank's [first,
-        second]) and ``hosts`` (each rank's host and device, where some differed). True: drop this update."""
+        second]) and ``hosts`` (each rank's (host, device), where some differed). True: drop this update."""
         return False
 
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 import socket
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from lmtrain.training.cards import card_memory_bandwidth, detect_peak_flops
+from lmtrain.training.stability import FAULTS_TO_STOP
 
 GPU = {"matmul_n": 8192, "copy_bytes": 2**30, "allreduce_bytes": 2**28}
 CPU = {"matmul_n": 1024, "copy_bytes": 2**26, "allreduce_bytes": 2**23}
@@ -131,11 +133,13 @@ def examine(
     seconds: float = 1.0,
     slow_rank: int | None = None,
     node: int | None = None,
+    run_dir: str | Path | None = None,
 ) -> dict:
     """Measure this rank and, with a process group, every rank of it; every rank returns the same result: ``ranks``
     (one dict per rank: host, device, figures, expected figures), ``allreduce`` (``within``: node -> bytes/s,
     ``across``: bytes/s or None), ``flags`` (one line per figure out of bounds). ``node``: this rank's node (the
-    launcher's node rank); None: the ranks of one host are one node."""
+    launcher's node rank); None: the ranks of one host are one node. ``run_dir``: a run whose logbook's hardware faults
+    are counted against each rank's device (``faults``)."""
     grouped = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
     host = socket.gethostname()
@@ -177,6 +181,11 @@ def examine(
         for g in groups:
             dist.destroy_process_group(g)
     result = {"world": world, "nodes": len(dict.fromkeys(hosts)), "ranks": ranks, "allreduce": {"within": within, "across": across}}
+    if run_dir is not None:  # what the run's training recorded of each device
+        seen = recorded_faults(run_dir)
+        result["run"] = str(run_dir)
+        for r in ranks:
+            r["faults"] = seen.get((r["host"], r["device"].split(" ")[0]), 0)
     result["flags"] = judge(result, min_share, min_card_share, min_busbw)
     return result
 
@@ -187,11 +196,31 @@ def _others_median(values: list[float], i: int) -> float:
     return statistics.median(v for j, v in enumerate(values) if j != i)
 
 
+def recorded_faults(run_dir: str | Path) -> dict[tuple[str, str], int]:
+    """The training steps whose result did not repeat when computed again (``hardware_fault`` entries of the run's
+    logbook, lmtrain.callbacks.divergence), by (host, device) of the rank that computed them."""
+    from lmtrain.formats import logbook
+
+    counts: dict[tuple[str, str], int] = {}
+    for entry in logbook.read(run_dir):
+        if entry.get("kind") == "hardware_fault":
+            for w in entry.get("where", []):
+                counts[(w["host"], w["device"])] = counts.get((w["host"], w["device"]), 0) + 1
+    return counts
+
+
 def judge(result: dict, min_share: float, min_card_share: float, min_busbw: float | None) -> list[str]:
     """One line per figure out of bounds: below ``min_share`` of the other ranks' (nodes') median, below
-    ``min_card_share`` of the card's datasheet figure, an all-reduce below ``min_busbw``."""
+    ``min_card_share`` of the card's datasheet figure, an all-reduce below ``min_busbw``; a device that computed
+    FAULTS_TO_STOP or more training steps whose result did not repeat (``faults``, from a run's logbook)."""
     flags = []
     ranks = result["ranks"]
+    for r in ranks:
+        if r.get("faults", 0) >= FAULTS_TO_STOP:
+            flags.append(
+                f"rank {r['rank']} ({r['host']}, {r['device']}): {r['faults']} training steps whose result did not repeat when "
+                f"computed again (hardware_fault in {result['run']}/logbook.jsonl): a fault of this card or its host"
+            )
     for key, card, what, unit, scale in (
         ("matmul_flops", "card_flops", "matrix products", "TFLOP/s", 1e12),
         ("memory_bytes", "card_bytes", "memory bandwidth", "GB/s", 1e9),
@@ -236,12 +265,14 @@ def table(result: dict) -> str:
     def share(v, card):
         return f"{v / card:.0%}" if card else "-"
 
-    rows = [("rank", "host", "device", "matmul TFLOP/s", "of card", "memory GB/s", "of card", "")]
+    faults = "run" in result
+    rows = [("rank", "host", "device", "matmul TFLOP/s", "of card", "memory GB/s", "of card", *(["faults in run"] if faults else []), "")]
     flagged = {int(f.split()[1]) for f in result["flags"] if f.startswith("rank ")}
     for r in result["ranks"]:
         rows.append((
             str(r["rank"]), r["host"], r["device"], f"{r['matmul_flops'] / 1e12:.4g}", share(r["matmul_flops"], r.get("card_flops")),
-            f"{r['memory_bytes'] / 1e9:.4g}", share(r["memory_bytes"], r.get("card_bytes")), "FLAGGED" if r["rank"] in flagged else "ok",
+            f"{r['memory_bytes'] / 1e9:.4g}", share(r["memory_bytes"], r.get("card_bytes")), *([str(r["faults"])] if faults else []),
+            "FLAGGED" if r["rank"] in flagged else "ok",
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]

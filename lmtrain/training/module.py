@@ -55,12 +55,11 @@ def sdpa_backends(spec: str | list[str] | None) -> list[SDPBackend] | None:
     return [SDPA_BACKENDS[n] for n in names]
 
 
-def _hosts(trainer) -> list[str]:
+def _hosts(trainer) -> list[tuple[str, str]]:
     """Every rank's host and device, by rank (a collective: every rank calls it)."""
     import socket
 
-    device = trainer.strategy.root_device
-    me = f"{socket.gethostname()} ({device})"
+    me = (socket.gethostname(), str(trainer.strategy.root_device))
     if trainer.world_size == 1 or not torch.distributed.is_initialized():
         return [me]
     out: list = [None] * trainer.world_size
@@ -352,7 +351,7 @@ class LMModule(L.LightningModule):
         results, within the checker's tolerance; every rank learns which ranks differed. None: not suspect."""
         batches, self._step_batches = self._step_batches, []
         pending, self._step_loss = self._step_loss, None
-        if pending is None or not checkers:
+        if pending is None or not checkers or not batches:
             return None
         values, ready = pending
         if ready is not None:
@@ -390,7 +389,7 @@ class LMModule(L.LightningModule):
         torch.compiler.set_stance("force_eager")
         try:
             losses = []
-            with torch.no_grad():
+            with torch.no_grad(), self.trainer.precision_plugin.forward_context():  # autocast as the training step had it
                 for mb in batches:
                     torch.set_rng_state(mb.cpu_rng)
                     if mb.cuda_rng is not None:

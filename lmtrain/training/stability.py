@@ -35,6 +35,7 @@ TREND_STEPS = 50  # ``loss_trend`` and ``stall`` follow the mean loss of this ma
 NOISE_Z = 5.0  # a rise must also exceed this many standard errors of the difference of two TREND_STEPS means
 WARMUP_STEPS = 100  # healthy steps before spikes, trends and stalls are judged (conf/callbacks/stability.yaml's too)
 LOW_LR = 0.1  # a learning rate below this fraction of the run's highest is "near zero": no stall is judged there
+FAULTS_TO_STOP = 3  # steps of one rank whose result did not repeat (a hardware fault) before the run stops, and doctor flags it
 
 
 class EMA:
