@@ -164,10 +164,11 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
             )
             return False
         hosts = verdict["hosts"]
+        named = {r: f"{hosts[r][0]} ({hosts[r][1]})" for r in ranks}
         for r in ranks:
             self.faults[r] = self.faults.get(r, 0) + 1
         where = "; ".join(
-            f"rank {r} on {hosts[r][0]} ({hosts[r][1]}): {verdict['results'][r][0]:.4g}, then {verdict['results'][r][1]:.4g} ({self.faults[r]} in this run)" for r in ranks
+            f"rank {r} on {named[r]}: {verdict['results'][r][0]:.4g}, then {verdict['results'][r][1]:.4g} ({self.faults[r]} in this run)" for r in ranks
         )
         others = " (the other ranks' results repeated)" if len(ranks) < trainer.world_size else ""
         self._event(
@@ -177,7 +178,7 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
             "a fault of that hardware, not the data or the model; the update is dropped",
             step=step,
             ranks=ranks,
-            hosts=[f"{hosts[r][0]} ({hosts[r][1]})" for r in ranks],
+            hosts=[named[r] for r in ranks],
             where=[{"rank": r, "host": hosts[r][0], "device": hosts[r][1]} for r in ranks],
             results=[verdict["results"][r] for r in ranks],
             faults={str(r): self.faults[r] for r in ranks},
@@ -186,7 +187,7 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
         if self.faults[worst] >= FAULTS_TO_STOP:
             self._stop(
                 trainer,
-                f"step {step}: rank {worst} on {hosts[worst][0]} ({hosts[worst][1]}) computed {self.faults[worst]} steps that did not repeat in this run: "
+                f"step {step}: rank {worst} on {named[worst]} computed {self.faults[worst]} steps that did not repeat in this run: "
                 "stopping so that its node is checked (lmtrain doctor) and left out of the job",
                 step,
             )

@@ -31,6 +31,7 @@ import torch
 
 from lmtrain.errors import InputError
 from lmtrain.training.contracts import CheckpointStore
+from lmtrain.training.health import every_rank
 from lmtrain.training.logs import log_direct
 
 FIGURES = ("forward_time", "data_wait", "step_time")
@@ -81,12 +82,7 @@ class Stragglers(L.Callback):
         me = {"host": socket.gethostname(), "device": str(device)}
         if device.type == "cuda":
             me["device"] += f" ({torch.cuda.get_device_name(device)})"
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and trainer.world_size > 1:
-            gathered: list = [None] * trainer.world_size
-            torch.distributed.all_gather_object(gathered, me)
-            self._ranks = gathered
-        else:
-            self._ranks = [me]
+        self._ranks = every_rank(me)
         self._checkpointer = next((c for c in trainer.callbacks if isinstance(c, CheckpointStore)), None)
         self._batch_start = self._batch_end = self._window_start_step = None
         self._initial_step = trainer.global_step

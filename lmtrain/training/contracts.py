@@ -59,9 +59,9 @@ class StepChecker:
         return None
 
     def on_rerun(self, trainer, pl_module, step: int, verdict: dict) -> bool:
-        """A suspect step computed again: ``verdict`` has ``why``, ``loss``, ``again`` (the ranks' mean of the second
-        results), ``tolerance``, ``differs`` (the ranks whose results differed), ``results`` (each rank's [first,
-        second]) and ``hosts`` (each rank's (host, device), where some differed). True: drop this update."""
+        """A suspect step computed again: ``verdict`` has ``why`` (:meth:`suspects`'), ``again`` (the ranks' mean of the
+        second results), ``differs`` (the ranks whose results differed), ``results`` (each rank's [first, second]) and
+        ``hosts`` (each rank's (host, device), where some differed). True: drop this update."""
         return False
 
 

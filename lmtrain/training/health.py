@@ -117,7 +117,8 @@ def allreduce_busbw(device: torch.device, group, seconds: float = 1.0) -> float:
     return best
 
 
-def _gather(obj) -> list:
+def every_rank(obj) -> list:
+    """``obj`` of every rank, by rank (a collective where the run has several processes; ``[obj]`` in one)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [obj]
     out: list = [None] * dist.get_world_size()
@@ -147,7 +148,7 @@ def examine(
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         me |= {"device": f"{device} ({name})", "card_flops": detect_peak_flops("bf16-mixed"), "card_bytes": card_memory_bandwidth(name)}
-    hosts = [r["node"] for r in _gather(me)]
+    hosts = [r["node"] for r in every_rank(me)]
 
     drill = slow_rank == rank
     if device.type == "cuda" or world == 1:
@@ -161,7 +162,7 @@ def examine(
                     me["matmul_flops"] = max(me["matmul_flops"], matmul_rate(device, seconds, drill, repeats=1))
                     me["memory_bytes"] = max(me["memory_bytes"], memory_bandwidth(device, seconds, drill, repeats=1))
                 dist.barrier()
-    ranks = _gather(me)
+    ranks = every_rank(me)
 
     within: dict[str, float] = {}
     across = None
@@ -173,7 +174,7 @@ def examine(
             bw = allreduce_busbw(device, mine, seconds)
         else:
             bw = None
-        for h, bw_h in zip(hosts, _gather(bw), strict=True):
+        for h, bw_h in zip(hosts, every_rank(bw), strict=True):
             if bw_h is not None:
                 within.setdefault(h, bw_h)
         if len(nodes) > 1:

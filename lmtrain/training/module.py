@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from lmtrain.training import compat, fastpaths, precision
 from lmtrain.training import fp8 as fp8_module
 from lmtrain.training.checkpoint.position import adapt_to_layout
 from lmtrain.training.contracts import StepChecker
+from lmtrain.training.health import every_rank
 from lmtrain.training.kernels import loss_kernel
 from lmtrain.training.logs import log_direct
 
@@ -53,18 +55,6 @@ def sdpa_backends(spec: str | list[str] | None) -> list[SDPBackend] | None:
     if bad or not names:
         raise InputError(f"module.sdpa_backend={spec!r}: use one of {sorted(SDPA_BACKENDS)}, a list of them, or null")
     return [SDPA_BACKENDS[n] for n in names]
-
-
-def _hosts(trainer) -> list[tuple[str, str]]:
-    """Every rank's host and device, by rank (a collective: every rank calls it)."""
-    import socket
-
-    me = (socket.gethostname(), str(trainer.strategy.root_device))
-    if trainer.world_size == 1 or not torch.distributed.is_initialized():
-        return [me]
-    out: list = [None] * trainer.world_size
-    torch.distributed.all_gather_object(out, me)
-    return out
 
 
 def batch_seed(seed: int, batch: int, rank: int) -> int:
@@ -371,12 +361,10 @@ class LMModule(L.LightningModule):
         differs = [r for r in range(world) if table[r, 0] > 0]
         return {
             "why": why,
-            "loss": glob,
             "again": float(table[:, 2].mean()),
-            "tolerance": tolerance,
             "differs": differs,
             "results": [[float(a), float(b)] for a, b in table[:, 1:].tolist()],
-            "hosts": _hosts(self.trainer) if differs else None,
+            "hosts": every_rank((socket.gethostname(), str(self.device))) if differs else None,  # a collective: every rank is here
         }
 
     def _forward_again(self, batches: list[_MicroBatch]) -> float:
@@ -397,7 +385,7 @@ class LMModule(L.LightningModule):
                     inputs, targets, *doc = mb.batch
                     loss, parts = loss_parts(self.loss(inputs, targets, *doc))
                     losses.append((loss if parts is None else parts[0]).float())
-            return float(torch.stack(losses).mean()) if losses else float("nan")
+            return float(torch.stack(losses).mean())
         finally:
             torch.compiler.set_stance("default")
             self._rerunning = False
