@@ -65,6 +65,21 @@ def test_bad_options_are_one_line_and_status_2(tmp_path, args, says):
     assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
+def test_a_run_whose_logbook_holds_entries_not_written_by_the_detector_counts_only_its_own(tmp_path):
+    """`--run`: hardware_fault entries whose place is missing or of the wrong form (a hand-edited or foreign logbook)
+    are passed over, not a traceback; well-formed ones count against this host's device."""
+    import socket
+
+    run = tmp_path / "run"
+    run.mkdir()
+    here = {"host": socket.gethostname(), "device": "cpu"}
+    lines = [{"kind": "hardware_fault", "where": w} for w in (None, [1], [{"host": 3}], "x")] + [{"kind": "hardware_fault", "where": [here]}]
+    (run / "logbook.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines) + "{cut")
+    done = _doctor([*QUICK, "--run", str(run), "--json", str(tmp_path / "d.json")], tmp_path)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert [r["faults"] for r in json.loads((tmp_path / "d.json").read_text())["ranks"]] == [1]
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("world, slow", [(2, 1), (4, 2)])

@@ -205,8 +205,9 @@ def recorded_faults(run_dir: str | Path) -> dict[tuple[str, str], int]:
     counts: dict[tuple[str, str], int] = {}
     for entry in logbook.read(run_dir):
         if entry.get("kind") == "hardware_fault":
-            for w in entry.get("where", []):
-                counts[(w["host"], w["device"])] = counts.get((w["host"], w["device"]), 0) + 1
+            for w in entry.get("where") or []:
+                if isinstance(w, dict) and isinstance(w.get("host"), str) and isinstance(w.get("device"), str):  # else not ours: passed over
+                    counts[(w["host"], w["device"])] = counts.get((w["host"], w["device"]), 0) + 1
     return counts
 
 
