@@ -136,7 +136,13 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.faults = {int(r): int(n) for r, n in state.get("faults", {}).items()}
+        # a fault is the hardware's, not the training's: a rollback to a checkpoint from before it does not undo it
+        # (after a rollback the counts carried over are at least the checkpoint's; on a resume nothing is carried)
+        for r, n in state.get("faults", {}).items():
+            self.faults[int(r)] = max(self.faults.get(int(r), 0), int(n))
+
+    def carried(self, carry: dict) -> None:
+        self.faults = {int(r): int(n) for r, n in carry.get("faults", {}).items()}
 
     # -- a suspect step computed again (LMModule._rerun) -------------------------------------------
     def suspects(self, loss: float, step: int) -> tuple[str, float] | None:
@@ -279,6 +285,7 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
             "scale": self.rollback_lr_scale,
             "skip_batches": batches,
             "why": why,
+            "carry": {"faults": dict(self.faults)},
         }
         trainer.should_stop = True
         compat.skip_validation_after_this_batch(trainer)

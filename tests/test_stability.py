@@ -157,6 +157,27 @@ def test_a_result_that_does_not_repeat_is_the_hardware_named_with_its_update_dro
     assert "3 training steps whose result did not repeat when computed again" in done.stdout and "faults in run" in done.stdout, done.stdout
 
 
+def test_a_rollback_does_not_forget_the_faults_counted_after_its_checkpoint(tmp_path, dataset_dir):
+    """A fault at step 9 (counted once), a spike persisting from step 11 rolled back to the checkpoint of step 8
+    (saved before the fault), then two more faults at steps 18 and 19: the rank has computed 3 steps that did not
+    repeat in this run, and the run stops at the third, as it would with no rollback between them."""
+    spike = ["+callbacks.spike._target_=lmtrain.callbacks.fault.FaultInjector", "+callbacks.spike.kind=loss_spike", "+callbacks.spike.step=11",
+             "+callbacks.spike.count=5", "+callbacks.spike.run_dir=${run_dir}"]  # fmt: skip
+    cfg = make_cfg(
+        TINY + STABLE + ["trainer.max_steps=24", "scheduler.total_steps=24", "fault=sdc", "callbacks.fault.step=9", *spike,
+                         "+callbacks.sdc2._target_=lmtrain.callbacks.fault.FaultInjector", "+callbacks.sdc2.kind=sdc", "+callbacks.sdc2.step=18",
+                         "+callbacks.sdc2.count=2", "+callbacks.sdc2.run_dir=${run_dir}"],
+        tmp_path, dataset_dir,
+    )  # fmt: skip
+    with pytest.raises(RunStopped, match=r"computed 3 steps that did not repeat in this run"):
+        train(cfg)
+    run = tmp_path / "run"
+    (rollback,) = corrections.load(run)
+    assert rollback["from_step"] == 8 and rollback["signal_step"] > 11, rollback
+    faults = [e for e in logbook.read(run) if e["kind"] == "hardware_fault"]
+    assert [(e["step"], e["faults"]) for e in faults] == [(9, {"0": 1}), (18, {"0": 2}), (19, {"0": 3})], faults
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="a compiled bf16 step computed again on a GPU: run on a GPU")
 def test_on_a_gpu_a_corrupted_value_is_named_and_a_spike_is_not(tmp_path, dataset_dir):

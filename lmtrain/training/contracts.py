@@ -35,9 +35,14 @@ class Evaluates:
 class RequestsRollback:
     """A callback that may end the attempt asking for a rollback (the divergence detector). ``rollback_request``:
     ``checkpoint`` (the directory to return to), ``from_step``, ``scale`` (the learning-rate factor from there),
-    ``signal_step``, ``skip_batches`` and ``why``; the run records it and starts the next attempt from there."""
+    ``signal_step``, ``skip_batches``, ``why`` and ``carry``; the run records it and starts the next attempt from there,
+    handing ``carry`` to that attempt's instance (:meth:`carried`)."""
 
     rollback_request: dict | None = None
+
+    def carried(self, carry: dict) -> None:
+        """The ``carry`` of the rollback this attempt follows, given before its checkpoint is loaded: what returning to
+        an earlier checkpoint does not undo (the hardware faults counted since)."""
 
 
 class StepChecker:

@@ -321,6 +321,9 @@ def _decide(cfg: DictConfig, rollback: dict | None, said: list[str] = ()) -> _At
     if cfg.get("preemption") and not any(isinstance(c, Preempts) for c in callbacks):  # every run, whatever its callbacks
         callbacks.append(instantiate(cfg.preemption))
     checkpointer = next((c for c in callbacks if isinstance(c, CheckpointStore)), None)  # lmtrain.callbacks.checkpoint.Checkpointer
+    for c in callbacks if rollback is not None else ():
+        if isinstance(c, RequestsRollback):
+            c.carried(rollback.get("carry", {}))
     # a rollback's checkpoint was checked by the processes that chose it (lmtrain.callbacks.divergence): not read again
     check = checked_here(cfg) if rollback is None else (lambda c: False)
     resume = resume_point(cfg, checkpointer.root if checkpointer is not None else None, check)
