@@ -24,6 +24,7 @@ PUBLISHED = {
     "opt-66b": 66e9,
     "opt-175b": 175e9,
     "llama-7b": 6_738_415_616,
+    "llama-1b": 1_235_814_400,  # Llama 3.2 1B
 }
 
 

@@ -137,7 +137,7 @@ def test_command_line_typos_get_one_line_with_a_did_you_mean(tmp_path):
     cases = {
         "optimizer.lrr=1e-3": "error: unknown key 'optimizer.lrr' on the command line (did you mean 'optimizer.lr'?); "
         "to add a new key on purpose: +optimizer.lrr=...",
-        "model=tinyy": "error: model=tinyy: no such option (did you mean 'tiny'?); available: llama-7b, mini,",
+        "model=tinyy": "error: model=tinyy: no such option (did you mean 'tiny'?); available: llama-1b, llama-7b, mini,",
         # a key a newer lmtrain replaced: what replaced it, not a did-you-mean
         "module.loss_chunk_tokens=4096": "error: module.loss_chunk_tokens was replaced: use module.head.kind=chunked "
         "module.head.chunk_tokens=N",
