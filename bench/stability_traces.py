@@ -38,6 +38,10 @@ GUARDED = ["model.qk_norm=true", "module.z_loss=1e-4"]
 ACTING = "+detector"  # in a run's overrides: its detector acts as configured (the defaults), checkpoints every 100 steps
 
 
+# opt-1.3b with the detector acting: a healthy checkpoint every 50 steps, two kept (3 x 16 GB at most on the disk)
+BIG_SAVES = ["callbacks.checkpoint.every_n_steps=50", "callbacks.checkpoint.keep_last=2"]
+
+
 def blip(step: int, count: int = 1) -> list[str]:
     return ["fault=bad_data", f"callbacks.fault.step={step}", f"callbacks.fault.count={count}"]
 
@@ -75,9 +79,9 @@ SETS = {
         "1.3b-adamw-lr0.003": ["model=opt-1.3b", *CONSTANT, "optimizer.lr=0.003"],
         "1.3b-qknorm-zloss-lr0.003": ["model=opt-1.3b", *CONSTANT, *GUARDED, "optimizer.lr=0.003"],
         "1.3b-opt-recipe-blip200": ["model=opt-1.3b", "scheduler=cosine", "scheduler.warmup_steps=100", "optimizer.lr=2e-4", *blip(200)],
-        "1.3b-adamw-lr0.003-detector": [ACTING, "model=opt-1.3b", *CONSTANT, "optimizer.lr=0.003", "callbacks.checkpoint.every_n_steps=50"],
+        "1.3b-adamw-lr0.003-detector": [ACTING, "model=opt-1.3b", *CONSTANT, "optimizer.lr=0.003", *BIG_SAVES],
         "1.3b-adamw-lr0.01": ["model=opt-1.3b", *CONSTANT, "optimizer.lr=0.01"],
-        "1.3b-adamw-lr0.01-detector": [ACTING, "model=opt-1.3b", *CONSTANT, "optimizer.lr=0.01", "callbacks.checkpoint.every_n_steps=50"],
+        "1.3b-adamw-lr0.01-detector": [ACTING, "model=opt-1.3b", *CONSTANT, "optimizer.lr=0.01", *BIG_SAVES],
     },
 }
 _LOCK = threading.Lock()
@@ -88,7 +92,9 @@ def run(out: Path, ds: Path, name: str, overrides: list[str], steps: int) -> Non
 
     rundir = out / "runs" / name
     acting = ACTING in overrides
-    course = ["callbacks.checkpoint.every_n_steps=100"] if acting else ["callbacks.checkpoint.every_n_steps=0", *WARN]
+    # a run whose detector only warns saves nothing (an opt-1.3b checkpoint with AdamW's state is 16 GB)
+    quiet = ["callbacks.checkpoint.every_n_steps=0", "callbacks.checkpoint.save_on_train_end=false", *WARN]
+    course = ["callbacks.checkpoint.every_n_steps=100"] if acting else quiet
     given = {o.split("=", 1)[0]: o for o in [f"trainer.max_steps={steps}", *course, *(o for o in overrides if o != ACTING)]}
     shape = (["model=tiny", "logger=csv", f"run_dir={rundir}", f"run_name={name}", "trainer.enable_progress_bar=false",
               "trainer.val_check_interval=100000"] if ds is None else base(ds, rundir, name))  # fmt: skip
@@ -106,6 +112,7 @@ def run(out: Path, ds: Path, name: str, overrides: list[str], steps: int) -> Non
     if (rundir / "logbook.jsonl").is_file():  # what the detector did, for the runs where it acts
         (out / "logbooks").mkdir(exist_ok=True)
         shutil.copyfile(rundir / "logbook.jsonl", out / "logbooks" / f"{name}.jsonl")
+    shutil.rmtree(rundir / "checkpoints", ignore_errors=True)  # the disk for the next run: the trace and logbook are kept
     print(json.dumps({"run": name, "exit": rc, "steps": len(trace), "wall_s": round(time.perf_counter() - t0, 1),
                       "last_loss": trace[-1]["loss"] if trace else None, "command": " ".join(cmd[2:])}), flush=True)  # fmt: skip
 

@@ -118,12 +118,21 @@ class FaultInjector(L.Callback, SaveGuard):
         self.kind, self.step, self.rank, self.factor, self.count = kind, int(step), rank, float(factor), count
         self._growth_from: int | None = None
         self._sdc_step: int | None = None
+        self._sdc_on = False
         self._sdc_hook = None
         self._batch_started: float | None = None
         self.marker = Path(run_dir) / ".faults" / f"{kind}-{self.step}"
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._global_rank = trainer.global_rank
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.kind == "sdc" and self._sdc_hook is None:
+            # one hook for the run, there before anything is compiled, switched on for a step's first forward pass:
+            # a hook prepended and removed mid-run broke torch 2.11's compiled-graph guards (on the GPU)
+            self._sdc_hook = pl_module.model.norm.register_forward_pre_hook(
+                lambda module, args: (_flip_one_value(args[0]), *args[1:]) if self._sdc_on and module.training else None
+            )
 
     def _arm(self) -> bool:
         """True (once per run directory, on the chosen rank) when the fault should fire now."""
@@ -157,10 +166,8 @@ class FaultInjector(L.Callback, SaveGuard):
         if self.kind == "loss_spike" and self._in_stretch(step, f"loss_spike x{self.factor:g} on rank {trainer.global_rank}"):
             _scale_losses(trainer, pl_module, self.factor)
         if self.kind == "sdc" and self._sdc_step != step and self._in_stretch(step, f"silent data corruption on rank {trainer.global_rank}"):
-            self._sdc_step = step  # the step's first forward pass only: taken off before its backward pass (on_before_backward)
-            self._sdc_hook = pl_module.model.norm.register_forward_pre_hook(
-                lambda module, args: (_flip_one_value(args[0]), *args[1:]) if module.training else None, prepend=True
-            )
+            self._sdc_step = step  # the step's first forward pass only: switched off before its backward pass (on_before_backward)
+            self._sdc_on = True
         if self.kind == "act_growth" and step == self.step and self._growth_from is None and self._arm():
             self._growth_from = step
             pl_module.model.norm.register_forward_pre_hook(
@@ -184,9 +191,7 @@ class FaultInjector(L.Callback, SaveGuard):
             _shuffle_tokens(batch)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
-        if self._sdc_hook is not None:  # once: the same batch computed again (before the update) is right
-            self._sdc_hook.remove()
-            self._sdc_hook = None
+        self._sdc_on = False  # once: the same batch computed again (before the update) is right
 
     def _in_stretch(self, step: int, what: str) -> bool:
         """Whether ``step`` is one of the ``count`` steps from ``step`` on that the drill acts in: from the one that
