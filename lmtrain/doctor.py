@@ -19,7 +19,7 @@ is 0 when nothing is flagged, 1 when something is (a batch script stops there: `
 bad options. ``--run RUN_DIR`` also counts, per device, the training steps of that run whose result did not repeat
 when computed again (the divergence detector's ``hardware_fault`` entries), and flags a device with 3 or more.
 ``--json FILE`` writes the figures. ``--slow-rank R`` rehearses a slow card: rank R does each measured
-operation three times. The same check runs at the start of training with ``callbacks=[default,doctor]``.
+operation ten times. The same check runs at the start of training with ``callbacks=[default,doctor]``.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def parser(prog: str = "python -m lmtrain.doctor") -> argparse.ArgumentParser:
         "--run", type=Path, default=None, metavar="RUN_DIR",
         help="count, per device, the training steps of this run whose result did not repeat (its logbook's hardware faults); flag 3 or more",
     )  # fmt: skip
-    p.add_argument("--slow-rank", type=int, default=None, metavar="R", help="rehearsal: rank R does each measured operation three times")
+    p.add_argument("--slow-rank", type=int, default=None, metavar="R", help="rehearsal: rank R does each measured operation ten times")
     return p
 
 

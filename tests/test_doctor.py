@@ -84,17 +84,18 @@ def test_a_run_whose_logbook_holds_entries_not_written_by_the_detector_counts_on
 @pytest.mark.distributed
 @pytest.mark.parametrize("world, slow", [(2, 1), (4, 2)])
 def test_the_rank_slowed_on_purpose_is_flagged_and_nothing_else(tmp_path, world, slow):
-    """2 and 4 gloo ranks on one host, one doing each measured operation three times (--slow-rank): its matmul rate and
-    memory bandwidth are flagged at about a third of the other ranks' median, nothing else is (the threshold, 60%, leaves
-    room for the other tests that share the host's cores), the all-reduce is measured, status 1."""
-    (done,) = _torchrun(tmp_path, world, [*QUICK, "--slow-rank", str(slow), "--min-share", "0.6", "--json", str(tmp_path / "d.json")])
+    """2 and 4 gloo ranks on one host, one doing each measured operation ten times (--slow-rank): its matmul rate and
+    memory bandwidth are flagged at about a tenth of the other ranks' median, nothing else is, the all-reduce is measured,
+    status 1. The threshold, 30%, leaves room for the tests sharing the host's cores: on CI's 2 cores with another test
+    running, a rank that was not slowed measured 52% of the others' median (its core's twin busy), a slowed one 10-20%."""
+    (done,) = _torchrun(tmp_path, world, [*QUICK, "--slow-rank", str(slow), "--min-share", "0.3", "--json", str(tmp_path / "d.json")])
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "d.json").read_text())
     assert [r["rank"] for r in result["ranks"]] == list(range(world)) and result["world"] == world and result["nodes"] == 1
     assert len(result["flags"]) == 2 and all(f.startswith(f"rank {slow} (") for f in result["flags"]), result["flags"]
     for key in ("matmul_flops", "memory_bytes"):
         others = [r[key] for r in result["ranks"] if r["rank"] != slow]
-        assert result["ranks"][slow][key] < 0.6 * statistics.median(others), (key, result["ranks"])
+        assert result["ranks"][slow][key] < 0.3 * statistics.median(others), (key, result["ranks"])
     rows = {int(line.split()[0]): line.split()[-1] for line in done.stdout.splitlines()[1 : 1 + world]}
     assert rows == {r: "FLAGGED" if r == slow else "ok" for r in range(world)}, done.stdout
     assert f"all-reduce bus bandwidth ({world} ranks): within " in done.stdout and done.stdout.count(f"FLAGGED: rank {slow} (") == 2

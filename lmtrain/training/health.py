@@ -18,7 +18,7 @@ from lmtrain.training.stability import FAULTS_TO_STOP
 
 GPU = {"matmul_n": 8192, "copy_bytes": 2**30, "allreduce_bytes": 2**28}
 CPU = {"matmul_n": 1024, "copy_bytes": 2**26, "allreduce_bytes": 2**23}
-DRILL_TIMES = 3  # --slow-rank: the rank does each measured operation this many times (a card at a third of its speed)
+DRILL_TIMES = 10  # --slow-rank: the rank does each measured operation this many times (a card at a tenth of its speed)
 REPEATS = 3  # timed loops per figure; the best is kept (a loop disturbed by the host is not the card's rate)
 
 
