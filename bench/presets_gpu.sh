@@ -8,6 +8,7 @@
 #   bash bench/presets_gpu.sh loss                                        # opt-1.3b, 1,000 steps in speed=default and in speed=fp8 at once: the loss curves
 #   bash bench/presets_gpu.sh goodput                                     # opt-1.3b, 1,000 steps with validation every 250 (3 batches) and the default checkpointing
 #   bash bench/presets_gpu.sh fsdp                                        # 2 GPUs: opt-1.3b speed=fp8 under fsdp against one GPU
+#   RAW=... bash bench/presets_gpu.sh rerun                               # 125M raw shape with the suspect-step rerun on and off, beside raw
 #
 # "as typed" rows are the command a user types (the opt-1.3b preset: OPT's 32 heads, its 50,272-token vocabulary,
 # dropout 0.1); "raw shape" rows use the raw baseline's model (16 heads, 50,304 tokens, no dropout, tanh GELU at 125M)
@@ -69,6 +70,11 @@ fp8)
   raw raw-124m-b64 124m --compile --batch 64 --steps 40
   bench fp8-125m-b64 --steps 40 --warmup 10 speed=fp8 $M125 data.seq_len=1024 data.batch_size=64
   bench fp8-125m-b64-chunk16k --steps 40 --warmup 10 speed=fp8 $M125 data.seq_len=1024 data.batch_size=64 module.head.chunk_tokens=16384
+  ;;
+rerun)  # what the divergence detector's rerun of a suspect step costs a healthy run (its loss read before the backward)
+  raw raw-124m-b64 124m --compile --batch 64 --steps 40
+  bench rerun-on-125m-b64 --steps 40 --warmup 10 $M125 data.seq_len=1024 data.batch_size=64 callbacks.divergence.rerun=true
+  bench rerun-off-125m-b64 --steps 40 --warmup 10 $M125 data.seq_len=1024 data.batch_size=64 callbacks.divergence.rerun=false
   ;;
 fsdp)  # 2 GPUs: opt-1.3b speed=fp8 under fsdp against one GPU of the same host
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
