@@ -44,6 +44,7 @@ import torch
 from lmtrain.console import log
 from lmtrain.errors import InputError
 from lmtrain.training.contracts import Evaluates
+from lmtrain.training.layout import Layout
 
 BUILTIN = ("line-order", "next-line")
 
@@ -323,7 +324,8 @@ class DownstreamEvals(L.Callback, Evaluates):
     def score(self, trainer, model, items: list[Item], name: str) -> torch.Tensor:
         """(items, most choices) summed log-likelihoods of each choice (0 past an item's own choices), every rank's
         share summed over ranks."""
-        rank, world = trainer.global_rank, trainer.world_size
+        layout = Layout.of(trainer)  # the items split over the data-parallel ranks
+        rank, world = layout.dp_rank(trainer.global_rank), layout.dp
         requests = self._tokenized(model, items, name)
         width = max(len(r[2]) for r in requests) - 1
         mine = requests[rank::world]

@@ -11,6 +11,7 @@ import torch
 from lmtrain.errors import InputError
 from lmtrain.training.cards import detect_peak_flops
 from lmtrain.training.contracts import ReportsThroughput
+from lmtrain.training.layout import Layout
 from lmtrain.training.logs import log_direct
 
 
@@ -79,9 +80,10 @@ class Throughput(L.Callback, ReportsThroughput):
         now = time.perf_counter()
         dt = max(now - self._t_last, 1e-9)
         per_device = self._tokens / dt
-        self.last_tokens_per_sec = per_device * trainer.world_size
+        dp = Layout.of(trainer).dp  # the ranks that read different tokens
+        self.last_tokens_per_sec = per_device * dp
         self._window.append((self._tokens, dt))
-        self.smoothed_tokens_per_sec = sum(t for t, _ in self._window) / sum(s for _, s in self._window) * trainer.world_size
+        self.smoothed_tokens_per_sec = sum(t for t, _ in self._window) / sum(s for _, s in self._window) * dp
         metrics = {
             "perf/tokens_per_sec": self.last_tokens_per_sec,
             "perf/tokens_per_sec_smoothed": self.smoothed_tokens_per_sec,

@@ -437,10 +437,14 @@ class TokenDataModule(L.LightningDataModule):
             self.val_set = MixedBlocks(self.val_sets[: len(self.paths)])
 
     def _world(self) -> tuple[int, int]:
+        """(data-parallel ranks, this one's): the replicas of the sampler (lmtrain.training.layout)."""
+        from lmtrain.training.layout import Layout
+
         trainer = self.trainer
         if trainer is None:
             return 1, 0
-        return trainer.world_size, trainer.global_rank
+        layout = Layout.of(trainer)
+        return layout.dp, layout.dp_rank(trainer.global_rank)
 
     def train_sampler(self) -> BlockSampler:
         """The training stream's sampler for this rank (a resume moves its position to this layout:

@@ -100,8 +100,8 @@ def test_loader_state_moves_between_worker_counts_and_rank_counts(short_dataset)
         dm = TokenDataModule(str(short_dataset), seq_len=32, batch_size=2, num_workers=workers, seed=7)
         dm.setup("fit")
 
-        class _T:  # the facts the data module reads from its trainer
-            world_size, global_rank, accumulate_grad_batches = world, rank, 1
+        class _T:  # the facts the data module reads from its trainer (a strategy of Lightning's: data parallel over all)
+            world_size, global_rank, accumulate_grad_batches, strategy = world, rank, 1, None
 
         dm.trainer = _T()
         return dm, dm.train_dataloader()

@@ -67,8 +67,8 @@ def test_two_ranks_two_workers_cover_an_epoch_disjointly(small_dataset):
         dm = TokenDataModule(str(small_dataset), seq_len=SEQ, batch_size=BATCH, num_workers=2, seed=7)
         dm.setup("fit")
 
-        class _T:  # the two facts the data module reads from its trainer
-            world_size, global_rank = 2, rank
+        class _T:  # the facts the data module reads from its trainer (a strategy of Lightning's: data parallel over all)
+            world_size, global_rank, strategy = 2, rank, None
 
         dm.trainer = _T()
         for x, _ in dm.train_dataloader():

@@ -359,7 +359,35 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
-class Decoder(nn.Module):
+class LanguageModel(nn.Module):
+    """What a network offers lmtrain.training.assemble, which builds and prepares it in one order: declared here, so
+    that the room asks for these instead of probing for attributes. ``blocks``: the repeated layers, each converted to
+    float8, checkpointed, compiled and sharded on its own; ``final_norm``: the module whose input is the last block's
+    output (its RMS is a divergence signal); :meth:`configure_head`: how the output head computes its loss;
+    :meth:`head_loss`: that head and loss, compiled apart from the blocks under sharding; :meth:`init_weights`: the
+    seeded initialisation, run again on shards built on the meta device. LMModule trains any ``(B, T) -> (B, T, V)``
+    network; the options of ``module.head``, ``module.z_loss``, ``module.fp8`` and fsdp/hsdp need one of these."""
+
+    blocks: nn.ModuleList
+
+    @property
+    def final_norm(self) -> nn.Module:
+        raise NotImplementedError
+
+    def configure_head(self, *, chunk_tokens: int | None = None, kernel=None, z_loss: float = 0.0) -> None:
+        """``chunk_tokens``: the loss computed that many tokens at a time (lmtrain.nn.loss); ``kernel``: a fused
+        ``(hidden, weight, targets[, z_loss]) -> loss`` function (lmtrain.training.kernels); ``z_loss``: the coefficient
+        of the log-partition penalty (lmtrain.nn.loss.with_z_loss). Called once, before compiling."""
+        raise NotImplementedError
+
+    def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def init_weights(self) -> None:
+        raise NotImplementedError
+
+
+class Decoder(LanguageModel):
     """Token ids (B, T) -> next-token logits (B, T, vocab_size)."""
 
     def __init__(self, cfg: ModelConfig | None = None, **fields) -> None:
@@ -390,6 +418,13 @@ class Decoder(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         if self.tok_emb.weight.device.type != "meta":
             self.init_weights()
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.norm
+
+    def configure_head(self, *, chunk_tokens: int | None = None, kernel=None, z_loss: float = 0.0) -> None:
+        self.loss_chunk_tokens, self.loss_kernel, self.z_loss = chunk_tokens, kernel, float(z_loss)
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -85,6 +85,7 @@ def resolve(cfg: DictConfig) -> str | None:
 
     from lmtrain.training import memory
     from lmtrain.training.config import device_type, world_size
+    from lmtrain.training.layout import Layout
 
     if device_type(cfg.trainer.get("accelerator", "auto")) != "cuda" or not torch.cuda.is_available():
         raise InputError(
@@ -98,7 +99,8 @@ def resolve(cfg: DictConfig) -> str | None:
     with open_dict(cfg):
         data.batch_size = size
     gbs = cfg.get("global_batch_size")
-    steps = f"{gbs // (size * world)} micro-batch(es) per step for global_batch_size={gbs}" if gbs else "the global batch follows"
+    per_step = size * Layout.of_config(cfg).dp
+    steps = f"{gbs // per_step} micro-batch(es) per step for global_batch_size={gbs}" if gbs else "the global batch follows"
     return (
         f"data.batch_size=auto: {size} sequences of {cfg.data.seq_len} tokens per GPU, {peak / 2**30:.1f} GiB counted of "
         f"{total / 2**30:.1f} (lmtrain.plan, {1 - memory.MARGIN:.0%} kept free); {steps}"

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lmtrain import data_cache_dir
 from lmtrain.errors import InputError
+from lmtrain.training.layout import Layout
 from lmtrain.training import compat, fastpaths
 from lmtrain.training.fastpaths import replaced
 
@@ -271,7 +272,7 @@ def validate_config(cfg: DictConfig) -> None:
             problems.append(f"trainer.accumulate_grad_batches={accum!r} must be a positive integer")
         gbs = cfg.get("global_batch_size")
         if gbs is not None and data is not None and isinstance(data.get("batch_size"), int) and isinstance(accum, int):
-            ws = world_size(cfg)
+            ws = Layout.of_config(cfg).dp
             per_step = data.batch_size * ws
             if not isinstance(gbs, int) or gbs <= 0 or gbs % per_step:
                 problems.append(
@@ -398,7 +399,7 @@ def apply_global_batch_size(cfg: DictConfig) -> None:
     """Derive trainer.accumulate_grad_batches from global_batch_size (validated already)."""
     gbs = cfg.get("global_batch_size")
     if gbs is not None:
-        cfg.trainer.accumulate_grad_batches = gbs // (cfg.data.batch_size * world_size(cfg))
+        cfg.trainer.accumulate_grad_batches = gbs // (cfg.data.batch_size * Layout.of_config(cfg).dp)
 
 
 # -- pass 2: the config against the data ----------------------------------------------------------
@@ -430,7 +431,7 @@ def validate_data(cfg: DictConfig, manifest: dict, num_train_blocks: int | None 
             f"model.vocab_size={model.vocab_size}: {fix}"
         )
     if num_train_blocks is not None:
-        ws, accumulate = world_size(cfg), int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
+        ws, accumulate = Layout.of_config(cfg).dp, int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
         need = cfg.data.batch_size * ws * accumulate
         if num_train_blocks < need:
             micro = f" x {accumulate} micro-batches" if accumulate > 1 else ""

@@ -14,14 +14,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lmtrain.errors import InputError
 from lmtrain.nn.loss import cross_entropy, loss_parts, z_loss_problem
-from lmtrain.nn.model import QKProbe
+from lmtrain.nn.model import LanguageModel, QKProbe
 from lmtrain.nn.optim import build_optimizer
 from lmtrain.training import compat, fastpaths, precision
 from lmtrain.training import fp8 as fp8_module
+from lmtrain.training.assemble import Plan
 from lmtrain.training.checkpoint.position import adapt_to_layout
 from lmtrain.training.contracts import StepChecker
 from lmtrain.training.health import every_rank
-from lmtrain.training.kernels import loss_kernel
+from lmtrain.training.layout import Layout
 from lmtrain.training.logs import log_direct
 
 
@@ -29,7 +30,7 @@ def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, doc: 
     """Mean next-token cross-entropy (lmtrain.nn.loss.cross_entropy). A model with a ``head_loss``
     (lmtrain.nn.model.Decoder) computes it in its own forward (which a sharded strategy compiles); ``doc``: each
     token's document, for attention masked at document boundaries (``data.document_mask``)."""
-    if hasattr(model, "head_loss"):
+    if isinstance(model, LanguageModel):
         return model(inputs, targets) if doc is None else model(inputs, targets, doc)
     if doc is not None:
         raise ValueError(
@@ -186,78 +187,24 @@ class LMModule(L.LightningModule):
         self.last_train_loss: float | None = None
         self.last_train_lr: float | None = None  # the rate the optimizer used at the step of last_train_loss
         self.init_weights_from = None  # init_from=DIR (lmtrain.training.init_from.Loader): read into the model once built
+        self._assembled = False
         self.tokens_trained = 0  # summed step by step as trained, so exact across resumes on any layout (in checkpoints)
         self.samples_trained = 0
 
     def configure_model(self) -> None:
-        """Build the model; under a sharding strategy (lmtrain.training.strategies) also shard it, once."""
+        """The model assembled, once (lmtrain.training.assemble: built, its head, float8, activation checkpointing,
+        compiled, sharded, its weights), then the probes the step statistics read."""
+        if self._assembled:
+            return
         strategy = self._trainer.strategy if self._trainer is not None else None
-        parallelize = getattr(strategy, "parallelize", None)
-        if self.model is None:
-            init_device = getattr(strategy, "init_device", None) if parallelize is not None else None
-            if init_device == "cpu":
-                with torch.device("cpu"):  # the full seeded init on every rank, then shard: same weights as 1 process
-                    self.model = self._model_factory()
-            elif init_device == "meta":
-                with torch.device("meta"):  # no memory: the strategy allocates and initialises each shard in place
-                    self.model = self._model_factory()
-            else:
-                self.model = self._model_factory()
-        if self.head.chunk is not None:
-            if not hasattr(self.model, "loss_chunk_tokens"):
-                raise InputError(
-                    f"module.head.kind={self.head.kind}: the model {type(self.model).__name__} has no chunked loss (lmtrain.nn.model.Decoder has)"
-                )
-            self.model.loss_chunk_tokens = self.head.chunk  # before a strategy compiles head_loss
-        if self.z_loss:
-            if not hasattr(self.model, "z_loss"):
-                raise InputError(
-                    f"module.z_loss={self.z_loss:g}: the model {type(self.model).__name__} has no z-loss (lmtrain.nn.model.Decoder has)"
-                )
-            self.model.z_loss = self.z_loss
-        if fastpaths.uses_float8(self.head, self.fp8) and not getattr(self, "_fp8_converted", False):  # before sharding and compiling
-            device = strategy.root_device if strategy is not None else self.device
-            fp8_module.convert(
-                self.model,
-                self.fp8.recipe,
-                sharded=parallelize is not None,
-                device=device,
-                fast_accum=self.fp8.fast_accum,
-                float8_head=self.head.kind == "float8",
-                fused_mlp=self.fp8.fused_mlp,
-            )
-            self._fp8_converted = True
-            if self.global_rank == 0:
-                print(
-                    f"[lmtrain] float8: {fp8_module.describe(self.model)} in float8 on {device.type}"
-                    + (" (float8 all-gather)" if fp8_module.uses_float8_all_gather(self.model) else "")
-                    + (", every product accumulated in fast mode" if self.fp8.fast_accum else ""),
-                    flush=True,
-                )
-                warning = fp8_module.width_warning(self.model, self.fp8.recipe)
-                if warning and device.type == "cuda":
-                    print(f"[lmtrain] warning: {warning}", flush=True)
-        if self.head.kind == "liger":
-            if not hasattr(self.model, "loss_kernel"):
-                raise InputError(
-                    f"module.head.kind=liger: the model {type(self.model).__name__} has no fused head (lmtrain.nn.model.Decoder has)"
-                )
-            self.model.loss_kernel = loss_kernel("liger")
-        if parallelize is not None and not getattr(self, "_parallelized", False):
-            self.model = parallelize(self.model)
-            self._parallelized = True
-        if self.init_weights_from is not None:  # after sharding: each rank reads its own rows
-            self.init_weights_from.load_into(self.model)
-            self.init_weights_from = None
-        final_norm = getattr(self.model, "norm", None)
-        if self._act_hook is None and isinstance(final_norm, nn.Module):
-            self._act_hook = final_norm.register_forward_pre_hook(self._record_activation)
+        plan = Plan.of(self, strategy)
+        built = self.model if self.model is not None else self._model_factory
+        self.model, self._loss_fn = plan.assemble(built, lm_loss, self.init_weights_from)
+        self.init_weights_from, self.compile, self._assembled = None, plan.compile, True
+        if isinstance(self.model, LanguageModel) and self._act_hook is None:
+            self._act_hook = self.model.final_norm.register_forward_pre_hook(self._record_activation)
         if not self._qk_hooks:  # lmtrain.nn.model.Decoder's attention layers (another network may have none)
             self._qk_hooks = [m.register_forward_pre_hook(self._record_qk) for m in self.model.modules() if isinstance(m, QKProbe)]
-        if self.compile == "auto":  # built without the config (lmtrain.training.speed resolves it there)
-            self.compile = (strategy.root_device if strategy is not None else self.device).type == "cuda"
-        if self.compile and parallelize is None and self._loss_fn is lm_loss:
-            self._loss_fn = torch.compile(lm_loss)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
@@ -497,7 +444,7 @@ class LMModule(L.LightningModule):
         dm = self.trainer.datamodule
         if dm is None or not hasattr(dm, "seq_len"):
             return 0
-        return dm.batch_size * self.trainer.world_size * self.trainer.accumulate_grad_batches
+        return dm.batch_size * Layout.of(self.trainer).dp * self.trainer.accumulate_grad_batches
 
     def drop_update(self, optimizer: torch.optim.Optimizer) -> None:
         """Make this optimizer step a no-op: no parameter, moment or weight-decay update. Torch optimizers leave a

@@ -30,6 +30,7 @@ from lmtrain.training.checkpoint.resume import checked_here, resume_identity, re
 from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, schedule_notes, validate_config, validate_data
 from lmtrain.training.contracts import CheckpointStore, Preempts, RequestsRollback, SaveGuard, StopsTraining
 from lmtrain.training.goodput import Goodput
+from lmtrain.training.layout import Layout
 from lmtrain.training.precision import build as build_precision
 
 # Library warnings that are not the user's to act on, for every way in (train.py, the bench, the Python API)
@@ -346,8 +347,6 @@ def _build(att: _Attempt) -> None:
     stream refused. Nothing of the run is written here."""
     cfg, resume, rollback = att.cfg, att.resume, att.rollback
     strategy = instantiate(cfg.strategy) if cfg.get("strategy") else "auto"
-    if (cfg.get("module") or {}).get("compile") and getattr(strategy, "compile_blocks", None) is False:
-        strategy.compile_blocks = True  # module.compile under fsdp/hsdp: the sharded way, per block and the head with the loss
     model_factory = instantiate(cfg.model)  # a factory: the model itself is built in LMModule.configure_model
     att.module = instantiate(
         cfg.module,
@@ -658,7 +657,7 @@ def _layout_change(resume: ck.Checkpoint, trainer, cfg: DictConfig) -> str:
     if saved_world is None or saved_world == world:
         return ""
     text = f" on {world} rank{'s' if world != 1 else ''}, saved on {saved_world}"
-    batch = int(cfg.data.batch_size) * world * int(trainer.accumulate_grad_batches)
+    batch = int(cfg.data.batch_size) * Layout.of(trainer).dp * int(trainer.accumulate_grad_batches)
     saved_batch = resume.meta.get("global_batch")
     if saved_batch and saved_batch != batch:
         text += f"; the global batch changes from {saved_batch} to {batch} sequences (set global_batch_size={saved_batch} to keep it)"

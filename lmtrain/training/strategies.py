@@ -16,6 +16,9 @@ sharded checkpoints (PyTorch distributed checkpoint, one file per rank). Options
   (every block, by operator: the matrix products' and attention's outputs are kept and only the cheap rest, the
   norms, activation functions, rotary embedding and dropout, is recomputed; torchtitan's op-level selective mode);
 * compiled by ``module.compile``: ``torch.compile`` each block, and the output head with the loss;
+
+(activation checkpointing and compiling are applied by lmtrain.training.assemble, in its one order; the strategy
+shards: :meth:`FSDP2Strategy.shard`)
 * ``cpu_offload``: keep sharded parameters, gradients and optimizer state in host memory;
 * ``reshard_after_forward``: free gathered parameters after forward (less memory, one more all-gather); the
   last block keeps them either way, as its backward comes right after;
@@ -36,6 +39,7 @@ from torch import nn
 
 from lmtrain.errors import InputError
 from lmtrain.training import compat
+from lmtrain.training.layout import Layout
 
 AC_MODES = ("none", "selective", "full", "op")
 REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -93,9 +97,18 @@ class FSDP2Strategy(ModelParallelStrategy):
             timeout=timedelta(seconds=timeout_s),
         )
         self.mixed_precision, self.activation_checkpointing = mixed_precision, activation_checkpointing
-        self.compile_blocks, self.cpu_offload = False, cpu_offload  # compile_blocks: module.compile (lmtrain.training.run)
+        self.cpu_offload = cpu_offload
         self.reshard_after_forward, self.init_device = reshard_after_forward, init_device
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
+
+    @classmethod
+    def layout_for(cls, options: dict, *, world: int, devices) -> Layout:
+        """The layout these options give ``world`` processes (lmtrain.training.layout): every rank shards."""
+        return Layout(shard=world)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(shard=self.world_size)
 
     def setup_environment(self) -> None:
         self._data_parallel_size = self.world_size_for_mesh()
@@ -108,8 +121,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         """The mesh ``fully_shard`` gets: 1-D over every rank."""
         return self.device_mesh["data_parallel"]
 
-    # -- applied from LMModule.configure_model -------------------------------------------------
-    def parallelize(self, model: nn.Module) -> nn.Module:
+    # -- applied by lmtrain.training.assemble -----------------------------------------------------
+    def shard(self, model: nn.Module, compiled: bool) -> nn.Module:
+        """``fully_shard`` each of ``model.blocks`` (as they are: checkpointed and compiled already), then the root, on
+        :meth:`shard_mesh`; ``compiled`` is said in the line printed."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         kwargs = {"mesh": self.shard_mesh(), "reshard_after_forward": self.reshard_after_forward}
@@ -120,19 +135,10 @@ class FSDP2Strategy(ModelParallelStrategy):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
         if self.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
-        blocks = getattr(model, "blocks", None)
-        if blocks is None:
-            raise StrategyError(f"{type(self).__name__} shards per block: the model {type(model).__name__} has no `blocks` list")
+        blocks = model.blocks
         for i, block in enumerate(blocks):
-            if self.activation_checkpointing in ("full", "op") or (self.activation_checkpointing == "selective" and i % 2 == 0):
-                block = compat.checkpoint_wrapper(block, keep_products=self.activation_checkpointing == "op")
-            if self.compile_blocks:
-                block.compile()
             # the last block's parameters would be gathered again at once for the backward: keep them (as torchtitan)
             fully_shard(block, **{**kwargs, "reshard_after_forward": kwargs["reshard_after_forward"] and i < len(blocks) - 1})
-            blocks[i] = block
-        if self.compile_blocks and callable(getattr(model, "head_loss", None)):
-            model.head_loss = torch.compile(model.head_loss)  # the output head and loss, fused (lmtrain.nn.model.Decoder)
         fully_shard(model, **kwargs)
         if self.global_rank == 0:
             mesh = kwargs["mesh"]
@@ -140,18 +146,15 @@ class FSDP2Strategy(ModelParallelStrategy):
                 f"[lmtrain] {type(self).__name__}: fully_shard per block on mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, "
                 f"mixed precision {'mp_policy' in kwargs}{f' (reduce {self.reduce_dtype})' if 'mp_policy' in kwargs else ''}, "
                 f"activation checkpointing {self.activation_checkpointing}, "
-                f"compile {self.compile_blocks}, cpu offload {self.cpu_offload}",
+                f"compile {compiled}, cpu offload {self.cpu_offload}",
                 file=sys.stderr,
             )
-        if any(p.is_meta for p in model.parameters()):  # init_device=meta: allocate the local shards, then initialise
-            model.to_empty(device=self.root_device)
-            with torch.no_grad():
-                model.init_weights()
         return model
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        layout = self.layout
+        return {"num_replicas": layout.dp, "rank": layout.dp_rank(self.global_rank)}
 
     def lightning_module_state_dict(self) -> dict:
         """This rank's shards of the model, where they are (Lightning's copies them to host memory first, tensor by
@@ -227,6 +230,19 @@ class HSDPStrategy(FSDP2Strategy):
         if shard_size is not None and shard_size < 1:
             raise StrategyError(f"strategy.shard_size={shard_size} must be a positive number of ranks")
         self.shard_size = shard_size
+
+    @classmethod
+    def layout_for(cls, options: dict, *, world: int, devices) -> Layout:
+        """Groups of ``shard_size`` ranks (else a node's ``trainer.devices``) that shard, replicated across groups."""
+        shard = options.get("shard_size") or (devices if isinstance(devices, int) and devices > 0 else world)
+        if not isinstance(shard, int) or shard < 1 or world % shard:  # said by config_problems
+            return Layout(shard=world)
+        return Layout(replicate=world // shard, shard=shard)
+
+    @property
+    def layout(self) -> Layout:
+        shard = self.shard_size or self.num_processes
+        return Layout(replicate=self.world_size // shard, shard=shard)
 
     def setup_environment(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh

@@ -1,0 +1,154 @@
+"""The one room that assembles the model: everything done to a network between its config and its first step, in one
+fixed order, from one :class:`Plan` made once (OLMo-core's ``parallelize_model``, torchtitan's converters applied
+before parallelising):
+
+    build -> output head -> float8 -> (tensor, context parallel) -> activation checkpointing -> compile -> shard
+          -> initialise or load the weights
+
+A step reads only the plan and what the network declares it offers (lmtrain.nn.model.LanguageModel: its blocks, its
+head's options, its final norm, its initialisation), never attributes probed by name. LMModule.configure_model calls
+:func:`Plan.assemble` once; the strategy (lmtrain.training.strategies) shards and nothing else; the process layout
+(data, tensor, context parallel sizes) is lmtrain.training.layout's. Tensor and context parallelism (issue 60) land
+between float8 and activation checkpointing, on the layout's mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lmtrain.errors import InputError
+from lmtrain.nn.model import LanguageModel
+from lmtrain.training import compat, fastpaths
+from lmtrain.training import fp8 as fp8_module
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What assembling a model does, decided once: ``head`` and ``fp8`` (``module.head``, ``module.fp8``: checked by
+    lmtrain.training.fastpaths), ``z_loss``, ``compile`` (resolved: ``auto`` is a GPU), ``sharding`` (the fsdp/hsdp
+    strategy, or None: single device or DDP, the model whole on each rank), ``device`` (where it trains) and ``rank0``
+    (this process says what it did)."""
+
+    head: fastpaths.Head
+    fp8: fastpaths.Float8
+    z_loss: float
+    compile: bool
+    sharding: object | None
+    device: torch.device
+    rank0: bool = True
+
+    @classmethod
+    def of(cls, module, strategy) -> Plan:
+        """The plan of an LMModule (its arguments are the config's ``module`` node) under ``strategy``."""
+        from lmtrain.training.strategies import FSDP2Strategy
+
+        sharding = strategy if isinstance(strategy, FSDP2Strategy) else None
+        device = strategy.root_device if strategy is not None else module.device
+        compile_ = module.compile if module.compile != "auto" else device.type == "cuda"  # built without the config
+        return cls(module.head, module.fp8, module.z_loss, bool(compile_), sharding, device, module.global_rank == 0)
+
+    @property
+    def ac(self) -> str:
+        """``strategy.activation_checkpointing`` (none, selective, full, op): under fsdp/hsdp."""
+        return self.sharding.activation_checkpointing if self.sharding is not None else "none"
+
+    def assemble(self, model: nn.Module | Callable[[], nn.Module], loss: Callable, weights=None) -> tuple[nn.Module, Callable]:
+        """The network built (``model``: itself, or its factory) and prepared in the order above; returns it and the
+        loss function to call it with (``loss``, compiled whole where the model is not sharded). ``weights``: an
+        lmtrain.training.init_from.Loader read into it last (each rank its own rows)."""
+        model = self._build(model)
+        self._head(model)
+        self._float8(model)
+        # tensor and context parallel: the layout's tp and cp are 1 until strategy.tp / strategy.cp land (issue 60)
+        self._checkpoint_activations(model)
+        loss = self._compile(model, loss)
+        if self.sharding is not None:
+            model = self.sharding.shard(model, compiled=self.compile)
+        self._weights(model, weights)
+        return model, loss
+
+    # -- the steps, in order -----------------------------------------------------------------
+    def _build(self, model):
+        if isinstance(model, nn.Module):
+            return model
+        init_device = self.sharding.init_device if self.sharding is not None else None
+        if init_device == "cpu":
+            with torch.device("cpu"):  # the full seeded init on every rank, then shard: same weights as 1 process
+                return model()
+        if init_device == "meta":
+            with torch.device("meta"):  # no memory: each shard allocated and initialised in place (_weights)
+                return model()
+        return model()
+
+    def _head(self, model: nn.Module) -> None:
+        kernel = None
+        if self.head.kind == "liger":
+            from lmtrain.training.kernels import loss_kernel
+
+            kernel = loss_kernel("liger")
+        if not isinstance(model, LanguageModel):  # any (B, T) -> (B, T, V) network trains, with the plain head only
+            for key, asked, lacks in ((f"module.head.kind={self.head.kind}", self.head.chunk is not None, "chunked loss"),
+                                      ("module.head.kind=liger", kernel is not None, "fused head"),
+                                      (f"module.z_loss={self.z_loss:g}", bool(self.z_loss), "z-loss")):  # fmt: skip
+                if asked:
+                    raise InputError(f"{key}: the model {type(model).__name__} has no {lacks} (lmtrain.nn.model.Decoder has)")
+            return
+        model.configure_head(chunk_tokens=self.head.chunk, kernel=kernel, z_loss=self.z_loss)
+
+    def _float8(self, model: nn.Module) -> None:
+        if not fastpaths.uses_float8(self.head, self.fp8):
+            return
+        fp8_module.convert(
+            model,
+            self.fp8.recipe,
+            sharded=self.sharding is not None,
+            device=self.device,
+            fast_accum=self.fp8.fast_accum,
+            float8_head=self.head.kind == "float8",
+            fused_mlp=self.fp8.fused_mlp,
+        )
+        if self.rank0:
+            print(
+                f"[lmtrain] float8: {fp8_module.describe(model)} in float8 on {self.device.type}"
+                + (" (float8 all-gather)" if fp8_module.uses_float8_all_gather(model) else "")
+                + (", every product accumulated in fast mode" if self.fp8.fast_accum else ""),
+                flush=True,
+            )
+            warning = fp8_module.width_warning(model, self.fp8.recipe)
+            if warning and self.device.type == "cuda":
+                print(f"[lmtrain] warning: {warning}", flush=True)
+
+    def _checkpoint_activations(self, model: nn.Module) -> None:
+        if self.sharding is not None and not isinstance(model, LanguageModel):
+            raise InputError(f"{type(self.sharding).__name__} shards per block: the model {type(model).__name__} has no `blocks` list")
+        if self.ac == "none":
+            return
+        blocks = model.blocks
+        for i, block in enumerate(blocks):
+            if self.ac in ("full", "op") or (self.ac == "selective" and i % 2 == 0):
+                blocks[i] = compat.checkpoint_wrapper(block, keep_products=self.ac == "op")
+
+    def _compile(self, model: nn.Module, loss: Callable) -> Callable:
+        """Sharded: each block, and the output head with the loss (FSDP2's hooks run between the blocks); else the
+        forward pass and the loss together, one graph."""
+        if not self.compile:
+            return loss
+        if self.sharding is None:
+            return torch.compile(loss)
+        for block in model.blocks:
+            block.compile()
+        model.head_loss = torch.compile(model.head_loss)  # the output head and loss, fused (lmtrain.nn.model.Decoder)
+        return loss
+
+    def _weights(self, model: nn.Module, weights) -> None:
+        if any(p.is_meta for p in model.parameters()):  # init_device=meta: allocate the local shards, then initialise
+            model.to_empty(device=self.device)
+            with torch.no_grad():
+                model.init_weights()
+        if weights is not None:  # after sharding: each rank reads its own rows
+            weights.load_into(model)
+

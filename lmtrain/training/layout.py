@@ -1,0 +1,85 @@
+"""How a run's processes divide the work, in one object (the spirit of torchtitan's ``ParallelDims``): every reader
+of "how many data-parallel ranks" and "which one is this" asks it, not ``trainer.world_size``.
+
+The ranks are ``replicate x shard`` data-parallel ranks (DDP: replicate only; fsdp: shard only; hsdp: both), each a
+group of ``tp x cp`` ranks that compute the same samples together (tensor and context parallel). Ranks are numbered
+in the order (replicate, shard, cp, tp), tensor parallel varying fastest, so that a tensor-parallel group shares a
+node. The data-parallel ranks are the ones that read different data: the sampler's replicas, the global batch's
+factor, the tokens a step trains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Layout:
+    replicate: int = 1
+    shard: int = 1
+    tp: int = 1
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        for key in ("replicate", "shard", "tp", "cp"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"layout {key}={value!r}: a positive number of ranks")
+
+    @property
+    def world(self) -> int:
+        """Processes in the run."""
+        return self.replicate * self.shard * self.tp * self.cp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: the ones that read different samples."""
+        return self.replicate * self.shard
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel rank of global rank ``rank`` (the ranks of one tensor/context-parallel group share it)."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} not in [0, {self.world})")
+        return rank // (self.tp * self.cp)
+
+    def describe(self) -> str:
+        parts = [f"{n} {k}" for k, n in (("replicate", self.replicate), ("shard", self.shard), ("tp", self.tp), ("cp", self.cp)) if n > 1]
+        return f"{self.world} rank{'s' if self.world != 1 else ''}" + (f" ({' x '.join(parts)})" if len(parts) > 1 else "")
+
+    @classmethod
+    def of_config(cls, cfg) -> Layout:
+        """The layout a composed config asks for, before any process starts (lmtrain.training.config): the strategy's
+        own answer (its ``layout_for``: the rules live with the class), else pure data parallel over every process."""
+        from lmtrain.training.config import world_size
+
+        world = world_size(cfg)
+        strategy = cfg.get("strategy")
+        target = _strategy_class(strategy)
+        from lmtrain.training.strategies import FSDP2Strategy
+
+        if isinstance(target, type) and issubclass(target, FSDP2Strategy):
+            options = {k: strategy.get(k) for k in strategy if not str(k).startswith("_")}
+            return target.layout_for(options, world=world, devices=cfg.trainer.get("devices"))
+        return cls(replicate=world)
+
+    @classmethod
+    def of(cls, trainer) -> Layout:
+        """The layout of a running trainer: its strategy's (fsdp, hsdp), else data parallel over every process."""
+        from lmtrain.training.strategies import FSDP2Strategy
+
+        if trainer is None:
+            return cls()
+        if isinstance(trainer.strategy, FSDP2Strategy):
+            return trainer.strategy.layout
+        return cls(replicate=trainer.world_size)
+
+
+def _strategy_class(strategy):
+    if strategy is None or not hasattr(strategy, "get") or "_target_" not in strategy:
+        return None
+    from hydra.utils import get_object
+
+    try:
+        return get_object(str(strategy._target_))
+    except Exception:  # noqa: BLE001 - a target that does not import is reported by validate_config
+        return None

@@ -1,0 +1,79 @@
+"""The room that assembles the model (lmtrain.training.assemble) and the process layout (lmtrain.training.layout): one
+order from one plan, what a network must offer for each option, and the data-parallel size every reader asks for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmtrain.errors import InputError
+from lmtrain.formats.presets import preset
+from lmtrain.nn.model import Decoder, LanguageModel
+from lmtrain.training import fastpaths
+from lmtrain.training.assemble import Plan
+from lmtrain.training.layout import Layout
+from tests.conftest import make_cfg
+
+
+def test_a_layout_counts_data_parallel_ranks_apart_from_tensor_and_context_parallel_ones():
+    """Ranks in the order (replicate, shard, cp, tp): a tensor/context-parallel group shares one data-parallel rank."""
+    layout = Layout(replicate=2, shard=2, tp=2, cp=2)
+    assert (layout.world, layout.dp) == (16, 4)
+    assert [layout.dp_rank(r) for r in range(16)] == [r // 4 for r in range(16)]
+    assert [Layout(shard=3).dp_rank(r) for r in range(3)] == [0, 1, 2]
+    assert Layout(replicate=2, shard=4).describe() == "8 ranks (2 replicate x 4 shard)" and Layout().describe() == "1 rank"
+    with pytest.raises(ValueError, match=r"layout tp=0: a positive number of ranks"):
+        Layout(tp=0)
+    with pytest.raises(ValueError, match=r"rank 4 not in \[0, 4\)"):
+        Layout(shard=4).dp_rank(4)
+
+
+@pytest.mark.parametrize(
+    "overrides, want",
+    [
+        ([], Layout()),
+        (["strategy=ddp", "trainer.devices=4"], Layout(replicate=4)),
+        (["strategy=fsdp", "trainer.devices=4"], Layout(shard=4)),
+        (["strategy=hsdp", "trainer.devices=4", "strategy.shard_size=2"], Layout(replicate=2, shard=2)),
+        (["strategy=hsdp", "trainer.devices=2", "trainer.num_nodes=3"], Layout(replicate=3, shard=2)),
+    ],
+)
+def test_the_config_s_layout_is_the_strategy_s(tmp_path, monkeypatch, overrides, want):
+    """What the config asks for, before any process starts (the global batch is checked against its dp)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert Layout.of_config(make_cfg(["trainer.accelerator=cpu", *overrides], tmp_path)) == want
+
+
+def _plan(**given) -> Plan:
+    head, fp8, problems = fastpaths.read(given.pop("head", None), None)
+    assert not problems
+    return Plan(head=head, fp8=fp8, z_loss=given.pop("z_loss", 0.0), compile=False, sharding=None, device=torch.device("cpu"), rank0=False)
+
+
+def test_the_head_is_configured_through_what_the_model_declares():
+    """A factory is built and its head set by the one method a LanguageModel offers; the loss function comes back
+    as given when nothing is compiled."""
+    def loss(*a):
+        return None
+
+    model, fn = _plan(head={"kind": "chunked", "chunk_tokens": 48}, z_loss=1e-4).assemble(lambda: Decoder(preset("tiny")), loss)
+    assert isinstance(model, LanguageModel) and fn is loss
+    assert (model.loss_chunk_tokens, model.loss_kernel, model.z_loss) == (48, None, 1e-4)
+    assert model.final_norm is model.norm
+
+
+@pytest.mark.parametrize(
+    "given, says",
+    [
+        ({"head": {"kind": "chunked"}}, "module.head.kind=chunked: the model Sequential has no chunked loss"),
+        ({"z_loss": 1e-4}, "module.z_loss=0.0001: the model Sequential has no z-loss"),
+    ],
+)
+def test_a_network_that_does_not_offer_what_an_option_needs_is_refused_naming_both(given, says):
+    """LMModule trains any (B, T) -> (B, T, V) network with the plain head; an option that needs more of it is one
+    error naming the option and what the network lacks."""
+    net = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    with pytest.raises(InputError, match=says):
+        _plan(**given).assemble(net, lambda *a: None)
+    model, _ = _plan().assemble(net, lambda *a: None)
+    assert model is net
