@@ -18,6 +18,9 @@ from lmtrain.nn.model import Decoder, ModelConfig
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}  # fmt: skip
+# YaRN from 16 positions x 4, the paper's betas, the attention factor left to its default (0.1 ln 4 + 1)
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32.0,
+             "beta_slow": 1.0}  # fmt: skip
 
 
 def _saved(tmp_path, kind: str):
@@ -29,16 +32,16 @@ def _saved(tmp_path, kind: str):
                                      max_position_embeddings=64, word_embed_proj_dim=16, activation_function="relu",
                                      dropout=0.0)  # fmt: skip
         model = transformers.OPTForCausalLM(cfg)
-    else:  # grouped-query attention, an untied head, Llama 3's rope scaling (from 16 positions: every band in use at 24)
+    else:  # grouped-query attention, an untied head, Llama 3's or YaRN's rope scaling (from 16 positions: every band in use at 24)
         cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                       tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE)  # fmt: skip
+                                       tie_word_embeddings=False, rope_parameters=YARN_ROPE if kind == "llama-yarn" else LLAMA3_ROPE)  # fmt: skip
         model = transformers.LlamaForCausalLM(cfg)
     model.save_pretrained(tmp_path)
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["opt", "llama"])
+@pytest.mark.parametrize("kind", ["opt", "llama", "llama-yarn"])
 def test_a_transformers_model_read_into_lmtrain_gives_its_logits_and_writes_back_every_tensor(tmp_path, kind):
     from safetensors.torch import load_file
 
@@ -59,6 +62,17 @@ def test_a_transformers_model_read_into_lmtrain_gives_its_logits_and_writes_back
         back[pos] = saved[pos]
     differ = [k for k in saved if not torch.equal(back[k], saved[k])]
     assert differ == [], differ
+    if kind == "llama-yarn":  # the config written back reads as the same model, and transformers computes the same tables
+        import transformers
+
+        assert ours.cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_seq_len": 16, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "attention_factor": pytest.approx(1.1386294)}  # fmt: skip
+        written = hf.config(ours.cfg, eos=95, dtype="float32")
+        assert hf.model_fields(written) == fields
+        rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(transformers.LlamaConfig(**written))
+        x = torch.zeros(1, 24, 8)
+        cos, sin = rotary(x, torch.arange(24)[None])
+        torch.testing.assert_close((cos[0], sin[0]), (ours.rope_cos[:24], ours.rope_sin[:24]), atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -85,7 +99,9 @@ def test_another_rope_scaling_a_bias_or_a_missing_tensor_is_one_error_naming_it(
 
     _saved(tmp_path, "llama")
     config = json.loads((tmp_path / "config.json").read_text())
-    with pytest.raises(InputError, match='rope_type="yarn": lmtrain.s rotary positions are the default kind or Llama 3.s'):
+    with pytest.raises(InputError, match='rope_type="longrope": lmtrain.s rotary positions are the default kind, Llama 3.s'):
+        hf.model_fields({**config, "rope_parameters": {"rope_type": "longrope", "rope_theta": 500000.0, "factor": 8.0}})
+    with pytest.raises(InputError, match='rope_type="yarn" without original_max_position_embeddings'):
         hf.model_fields({**config, "rope_parameters": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0}})
     with pytest.raises(InputError, match='rope_type="llama3" without low_freq_factor, high_freq_factor'):
         hf.model_fields({**config, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,

@@ -117,11 +117,41 @@ def test_meta_then_init_weights_materialises():
     assert torch.isfinite(model(torch.randint(0, 100, (1, 8)))).all()
 
 
+def test_yarn_keeps_the_fast_frequencies_interpolates_the_slow_and_scales_the_logits():
+    """YaRN over 16 original positions x 4: the pairs turning more than beta_fast (32) times over the original context
+    keep their frequency, those turning fewer than beta_slow (1) times are divided by the factor, and both tables are
+    scaled by 0.1 ln 4 + 1 (each logit by its square); an attention_factor given is used as given. (transformers'
+    tables for the same parameters: tests/test_hf_import.py.)"""
+    import math
+
+    from lmtrain.nn.model import rope_cache
+
+    head_dim, theta = 16, 10000.0
+    plain_cos, _ = rope_cache(64, head_dim, theta)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_seq_len": 16}
+    cos, sin = rope_cache(64, head_dim, theta, scaling=yarn)
+    scale = 0.1 * math.log(4.0) + 1.0
+    assert torch.allclose(cos[0], torch.full((head_dim,), scale)) and torch.allclose(sin[0], torch.zeros(head_dim))
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2) / head_dim)
+    turns = 16 * inv / (2 * math.pi)  # rotations of each pair over the original context
+    got = torch.atan2(sin[1, : head_dim // 2], cos[1, : head_dim // 2])  # position 1's angle: the pair's frequency
+    assert torch.allclose(got[turns > 32], inv[turns > 32]) and torch.allclose(got[turns < 1], inv[turns < 1] / 4)
+    assert not torch.allclose(cos, plain_cos * scale)
+    cos2, _ = rope_cache(64, head_dim, theta, scaling={**yarn, "attention_factor": 1.0})
+    torch.testing.assert_close(cos2 * scale, cos)
+    model = Decoder(ModelConfig(family="llama", vocab_size=32, max_seq_len=64, d_model=32, n_layers=1, n_heads=2, rope_scaling=yarn))
+    torch.testing.assert_close(model.rope_cos, cos)
+
+
 def test_flops_per_token_formula():
     model = meta_model("opt-125m")
     c = model.cfg
     n = num_params(model) - c.max_seq_len * c.d_model  # positions are a lookup
     assert flops_per_token(model, 2048) == 6 * n + 12 * c.n_layers * c.d_model * 2048
+
+
+LLAMA = {"family": "llama", "d_model": 64, "n_heads": 4}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_seq_len": 8}
 
 
 @pytest.mark.parametrize(
@@ -133,6 +163,11 @@ def test_flops_per_token_formula():
         ({"n_layers": 0}, "n_layers"),
         ({"family": "llama", "activation": "relu", "d_model": 64, "n_heads": 4}, "model.activation='relu' is not one of \\['silu'\\]"),
         ({"activation": "swish"}, "model.activation='swish'"),
+        ({**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"\} or \{rope_type: yarn, factor, original_max_seq_len"),
+        ({**LLAMA, "rope_scaling": {**YARN, "beta_fast": 0}}, r"rope_scaling.beta_fast=0 must be a positive"),
+        ({**LLAMA, "rope_scaling": {**YARN, "beta_slow": 64}}, "beta_fast must exceed beta_slow"),
+        ({**LLAMA, "rope_scaling": {**YARN, "mscale": 1}}, r"give \{rope_type: llama3"),
+        ({**LLAMA, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, r"give \{rope_type: llama3"),
     ],
 )
 def test_bad_shapes_name_the_key(fields, message):

@@ -16,6 +16,7 @@ pre-tokenization pattern, and the separator as a special token; it encodes text 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -73,10 +74,17 @@ def config(model_cfg, eos: int, dtype: str, bos: int | None = None) -> dict:
 
 
 def _rope_parameters(c) -> dict:
-    """transformers' ``rope_parameters`` of a llama-family model (Llama 3's scaling, or the default kind)."""
+    """transformers' ``rope_parameters`` of a llama-family model (Llama 3's or YaRN's scaling, or the default kind)."""
     if c.rope_scaling is None:
         return {"rope_type": "default", "rope_theta": c.rope_theta}
     s = c.rope_scaling
+    if s["rope_type"] == "yarn":
+        from lmtrain.nn.model import ROPE_SCALING, yarn_attention_factor
+
+        s = {**ROPE_SCALING["yarn"][1], **s}
+        return {"rope_type": "yarn", "rope_theta": c.rope_theta, "factor": s["factor"],
+                "original_max_position_embeddings": s["original_max_seq_len"], "beta_fast": s["beta_fast"], "beta_slow": s["beta_slow"],
+                "attention_factor": yarn_attention_factor(s)}  # fmt: skip
     return {"rope_type": "llama3", "rope_theta": c.rope_theta, "factor": s["factor"], "low_freq_factor": s["low_freq_factor"],
             "high_freq_factor": s["high_freq_factor"], "original_max_position_embeddings": s["original_max_seq_len"]}  # fmt: skip
 
@@ -232,9 +240,13 @@ def model_fields(cfg: dict, where: str = "config.json") -> dict:
         need("use_sliding_window", False, False)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "llama3"):
-        raise InputError(f"{where}: rope_type={json.dumps(kind)}: lmtrain's rotary positions are the default kind or Llama 3's (llama3)")
+    if kind not in ("default", "llama3", "yarn"):
+        raise InputError(
+            f"{where}: rope_type={json.dumps(kind)}: lmtrain's rotary positions are the default kind, Llama 3's (llama3) or YaRN's (yarn)"
+        )
     scaling = None
+    if kind == "yarn":
+        scaling = _yarn_scaling(rope, cfg, where)
     if kind == "llama3":
         theirs = {"factor": "factor", "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
                   "original_max_seq_len": "original_max_position_embeddings"}  # fmt: skip
@@ -255,6 +267,34 @@ def model_fields(cfg: dict, where: str = "config.json") -> dict:
         "attention_dropout": float(cfg.get("attention_dropout", 0.0)), "init_std": float(cfg.get("initializer_range", 0.02)),
         "activation": None, "qk_norm": qk_norm,
     }  # fmt: skip
+
+
+def _yarn_scaling(rope: dict, cfg: dict, where: str) -> dict:
+    """transformers' ``rope_type: yarn`` parameters as ``model.rope_scaling``, with the attention factor it would
+    compute (from ``mscale`` and ``mscale_all_dim`` where given, as DeepSeek-V3's configs do), so that lmtrain's
+    tables are transformers'."""
+    from lmtrain.nn.model import yarn_attention_factor
+
+    original = rope.get("original_max_position_embeddings")
+    if not isinstance(original, int) or original <= 0:
+        raise InputError(f'{where}: rope_type="yarn" without original_max_position_embeddings')
+    if rope.get("truncate", True) is not True:
+        raise InputError(
+            f'{where}: rope_type="yarn" with truncate={json.dumps(rope["truncate"])}: lmtrain rounds the ramp\'s ends as truncate=true does'
+        )
+    factor = rope.get("factor") or cfg.get("max_position_embeddings", 0) / original
+    scaling = {"rope_type": "yarn", "factor": float(factor), "original_max_seq_len": original,
+               "beta_fast": float(rope.get("beta_fast") or 32), "beta_slow": float(rope.get("beta_slow") or 1)}  # fmt: skip
+    attention = rope.get("attention_factor")
+    mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
+    if attention is None and mscale and mscale_all:
+
+        def get(m: float) -> float:
+            return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+        attention = get(mscale) / get(mscale_all)
+    scaling["attention_factor"] = float(attention) if attention is not None else yarn_attention_factor(scaling)
+    return scaling
 
 
 def decoder_root(family: str) -> str:

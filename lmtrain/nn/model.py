@@ -50,7 +50,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # llama: Llama 3's long-context frequencies (ROPE_SCALING_KEYS); None: plain rotary
+    rope_scaling: dict | None = None  # llama: Llama 3's or YaRN's long-context frequencies (ROPE_SCALING); None: plain rotary
     dropout: float = 0.0  # on each block's two residual branches (OPT's `dropout`); never on the embeddings
     attention_dropout: float = 0.0  # on the attention probabilities (OPT's `attention_dropout`: 0.0 in its released configs)
     init_std: float = 0.02
@@ -141,38 +141,84 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-ROPE_SCALING_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")
+# model.rope_scaling, by rope_type: the keys it needs, and those it may give with their defaults
+ROPE_SCALING = {
+    # Llama 3.1's: the long wavelengths divided by factor, the short ones kept, those between blended smoothly
+    "llama3": ({"factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"}, {}),
+    # YaRN (Peng et al. 2023; Qwen's and DeepSeek-V3's long context): the frequencies turning fewer than beta_slow times
+    # over the original context divided by factor, those turning more than beta_fast times kept, a linear ramp between,
+    # and every logit scaled by attention_factor (null: 0.1 ln(factor) + 1, the paper's)
+    "yarn": ({"factor", "original_max_seq_len"}, {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None}),
+}
+ROPE_SCALING_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")  # llama3's, in order
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def rope_scaling_problems(scaling, family: str) -> list[str]:
-    """``model.rope_scaling``: Llama 3's (``rope_type: llama3`` and its four numbers), on the llama family only."""
+    """``model.rope_scaling``: Llama 3's (``rope_type: llama3`` and its four numbers) or YaRN's (``rope_type: yarn``,
+    ``factor``, ``original_max_seq_len``, optionally ``beta_fast``, ``beta_slow``, ``attention_factor``), on the llama
+    family only."""
     if family != "llama":
         return [f"model.rope_scaling is for the llama family's rotary positions, not {family}'s"]
-    if not isinstance(scaling, dict) or sorted(scaling) != sorted(ROPE_SCALING_KEYS) or scaling.get("rope_type") != "llama3":
-        return [
-            f"model.rope_scaling={scaling!r}: give {{rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_seq_len}}"
-        ]
-    bad = [k for k in ROPE_SCALING_KEYS[1:] if not isinstance(scaling[k], (int, float)) or isinstance(scaling[k], bool) or scaling[k] <= 0]
+    kind = scaling.get("rope_type") if isinstance(scaling, dict) else None
+    forms = (
+        "{rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_seq_len} or "
+        "{rope_type: yarn, factor, original_max_seq_len[, beta_fast, beta_slow, attention_factor]}"
+    )
+    if kind not in ROPE_SCALING:
+        return [f"model.rope_scaling={scaling!r}: give {forms}"]
+    need, may = ROPE_SCALING[kind]
+    given = set(scaling) - {"rope_type"}
+    if not need <= given or given - need - set(may):
+        return [f"model.rope_scaling={scaling!r}: give {forms}"]
+    numbers = {**may, **scaling}
+    bad = [k for k in sorted(given) if not (_number(numbers[k]) or (k in may and may[k] is None and numbers[k] is None))]
     if bad:
         return [f"model.rope_scaling.{bad[0]}={scaling[bad[0]]!r} must be a positive number"]
-    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         return ["model.rope_scaling.high_freq_factor must exceed low_freq_factor"]
+    if kind == "yarn" and numbers["beta_fast"] <= numbers["beta_slow"]:
+        return ["model.rope_scaling.beta_fast must exceed beta_slow"]
     return []
 
 
+def yarn_attention_factor(scaling: dict) -> float:
+    """YaRN's scale of the cos/sin tables (each attention logit scaled by its square): ``attention_factor``, else
+    0.1 ln(factor) + 1 (1 for a factor up to 1)."""
+    given = scaling.get("attention_factor")
+    if given is not None:
+        return float(given)
+    return 0.1 * math.log(scaling["factor"]) + 1.0 if scaling["factor"] > 1 else 1.0
+
+
 def rope_cache(seq_len: int, head_dim: int, theta: float, device=None, scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (seq_len, head_dim) for the half-split rotary convention; ``scaling``: Llama 3's
-    (the long wavelengths divided by ``factor``, the short ones kept, those between blended smoothly)."""
+    """cos/sin tables of shape (seq_len, head_dim) for the half-split rotary convention; ``scaling``: Llama 3's or
+    YaRN's (ROPE_SCALING)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    if scaling is not None:
+    scale = 1.0
+    if scaling is not None and scaling["rope_type"] == "llama3":
         factor, low, high, context = (scaling[k] for k in ROPE_SCALING_KEYS[1:])
         wavelen = 2 * math.pi / inv_freq
         smooth = ((context / wavelen - low) / (high - low)).clamp(0.0, 1.0)
         inv_freq = torch.where(wavelen > context / low, inv_freq / factor, (1 - smooth) * inv_freq / factor + smooth * inv_freq)
+    elif scaling is not None:  # yarn
+        s = {**ROPE_SCALING["yarn"][1], **scaling}
+        factor, context = s["factor"], s["original_max_seq_len"]
+
+        def dim(rotations: float) -> float:  # the pair index whose frequency turns ``rotations`` times over the context
+            return head_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = max(math.floor(dim(s["beta_fast"])), 0), min(math.ceil(dim(s["beta_slow"])), head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2, device=device, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0.0, 1.0)
+        inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)  # past the ramp interpolated, before it kept
+        scale = yarn_attention_factor(s)
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # (T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
-    return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
