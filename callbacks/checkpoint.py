@@ -35,6 +35,7 @@ from lmtrain.training import compat
 from lmtrain.training.checkpoint.rng import every_rank_rng_state, set_rng_state
 from lmtrain.training.checkpoint.writer import CheckpointWriter, SaveEvents, state_bytes
 from lmtrain.training.contracts import CheckpointStore, SaveGuard, WatchesProgress
+from lmtrain.training.layout import Layout
 
 AUTO_STEPS = 100  # every_n_steps=auto: the first save's step, the shortest interval, and the unit of the others
 AUTO_STALL_SHARE = 0.01  # every_n_steps=auto: a save's stall is at most this share of the steps between saves
@@ -303,6 +304,7 @@ class Checkpointer(Checkpoint, CheckpointStore, SaveEvents):
             "tokens_seen": module.tokens_trained if counted else None,  # summed as trained (lmtrain.training.module)
             "samples_seen": module.samples_trained if counted else None,
             "world_size": trainer.world_size,
+            "tp": Layout.of(trainer).tp,  # the ranks each layer was split over: its products stored split (resumed alike)
             "global_batch": module.samples_per_step() if counted else None,
             "format": "sharded" if self.writer.sharded else "single",
             "strategy": type(trainer.strategy).__name__,

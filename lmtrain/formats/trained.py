@@ -51,7 +51,9 @@ def load_model_state(ckpt: ck.Checkpoint) -> dict[str, torch.Tensor]:
     except (Exception, CheckpointException) as exc:
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         raise InputError(f"checkpoint {ckpt.path} does not read (damaged?): {type(exc).__name__}: {first}") from exc
-    return {k.removeprefix("model."): v for k, v in sd.items() if k.startswith("model.")}
+    from lmtrain.nn.model import fused_state
+
+    return fused_state({k.removeprefix("model."): v for k, v in sd.items() if k.startswith("model.")})  # tensor parallel's split too
 
 
 def _sharded_model_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -320,7 +320,10 @@ class Attention(nn.Module):
         a (B, 1, T, T) boolean tensor (:func:`document_mask`, for SDPA) or a FlexAttention block mask
         (:func:`document_block_mask`); None: plain causal attention."""
         B, T, _ = x.shape  # (B, T, C)
-        q, k, v = self.qkv(x).split([self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).split([self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+        else:  # split for tensor parallelism (unfuse): this rank's heads
+            q, k, v = self.q(x), self.k(x), self.v(x)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
         v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -345,6 +348,29 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
+    def unfuse(self) -> None:
+        """The fused ``qkv`` product as three, ``q``, ``k`` and ``v``, the same weights (tensor parallelism splits each
+        by heads; the fused one's rows cannot be split so)."""
+        if self.qkv is not None:
+            kv = self.kv_heads * self.head_dim
+            self.q, self.k, self.v = _split_linear(self.qkv, [self.n_heads * self.head_dim, kv, kv])
+            self.qkv = None
+
+
+def _split_linear(layer: nn.Linear, sizes: list[int]) -> list[nn.Linear]:
+    """``layer`` as one linear layer per block of ``sizes`` of its output features, holding its rows (and bias)."""
+    out = []
+    biases = layer.bias.split(sizes) if layer.bias is not None else [None] * len(sizes)
+    for w, b in zip(layer.weight.split(sizes), biases, strict=True):
+        part = nn.Linear(layer.in_features, w.shape[0], bias=b is not None, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            part.weight.copy_(w)
+            if b is not None:
+                part.bias.copy_(b)
+        out.append(part)
+    return out
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -366,7 +392,15 @@ class MLP(nn.Module):
         """The product before the activation: ``gate_up`` (SwiGLU) or ``up``."""
         return self.gate_up if self.swiglu else self.up
 
+    def unfuse(self) -> None:
+        """SwiGLU's fused ``gate_up`` as ``gate`` and ``up`` (tensor parallelism splits each by its features)."""
+        if self.swiglu and self.gate_up is not None:
+            self.gate, self.up = _split_linear(self.gate_up, [self.gate_up.out_features // 2] * 2)
+            self.gate_up = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu and self.gate_up is None:  # unfused
+            return self.down(F.silu(self.gate(x)) * self.up(x))
         if self.float8 is not None:
             return self.float8(x, self.first, self.down, self.act, self.float8_fast_accum)
         return self.down(mlp_activation(self.first(x), self.act))
@@ -432,6 +466,12 @@ class LanguageModel(nn.Module):
     def init_weights(self) -> None:
         raise NotImplementedError
 
+    def tensor_parallel_plan(self, tp: int) -> dict:
+        """Prepare this network to be split over ``tp`` ranks and return the plan for
+        ``torch.distributed.tensor.parallel.parallelize_module``: a style per module name. Raises ValueError naming
+        what ``tp`` does not divide."""
+        raise NotImplementedError
+
 
 class Decoder(LanguageModel):
     """Token ids (B, T) -> next-token logits (B, T, vocab_size)."""
@@ -471,6 +511,38 @@ class Decoder(LanguageModel):
 
     def configure_head(self, *, chunk_tokens: int | None = None, kernel=None, z_loss: float = 0.0) -> None:
         self.loss_chunk_tokens, self.loss_kernel, self.z_loss = chunk_tokens, kernel, float(z_loss)
+
+    def tensor_parallel_plan(self, tp: int) -> dict:
+        """Megatron's split: in each block the query, key and value products (and the MLP's first ones) by output
+        features, each rank computing its own heads, and the attention's and the MLP's output products by input
+        features, their partial sums added over the ranks once per branch; the norms, the embeddings and the output
+        head whole on every rank (lmtrain.nn.parallel.Replicated). The fused ``qkv`` and ``gate_up`` are unfused
+        first (their rows hold the heads in an order no even split keeps)."""
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        from lmtrain.nn.parallel import Replicated
+
+        c = self.cfg
+        undivided = [f"{k}={n}" for k, n in (("n_heads", c.n_heads), ("n_kv_heads", c.kv_heads), ("ffn_dim", c.hidden_dim)) if n % tp]
+        if undivided:
+            what = ", model.".join(undivided)
+            raise ValueError(f"tensor parallel over {tp} ranks splits heads and MLP features: it does not divide model.{what}")
+        shared: dict = {}
+        whole = ["tok_emb", "norm", "lm_head", *(n for n in ("pos_emb", "proj_in", "proj_out") if getattr(self, n) is not None)]
+        plan = {name: Replicated(shared=shared) for name in whole}
+        for i, block in enumerate(self.blocks):
+            at = f"blocks.{i}."
+            block.attn.unfuse()
+            block.mlp.unfuse()
+            plan |= {at + "attn_norm": Replicated(shared=shared), at + "mlp_norm": Replicated(shared=shared)}
+            plan |= {at + f"attn.{n}": ColwiseParallel() for n in ("q", "k", "v")} | {at + "attn.proj": RowwiseParallel()}
+            if c.qk_norm:  # over each of this rank's heads (B, H / tp, T, hd): their weights' gradients summed over the ranks
+                plan |= {at + f"attn.{n}": Replicated(Shard(1), shared) for n in ("q_norm", "k_norm")}
+            plan |= {at + f"mlp.{n}": ColwiseParallel() for n in (("gate", "up") if block.mlp.swiglu else ("up",))}
+            plan |= {at + "mlp.down": RowwiseParallel()}
+            block.attn.n_heads, block.attn.kv_heads = c.n_heads // tp, c.kv_heads // tp  # this rank's
+        return plan
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -563,6 +635,23 @@ class Decoder(LanguageModel):
                 z_loss=self.z_loss,
             )
         return cross_entropy(self.lm_head(hidden), targets, self.z_loss)
+
+
+def fused_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with tensor parallelism's split products (``attn.q``, ``k``, ``v``; SwiGLU's ``mlp.gate``, ``up``:
+    :meth:`Decoder.tensor_parallel_plan`) as the fused ones of every other layout (``attn.qkv``, ``mlp.gate_up``),
+    whole tensors; any other state is returned as it is."""
+    out = dict(state)
+    for key in [k for k in state if k.endswith(".attn.q.weight")]:
+        at = key.removesuffix("q.weight")
+        for kind in ("weight", "bias"):
+            parts = [out.pop(f"{at}{n}.{kind}", None) for n in ("q", "k", "v")]
+            if parts[0] is not None:
+                out[f"{at}qkv.{kind}"] = torch.cat(parts)
+    for key in [k for k in state if k.endswith(".mlp.gate.weight")]:
+        at = key.removesuffix("gate.weight")
+        out[f"{at}gate_up.weight"] = torch.cat([out.pop(f"{at}gate.weight"), out.pop(f"{at}up.weight")])
+    return out
 
 
 # -- counting ----------------------------------------------------------------------------------

@@ -2,18 +2,19 @@
 fixed order, from one :class:`Plan` made once (OLMo-core's ``parallelize_model``, torchtitan's converters applied
 before parallelising):
 
-    build -> output head -> float8 -> (tensor, context parallel) -> activation checkpointing -> compile -> shard
+    build -> output head -> float8 -> tensor parallel -> activation checkpointing -> compile -> shard
           -> initialise or load the weights
 
 A step reads only the plan and what the network declares it offers (lmtrain.nn.model.LanguageModel: its blocks, its
 head's options, its final norm, its initialisation), never attributes probed by name. LMModule.configure_model calls
 :func:`Plan.assemble` once; the strategy (lmtrain.training.strategies) shards and nothing else; the process layout
-(data, tensor, context parallel sizes) is lmtrain.training.layout's. Tensor and context parallelism (issue 60) land
-between float8 and activation checkpointing, on the layout's mesh.
+(data, tensor, context parallel sizes) is lmtrain.training.layout's. Context parallelism (issue 60) lands beside
+tensor parallelism, on the layout's mesh.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,8 +31,8 @@ from lmtrain.training import fp8 as fp8_module
 class Plan:
     """What assembling a model does, decided once: ``head`` and ``fp8`` (``module.head``, ``module.fp8``: checked by
     lmtrain.training.fastpaths), ``z_loss``, ``compile`` (resolved: ``auto`` is a GPU), ``sharding`` (the fsdp/hsdp
-    strategy, or None: single device or DDP, the model whole on each rank), ``device`` (where it trains) and ``rank0``
-    (this process says what it did)."""
+    strategy, or None: single device or DDP, the model whole on each rank), ``device`` (where it trains), ``rank0``
+    (this process says what it did) and ``tp`` (``strategy.tp``: the ranks each layer is split over)."""
 
     head: fastpaths.Head
     fp8: fastpaths.Float8
@@ -40,6 +41,7 @@ class Plan:
     sharding: object | None
     device: torch.device
     rank0: bool = True
+    tp: int = 1  # ranks each layer is split over (strategy.tp, under fsdp)
 
     @classmethod
     def of(cls, module, strategy) -> Plan:
@@ -49,7 +51,8 @@ class Plan:
         sharding = strategy if isinstance(strategy, FSDP2Strategy) else None
         device = strategy.root_device if strategy is not None else module.device
         compile_ = module.compile if module.compile != "auto" else device.type == "cuda"  # built without the config
-        return cls(module.head, module.fp8, module.z_loss, bool(compile_), sharding, device, module.global_rank == 0)
+        tp = sharding.tp if sharding is not None else 1
+        return cls(module.head, module.fp8, module.z_loss, bool(compile_), sharding, device, module.global_rank == 0, tp)
 
     @property
     def ac(self) -> str:
@@ -63,7 +66,7 @@ class Plan:
         model = self._build(model)
         self._head(model)
         self._float8(model)
-        # tensor and context parallel: the layout's tp and cp are 1 until strategy.tp / strategy.cp land (issue 60)
+        self._tensor_parallel(model)  # (context parallel, strategy.cp, lands here too: issue 60)
         self._checkpoint_activations(model)
         loss = self._compile(model, loss)
         if self.sharding is not None:
@@ -121,6 +124,27 @@ class Plan:
             warning = fp8_module.width_warning(model, self.fp8.recipe)
             if warning and self.device.type == "cuda":
                 print(f"[lmtrain] warning: {warning}", flush=True)
+
+    def _tensor_parallel(self, model: nn.Module) -> None:
+        """Each layer split over the ``tp`` ranks of the tensor-parallel mesh, as the network's own plan says
+        (lmtrain.nn.model.Decoder.tensor_parallel_plan): its parameters become DTensors on that mesh, which FSDP2
+        then shards over the data-parallel one."""
+        if self.tp == 1:
+            return
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        if not isinstance(model, LanguageModel):
+            name = type(model).__name__
+            raise InputError(f"strategy.tp={self.tp}: the model {name} offers no tensor-parallel plan (lmtrain.nn.model.Decoder does)")
+        try:
+            plan = model.tensor_parallel_plan(self.tp)
+        except ValueError as exc:
+            raise InputError(f"strategy.tp={self.tp}: {exc}") from None
+        mesh = self.sharding.tensor_parallel_mesh()
+        parallelize_module(model, mesh, plan)
+        if self.rank0:
+            said = f"[lmtrain] tensor parallel: each block's products split over {self.tp} ranks (mesh {mesh.mesh_dim_names})"
+            print(said, file=sys.stderr, flush=True)
 
     def _checkpoint_activations(self, model: nn.Module) -> None:
         if self.sharding is not None and not isinstance(model, LanguageModel):

@@ -83,3 +83,23 @@ def _strategy_class(strategy):
         return get_object(str(strategy._target_))
     except Exception:  # noqa: BLE001 - a target that does not import is reported by validate_config
         return None
+
+
+def tensor_parallel_problems(tp: int, model_cfg, head_kind: str, fp8_recipe, fused_mlp: bool) -> list[str]:
+    """What ``strategy.tp`` cannot split in this run, before any process starts: heads and MLP features it does not
+    divide (lmtrain.nn.model.Decoder.tensor_parallel_plan says the same at assembly), and what does not run under
+    tensor parallelism yet (a fused or float8 output head, float8 blocks)."""
+    if tp == 1:
+        return []
+    out = []
+    if model_cfg is not None:
+        sizes = (("n_heads", model_cfg.n_heads), ("n_kv_heads", model_cfg.kv_heads), ("ffn_dim", model_cfg.hidden_dim))
+        undivided = [f"model.{k}={n}" for k, n in sizes if n % tp]
+        if undivided:
+            out.append(f"strategy.tp={tp} splits heads and MLP features over {tp} ranks: it does not divide {', '.join(undivided)}")
+    if head_kind != "plain":
+        out.append(f"module.head.kind={head_kind} with strategy.tp={tp}: under tensor parallel the output head is the plain one for now")
+    if fp8_recipe is not None or fused_mlp:
+        out.append(f"module.fp8 with strategy.tp={tp}: float8 blocks under tensor parallel are not there yet (use speed=default)")
+    return out
+

@@ -202,7 +202,8 @@ class LMModule(L.LightningModule):
         self.model, self._loss_fn = plan.assemble(built, lm_loss, self.init_weights_from)
         self.init_weights_from, self.compile, self._assembled = None, plan.compile, True
         if isinstance(self.model, LanguageModel) and self._act_hook is None:
-            self._act_hook = self.model.final_norm.register_forward_pre_hook(self._record_activation)
+            # first of its hooks: the residual stream as the blocks left it (before a tensor-parallel style's own)
+            self._act_hook = self.model.final_norm.register_forward_pre_hook(self._record_activation, prepend=True)
         if not self._qk_hooks:  # lmtrain.nn.model.Decoder's attention layers (another network may have none)
             self._qk_hooks = [m.register_forward_pre_hook(self._record_qk) for m in self.model.modules() if isinstance(m, QKProbe)]
 
@@ -229,7 +230,8 @@ class LMModule(L.LightningModule):
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         if self.seed is not None:
             n = self.trainer.fit_loop.epoch_loop.total_batch_idx  # restored with the loops on resume
-            torch.manual_seed(batch_seed(self.seed, n, self.global_rank))
+            # by data-parallel rank: the ranks that split one layer draw the same masks on the activations they share
+            torch.manual_seed(batch_seed(self.seed, n, Layout.of(self.trainer).dp_rank(self.global_rank)))
 
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         inputs, targets, *doc = batch  # (B, T), (B, T), and with data.document_mask each token's document (B, T)

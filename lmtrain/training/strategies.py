@@ -62,6 +62,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         """What these options cannot do in this run (lmtrain.training.config asks before any process starts; the options' own
         values are checked in ``__init__``, where the strategy is built)."""
         out = []
+        tp = options.get("tp", 1)
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            out.append(f"strategy.tp={tp!r} must be a positive number of ranks")
+        elif world_size % tp:
+            out.append(f"strategy.tp={tp} does not divide the world size {world_size} (trainer.devices x trainer.num_nodes)")
         if on_cpu and options.get("cpu_offload"):
             out.append("strategy.cpu_offload=true needs GPUs: on CPU the parameters already live in host memory")
         mixed = str(precision) == "bf16-mixed" and options.get("mixed_precision", True)
@@ -82,7 +87,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout_s: int = 1800,
         reduce_dtype: str = "float32",
+        tp: int = 1,
     ) -> None:
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise StrategyError(f"strategy.tp={tp!r} must be a positive number of ranks")
         if reduce_dtype not in REDUCE_DTYPES:
             raise StrategyError(f"strategy.reduce_dtype={reduce_dtype!r}: use one of {list(REDUCE_DTYPES)}")
         if activation_checkpointing not in AC_MODES:
@@ -91,7 +99,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             raise StrategyError(f"strategy.init_device={init_device!r}: use 'cpu' or 'meta'")
         super().__init__(
             data_parallel_size="auto",
-            tensor_parallel_size=1,
+            tensor_parallel_size=tp,
             save_distributed_checkpoint=True,
             process_group_backend=process_group_backend,
             timeout=timedelta(seconds=timeout_s),
@@ -100,22 +108,30 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.cpu_offload = cpu_offload
         self.reshard_after_forward, self.init_device = reshard_after_forward, init_device
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
+        self.tp = tp
 
     @classmethod
     def layout_for(cls, options: dict, *, world: int, devices) -> Layout:
-        """The layout these options give ``world`` processes (lmtrain.training.layout): every rank shards."""
-        return Layout(shard=world)
+        """The layout these options give ``world`` processes (lmtrain.training.layout): groups of ``tp`` ranks split
+        each layer (tensor parallel), and the groups shard."""
+        tp = options.get("tp") or 1
+        return Layout(shard=world // tp, tp=tp) if isinstance(tp, int) and world % tp == 0 else Layout(shard=world)
 
     @property
     def layout(self) -> Layout:
-        return Layout(shard=self.world_size)
+        return Layout(shard=self.world_size // self.tp, tp=self.tp)
+
+    def tensor_parallel_mesh(self):
+        """The mesh each layer is split over (strategy.tp > 1), the inner dimension of the device mesh."""
+        return self.device_mesh["tensor_parallel"]
 
     def setup_environment(self) -> None:
         self._data_parallel_size = self.world_size_for_mesh()
         super().setup_environment()
 
     def world_size_for_mesh(self) -> int:
-        return self.num_nodes * self.num_processes
+        """The data-parallel size of the mesh: every process, in groups of ``tp``."""
+        return self.num_nodes * self.num_processes // self.tp
 
     def shard_mesh(self):
         """The mesh ``fully_shard`` gets: 1-D over every rank."""
@@ -197,6 +213,8 @@ class HSDPStrategy(FSDP2Strategy):
     @classmethod
     def config_problems(cls, options: dict, *, precision: str, on_cpu: bool, world_size: int, devices) -> list[str]:
         out = super().config_problems(options, precision=precision, on_cpu=on_cpu, world_size=world_size, devices=devices)
+        if options.get("tp", 1) != 1:
+            out.append(f"strategy.tp={options.get('tp')} with hsdp: tensor parallel runs under strategy=fsdp for now (a 3-D mesh is to come)")
         shard = options.get("shard_size") or (devices if isinstance(devices, int) else None)
         if isinstance(shard, int) and (shard < 1 or world_size % shard):
             out.append(
@@ -216,7 +234,10 @@ class HSDPStrategy(FSDP2Strategy):
         process_group_backend: str | None = None,
         timeout_s: int = 1800,
         reduce_dtype: str = "float32",
+        tp: int = 1,
     ) -> None:
+        if tp != 1:
+            raise StrategyError(f"strategy.tp={tp} with hsdp: tensor parallel runs under strategy=fsdp for now")
         super().__init__(  # by name: the parent's arguments are this one's, listed again so that config keys are checked
             mixed_precision=mixed_precision,
             activation_checkpointing=activation_checkpointing,
