@@ -37,6 +37,7 @@ def test_a_layout_counts_data_parallel_ranks_apart_from_tensor_and_context_paral
         (["strategy=fsdp", "trainer.devices=4", "strategy.tp=2"], Layout(shard=2, tp=2)),
         (["strategy=hsdp", "trainer.devices=4", "strategy.shard_size=2"], Layout(replicate=2, shard=2)),
         (["strategy=hsdp", "trainer.devices=2", "trainer.num_nodes=3"], Layout(replicate=3, shard=2)),
+        (["strategy=hsdp", "trainer.devices=4", "trainer.num_nodes=2", "strategy.tp=2"], Layout(replicate=2, shard=2, tp=2)),
     ],
 )
 def test_the_config_s_layout_is_the_strategy_s(tmp_path, monkeypatch, overrides, want):

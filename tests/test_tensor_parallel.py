@@ -72,13 +72,24 @@ def test_grouped_query_attention_and_qk_norm_split_over_two_ranks_train_as_one_p
     _close(_floats(tmp_path / "runs" / "tp"), want)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_hsdp_on_a_three_dimensional_mesh_trains_as_one_process(tmp_path, dataset_dir):
+    """hsdp with tensor parallel: 2 replicas x 1 shard x tp 2 (a (replicate, shard, tensor_parallel) mesh, FSDP2 on
+    its outer two dimensions), global batch 8: one process's losses."""
+    want = _one_process(tmp_path / "one", dataset_dir)
+    res = _run(tmp_path, dataset_dir, "hsdp", "strategy=hsdp", "strategy.tp=2", "strategy.shard_size=1", "trainer.devices=4", "data.batch_size=4")
+    assert "HSDPStrategy: fully_shard per block on mesh (2, 1) ('replicate', 'shard')" in res.stderr, res.stderr[-3000:]
+    _close(_floats(tmp_path / "runs" / "hsdp"), want)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
         (["strategy=fsdp", "strategy.tp=3", "trainer.devices=4"], "strategy.tp=3 does not divide the world size 4"),
         (["strategy=fsdp", "strategy.tp=0"], "strategy.tp=0 must be a positive number of ranks"),
         (["strategy=fsdp", "strategy.tp=8", "trainer.devices=8"], "over 8 ranks: it does not divide model.n_heads=4"),
-        (["strategy=hsdp", "strategy.tp=2", "trainer.devices=4"], "strategy.tp=2 with hsdp: tensor parallel runs under strategy=fsdp for now"),
+        (["strategy=hsdp", "strategy.tp=2", "trainer.devices=4", "strategy.shard_size=3"], "shard_size=3 x strategy.tp=2 does not divide the world size 4"),
         (["strategy=fsdp", "strategy.tp=2", "trainer.devices=2", "module.head.kind=chunked"], "module.head.kind=chunked with strategy.tp=2"),
         (["strategy=fsdp", "strategy.tp=2", "trainer.devices=2", "module.fp8.recipe=tensorwise"], "module.fp8 with strategy.tp=2"),
     ],

@@ -213,15 +213,24 @@ class HSDPStrategy(FSDP2Strategy):
     @classmethod
     def config_problems(cls, options: dict, *, precision: str, on_cpu: bool, world_size: int, devices) -> list[str]:
         out = super().config_problems(options, precision=precision, on_cpu=on_cpu, world_size=world_size, devices=devices)
-        if options.get("tp", 1) != 1:
-            out.append(f"strategy.tp={options.get('tp')} with hsdp: tensor parallel runs under strategy=fsdp for now (a 3-D mesh is to come)")
-        shard = options.get("shard_size") or (devices if isinstance(devices, int) else None)
-        if isinstance(shard, int) and (shard < 1 or world_size % shard):
+        tp = options.get("tp") or 1
+        if not isinstance(tp, int) or tp < 1 or world_size % tp:
+            return out  # said by the parent
+        shard = cls._shard(options.get("shard_size"), devices, tp)
+        if isinstance(shard, int) and (shard < 1 or world_size % (shard * tp)):
+            groups = f" x strategy.tp={tp}" if tp > 1 else ""
             out.append(
-                f"strategy.shard_size={shard} does not divide the world size {world_size} (trainer.devices x trainer.num_nodes): "
-                "HSDP needs world size = replicas x shard_size"
+                f"strategy.shard_size={shard}{groups} does not divide the world size {world_size} (trainer.devices x trainer.num_nodes): "
+                f"HSDP needs world size = replicas x shard_size{groups and ' x tp'}"
             )
         return out
+
+    @staticmethod
+    def _shard(shard_size, devices, tp: int):
+        """Data-parallel ranks per shard group: ``shard_size``, else one node's (``trainer.devices`` over ``tp``)."""
+        if shard_size:
+            return shard_size
+        return devices // tp if isinstance(devices, int) and devices > 0 and devices % tp == 0 else None
 
     def __init__(
         self,
@@ -236,8 +245,6 @@ class HSDPStrategy(FSDP2Strategy):
         reduce_dtype: str = "float32",
         tp: int = 1,
     ) -> None:
-        if tp != 1:
-            raise StrategyError(f"strategy.tp={tp} with hsdp: tensor parallel runs under strategy=fsdp for now")
         super().__init__(  # by name: the parent's arguments are this one's, listed again so that config keys are checked
             mixed_precision=mixed_precision,
             activation_checkpointing=activation_checkpointing,
@@ -247,6 +254,7 @@ class HSDPStrategy(FSDP2Strategy):
             process_group_backend=process_group_backend,
             timeout_s=timeout_s,
             reduce_dtype=reduce_dtype,
+            tp=tp,
         )
         if shard_size is not None and shard_size < 1:
             raise StrategyError(f"strategy.shard_size={shard_size} must be a positive number of ranks")
@@ -254,31 +262,39 @@ class HSDPStrategy(FSDP2Strategy):
 
     @classmethod
     def layout_for(cls, options: dict, *, world: int, devices) -> Layout:
-        """Groups of ``shard_size`` ranks (else a node's ``trainer.devices``) that shard, replicated across groups."""
-        shard = options.get("shard_size") or (devices if isinstance(devices, int) and devices > 0 else world)
-        if not isinstance(shard, int) or shard < 1 or world % shard:  # said by config_problems
+        """Groups of ``shard_size`` data-parallel ranks (else a node's) that shard, replicated across groups, each
+        data-parallel rank a group of ``tp`` ranks splitting each layer."""
+        tp = options.get("tp") or 1
+        shard = cls._shard(options.get("shard_size"), devices, tp) or world // tp if isinstance(tp, int) and tp > 0 else None
+        if not isinstance(shard, int) or shard < 1 or world % (shard * tp):  # said by config_problems
             return Layout(shard=world)
-        return Layout(replicate=world // shard, shard=shard)
+        return Layout(replicate=world // (shard * tp), shard=shard, tp=tp)
 
     @property
     def layout(self) -> Layout:
-        shard = self.shard_size or self.num_processes
-        return Layout(replicate=self.world_size // shard, shard=shard)
+        shard = self.shard_size or self.num_processes // self.tp
+        return Layout(replicate=self.world_size // (shard * self.tp), shard=shard, tp=self.tp)
 
     def setup_environment(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        # set up devices and the process group as ModelParallelStrategy does, then our own 2-D mesh
+        # set up devices and the process group as ModelParallelStrategy does, then our own 2-D (3-D with tp) mesh
         super(ModelParallelStrategy, self).setup_environment()
         self._setup_distributed()
-        world = self.world_size
-        shard = self.shard_size or self.num_processes
-        if shard < 1 or world % shard:
+        world, tp = self.world_size, self.tp
+        shard = self.shard_size or self.num_processes // tp
+        if shard < 1 or world % (shard * tp):
             raise StrategyError(
                 f"strategy.shard_size={shard} does not divide the world size {world}: HSDP needs world = replicas x shard_size"
+                + (f" x tp ({tp})" if tp > 1 else "")
             )
-        self._device_mesh = init_device_mesh(self.root_device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+        if tp == 1:
+            self._device_mesh = init_device_mesh(self.root_device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+        else:
+            shape, names = (world // (shard * tp), shard, tp), ("replicate", "shard", "tensor_parallel")
+            self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
         compat.set_module_device_mesh(self.lightning_module, self._device_mesh)
 
     def shard_mesh(self):
-        return self.device_mesh  # 2-D: fully_shard replicates over dim 0 and shards over dim 1
+        # 2-D: fully_shard replicates over dim 0 and shards over dim 1 (under tp, of the 3-D mesh's outer two)
+        return self.device_mesh if self.tp == 1 else self.device_mesh["replicate", "shard"]
