@@ -353,8 +353,20 @@ class Attention(nn.Module):
         by heads; the fused one's rows cannot be split so)."""
         if self.qkv is not None:
             kv = self.kv_heads * self.head_dim
-            self.q, self.k, self.v = _split_linear(self.qkv, [self.n_heads * self.head_dim, kv, kv])
-            self.qkv = None
+            _replace(self, "qkv", dict(zip(("q", "k", "v"), _split_linear(self.qkv, [self.n_heads * self.head_dim, kv, kv]), strict=True)))
+
+
+def _replace(parent: nn.Module, name: str, parts: dict[str, nn.Module]) -> None:
+    """``parent``'s submodule ``name`` replaced by ``parts`` in its place (the parameters' order, which optimizer
+    states saved by position follow, stays the fused layout's), ``name`` left as None."""
+    items = list(parent._modules.items())
+    parent._modules.clear()
+    for key, module in items:
+        if key == name:
+            parent._modules.update(parts)
+            parent._modules[name] = None
+        else:
+            parent._modules[key] = module
 
 
 def _split_linear(layer: nn.Linear, sizes: list[int]) -> list[nn.Linear]:
@@ -395,8 +407,7 @@ class MLP(nn.Module):
     def unfuse(self) -> None:
         """SwiGLU's fused ``gate_up`` as ``gate`` and ``up`` (tensor parallelism splits each by its features)."""
         if self.swiglu and self.gate_up is not None:
-            self.gate, self.up = _split_linear(self.gate_up, [self.gate_up.out_features // 2] * 2)
-            self.gate_up = None
+            _replace(self, "gate_up", dict(zip(("gate", "up"), _split_linear(self.gate_up, [self.gate_up.out_features // 2] * 2), strict=True)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu and self.gate_up is None:  # unfused
@@ -651,6 +662,42 @@ def fused_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for key in [k for k in state if k.endswith(".mlp.gate.weight")]:
         at = key.removesuffix("gate.weight")
         out[f"{at}gate_up.weight"] = torch.cat([out.pop(f"{at}gate.weight"), out.pop(f"{at}up.weight")])
+    return out
+
+
+def split_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The reverse of :func:`fused_state`: ``attn.qkv`` as ``attn.q``, ``k``, ``v`` and SwiGLU's ``mlp.gate_up`` as
+    ``mlp.gate``, ``up`` (the layout of a model split by :meth:`Decoder.tensor_parallel_plan`), whole tensors."""
+    out = dict(state)
+    kv = cfg.kv_heads * cfg.head_dim
+    for key in [k for k in state if k.endswith((".attn.qkv.weight", ".attn.qkv.bias"))]:
+        at, kind = key.rsplit("qkv.", 1)
+        for n, part in zip(("q", "k", "v"), out.pop(key).split([cfg.n_heads * cfg.head_dim, kv, kv]), strict=True):
+            out[f"{at}{n}.{kind}"] = part
+    for key in [k for k in state if k.endswith(".mlp.gate_up.weight")]:
+        at = key.removesuffix("gate_up.weight")
+        out[f"{at}gate.weight"], out[f"{at}up.weight"] = out.pop(key).chunk(2)
+    return out
+
+
+def relayout_names(names: list[str], split: bool) -> list[str]:
+    """Parameter names in order, as :func:`split_state` (``split``) or :func:`fused_state` leaves them: the split
+    products take the fused one's place."""
+    out: list[str] = []
+    for n in names:
+        if split and n.endswith((".attn.qkv.weight", ".attn.qkv.bias")):
+            at, kind = n.rsplit("qkv.", 1)
+            out += [f"{at}{x}.{kind}" for x in ("q", "k", "v")]
+        elif split and n.endswith(".mlp.gate_up.weight"):
+            out += [n.replace("gate_up.", "gate."), n.replace("gate_up.", "up.")]
+        elif not split and n.endswith((".attn.q.weight", ".attn.q.bias")):
+            out.append(n.replace(".attn.q.", ".attn.qkv."))
+        elif not split and n.endswith(".mlp.gate.weight"):
+            out.append(n.replace(".mlp.gate.", ".mlp.gate_up."))
+        elif not split and (n.endswith((".attn.k.weight", ".attn.k.bias", ".attn.v.weight", ".attn.v.bias")) or (n.endswith(".mlp.up.weight") and n.replace(".mlp.up.", ".mlp.gate.") in names)):
+            continue
+        else:
+            out.append(n)
     return out
 
 

@@ -181,13 +181,14 @@ def counted(cfg, gpus: int, node: int) -> dict:
     chunk = None if chunk_uncounted else chunk
     reshard = strategy_cfg.get("reshard_after_forward", True) is not False
     gbs = cfg.get("global_batch_size")
-    if gbs and gbs % (batch * gpus):
+    tp = strategy_cfg.get("tp") or 1  # the ranks of a tensor-parallel group read the same samples
+    dp = gpus // tp if isinstance(tp, int) and tp > 0 and gpus % tp == 0 else gpus
+    if gbs and gbs % (batch * dp):
         from lmtrain.training.config import ConfigError
 
-        raise ConfigError(
-            f"global_batch_size={gbs} is not a multiple of data.batch_size ({batch}) x cluster.gpus ({gpus}) = {batch * gpus}"
-        )
-    accum = gbs // (batch * gpus) if gbs else int(cfg.trainer.accumulate_grad_batches)
+        ranks = f"cluster.gpus ({gpus}) / strategy.tp ({tp})" if dp != gpus else f"cluster.gpus ({gpus})"
+        raise ConfigError(f"global_batch_size={gbs} is not a multiple of data.batch_size ({batch}) x {ranks} = {batch * dp}")
+    accum = gbs // (batch * dp) if gbs else int(cfg.trainer.accumulate_grad_batches)
     nums = model_numbers(mcfg, seq)
     # the blocks' weights fsdp/hsdp gather in float8 (counted only where parameters are gathered: not under ddp)
     float8_gathered = nums["block_linear_params"] if fp8 and gathers_in_float8(fp8_cfg.recipe, sharded=True) else 0

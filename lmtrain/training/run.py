@@ -402,13 +402,6 @@ def _build(att: _Attempt) -> None:
                 f"{exc}\nrun '{cfg.run_name}' continues from its newest checkpoint; to train this config instead, choose another "
                 f"run_name=..., or pass resume=false overwrite=true to delete run '{cfg.run_name}''s checkpoints"
             ) from None
-        saved_tp, tp = resume.meta.get("tp", 1), Layout.of_config(cfg).tp
-        if saved_tp != tp:
-            raise CheckpointError(
-                f"checkpoint {resume.path} was saved with strategy.tp={saved_tp} and this run has strategy.tp={tp}: resuming on "
-                f"another tensor-parallel size is not there yet (its products are stored split by heads); resume with "
-                f"strategy.tp={saved_tp}, on any number of data-parallel ranks"
-            )
         log.info(f"resuming from {resume.path} (step {resume.step})")
     if resume is not None and not _own_resume(att):  # another run's checkpoint (ckpt_path): a branch, whatever the loggers
         att.branch = {

@@ -195,12 +195,16 @@ class FSDP2Strategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
         """A sharded checkpoint on any number of ranks (distributed checkpoint reshards it), or a single-file one
         (``single``/``ddp``) loaded into the shards (lmtrain.training.checkpoint.reshard)."""
-        path = Path(self.broadcast(checkpoint_path))
-        if path.is_file():
-            from lmtrain.training.checkpoint.reshard import load_full_into_sharded
+        from lmtrain.training.checkpoint import reshard
 
-            return load_full_into_sharded(path, self.lightning_module, self.optimizers)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        path = Path(self.broadcast(checkpoint_path))
+        split = self.tp > 1  # this run's products split for tensor parallelism (lmtrain.nn.model.Decoder.tensor_parallel_plan)
+        if path.is_file():
+            return reshard.load_full_into_sharded(path, self.lightning_module, self.optimizers, split=split)
+        if reshard.saved_split(path) != split:  # saved on another side of tp = 1: read whole, fused or split, then sharded
+            checkpoint = reshard.relayout(reshard.read_named(path), split=split, cfg=self.lightning_module.model.cfg)
+            return reshard.load_named_into_sharded(checkpoint, self.lightning_module, self.optimizers)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # any tp > 1 to any other: DCP reshards
 
 
 class HSDPStrategy(FSDP2Strategy):
