@@ -79,3 +79,30 @@ def test_a_network_that_does_not_offer_what_an_option_needs_is_refused_naming_bo
         _plan(**given).assemble(net, lambda *a: None)
     model, _ = _plan().assemble(net, lambda *a: None)
     assert model is net
+
+
+@pytest.mark.parametrize("family", ["opt", "llama"])
+def test_split_and_fused_layouts_convert_both_ways_name_for_name(family):
+    """A model's state split for tensor parallel (q, k, v; SwiGLU's gate, up) and fused again is the same tensors;
+    the parameter order keeps the split products where the fused one was (optimizer states saved by position line
+    up); the opt family's own ``mlp.up`` is never taken for SwiGLU's half."""
+    from lmtrain.nn.model import ModelConfig, fused_state, relayout_names, split_state
+
+    kv = 2 if family == "llama" else None
+    cfg = ModelConfig(family=family, vocab_size=32, max_seq_len=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=kv)
+    fused = Decoder(cfg)
+    split = Decoder(cfg)
+    split.load_state_dict(fused.state_dict())
+    for block in split.blocks:
+        block.attn.unfuse()
+        block.mlp.unfuse()
+    assert sorted(split_state(fused.state_dict(), cfg)) == sorted(split.state_dict())
+    assert all(torch.equal(v, split.state_dict()[k]) for k, v in split_state(fused.state_dict(), cfg).items())
+    back = fused_state(split.state_dict())
+    assert sorted(back) == sorted(fused.state_dict()) and all(torch.equal(v, fused.state_dict()[k]) for k, v in back.items())
+    for matrices in (True, False):  # the optimizer's two groups (decayed matrices; the rest), each in the model's order
+        names = [n for n, p in fused.named_parameters() if (p.dim() >= 2) == matrices]
+        split_names = [n for n, p in split.named_parameters() if (p.dim() >= 2) == matrices]
+        assert relayout_names(names, split=True) == split_names and relayout_names(split_names, split=False) == names
+    x = torch.randint(0, 32, (2, 8))
+    torch.testing.assert_close(split(x), fused(x))

@@ -407,7 +407,8 @@ class MLP(nn.Module):
     def unfuse(self) -> None:
         """SwiGLU's fused ``gate_up`` as ``gate`` and ``up`` (tensor parallelism splits each by its features)."""
         if self.swiglu and self.gate_up is not None:
-            _replace(self, "gate_up", dict(zip(("gate", "up"), _split_linear(self.gate_up, [self.gate_up.out_features // 2] * 2), strict=True)))
+            half = self.gate_up.out_features // 2
+            _replace(self, "gate_up", dict(zip(("gate", "up"), _split_linear(self.gate_up, [half, half]), strict=True)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu and self.gate_up is None:  # unfused
@@ -694,8 +695,10 @@ def relayout_names(names: list[str], split: bool) -> list[str]:
             out.append(n.replace(".attn.q.", ".attn.qkv."))
         elif not split and n.endswith(".mlp.gate.weight"):
             out.append(n.replace(".mlp.gate.", ".mlp.gate_up."))
-        elif not split and (n.endswith((".attn.k.weight", ".attn.k.bias", ".attn.v.weight", ".attn.v.bias")) or (n.endswith(".mlp.up.weight") and n.replace(".mlp.up.", ".mlp.gate.") in names)):
-            continue
+        elif not split and n.endswith((".attn.k.weight", ".attn.k.bias", ".attn.v.weight", ".attn.v.bias")):
+            continue  # in the fused one, at q's place
+        elif not split and n.endswith(".mlp.up.weight") and n.replace(".mlp.up.", ".mlp.gate.") in names:
+            continue  # SwiGLU's value half, in gate_up at gate's place (the opt family's own up stays)
         else:
             out.append(n)
     return out
