@@ -18,6 +18,14 @@ from tests.test_fsdp import _one_process, _run
 LLAMA = ["model.family=llama", "model.n_kv_heads=2", "model.qk_norm=true", "model.tie_embeddings=false"]
 
 
+@pytest.fixture(scope="module")
+def one(tmp_path_factory, dataset_dir) -> tuple[dict[int, float], Path]:
+    """One process at global batch 8, trained once for the module: its losses and its run directory (checkpoints at
+    steps 3, 6 and 8)."""
+    folder = tmp_path_factory.mktemp("one")
+    return _one_process(folder, dataset_dir), folder / "run"
+
+
 def _floats(run_dir: Path) -> dict[int, float]:
     from tests.test_checkpoint import _losses
 
@@ -31,12 +39,12 @@ def _close(got: dict[int, float], want: dict[int, float], what: str = "") -> Non
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_data_parallel_2_x_tensor_parallel_2_trains_as_one_process_and_resumes_on_any_layout(tmp_path, dataset_dir):
+def test_data_parallel_2_x_tensor_parallel_2_trains_as_one_process_and_resumes_on_any_layout(tmp_path, dataset_dir, one):
     """4 ranks (fsdp 2 x tp 2) at global batch 8: the losses of one process. Its step-3 checkpoint (products stored
     split) continues them under fsdp on 2 ranks without tensor parallel and in one process; one process's single-file
     checkpoint (fused) continues them under tp 2; its step-6 checkpoint under tp 4 (DCP reshards the split products).
     generate and export read it, its products fused again."""
-    want = _one_process(tmp_path / "one", dataset_dir)
+    want, one_run = one
     ref = _run(tmp_path, dataset_dir, "tp", "strategy=fsdp", "strategy.tp=2", "trainer.devices=4", "data.batch_size=4")
     assert "tensor parallel: each block's products split over 2 ranks" in ref.stderr
     assert "fully_shard per block on mesh (2,) ('data_parallel',)" in ref.stderr
@@ -46,7 +54,7 @@ def test_data_parallel_2_x_tensor_parallel_2_trains_as_one_process_and_resumes_o
     layouts = {
         "fsdp2": (ckpts / "step-0000003", ["strategy=fsdp", "trainer.devices=2", "data.batch_size=4"]),
         "single": (ckpts / "step-0000003", ["trainer.devices=1", "data.batch_size=8"]),
-        "from-one": (tmp_path / "one" / "run" / "checkpoints" / "step-0000003", ["strategy=fsdp", "strategy.tp=2", "trainer.devices=2", "data.batch_size=4", "global_batch_size=8"]),
+        "from-one": (one_run / "checkpoints" / "step-0000003", ["strategy=fsdp", "strategy.tp=2", "trainer.devices=2", "data.batch_size=4", "global_batch_size=8"]),
         "tp4": (ckpts / "step-0000006", ["strategy=fsdp", "strategy.tp=4", "trainer.devices=4", "data.batch_size=4", "global_batch_size=8"]),
     }  # fmt: skip
     for name, (ckpt, layout) in layouts.items():
@@ -58,10 +66,10 @@ def test_data_parallel_2_x_tensor_parallel_2_trains_as_one_process_and_resumes_o
     from lmtrain.formats.trained import load_run
 
     model, enc, _, ckpt = load_run(tmp_path / "runs" / "tp4")
-    one, _, _, _ = load_run(tmp_path / "one" / "run")  # the one process's own step 8
+    single, _, _, _ = load_run(one_run)  # the one process's own step 8
     assert ckpt.step == 8 and ckpt.meta["tp"] == 4
     ids = torch.tensor([enc.encode_ordinary("import os")])
-    torch.testing.assert_close(model(ids), one(ids), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(model(ids), single(ids), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.slow
@@ -76,10 +84,10 @@ def test_grouped_query_attention_and_qk_norm_split_over_two_ranks_train_as_one_p
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_hsdp_on_a_three_dimensional_mesh_trains_as_one_process(tmp_path, dataset_dir):
+def test_hsdp_on_a_three_dimensional_mesh_trains_as_one_process(tmp_path, dataset_dir, one):
     """hsdp with tensor parallel: 2 replicas x 1 shard x tp 2 (a (replicate, shard, tensor_parallel) mesh, FSDP2 on
     its outer two dimensions), global batch 8: one process's losses."""
-    want = _one_process(tmp_path / "one", dataset_dir)
+    want = one[0]
     res = _run(tmp_path, dataset_dir, "hsdp", "strategy=hsdp", "strategy.tp=2", "strategy.shard_size=1", "trainer.devices=4", "data.batch_size=4")
     assert "HSDPStrategy: fully_shard per block on mesh (2, 1) ('replicate', 'shard')" in res.stderr, res.stderr[-3000:]
     _close(_floats(tmp_path / "runs" / "hsdp"), want)
