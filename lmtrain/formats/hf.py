@@ -273,7 +273,7 @@ def _yarn_scaling(rope: dict, cfg: dict, where: str) -> dict:
     """transformers' ``rope_type: yarn`` parameters as ``model.rope_scaling``, with the attention factor it would
     compute (from ``mscale`` and ``mscale_all_dim`` where given, as DeepSeek-V3's configs do), so that lmtrain's
     tables are transformers'."""
-    from lmtrain.nn.model import yarn_attention_factor
+    from lmtrain.nn.model import ROPE_SCALING, yarn_attention_factor, yarn_mscale
 
     original = rope.get("original_max_position_embeddings")
     if not isinstance(original, int) or original <= 0:
@@ -283,16 +283,13 @@ def _yarn_scaling(rope: dict, cfg: dict, where: str) -> dict:
             f'{where}: rope_type="yarn" with truncate={json.dumps(rope["truncate"])}: lmtrain rounds the ramp\'s ends as truncate=true does'
         )
     factor = rope.get("factor") or cfg.get("max_position_embeddings", 0) / original
+    defaults = ROPE_SCALING["yarn"][1]
     scaling = {"rope_type": "yarn", "factor": float(factor), "original_max_seq_len": original,
-               "beta_fast": float(rope.get("beta_fast") or 32), "beta_slow": float(rope.get("beta_slow") or 1)}  # fmt: skip
+               **{k: float(rope.get(k) or defaults[k]) for k in ("beta_fast", "beta_slow")}}  # fmt: skip
     attention = rope.get("attention_factor")
     mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
     if attention is None and mscale and mscale_all:
-
-        def get(m: float) -> float:
-            return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
-
-        attention = get(mscale) / get(mscale_all)
+        attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
     scaling["attention_factor"] = float(attention) if attention is not None else yarn_attention_factor(scaling)
     return scaling
 

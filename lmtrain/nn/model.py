@@ -85,6 +85,12 @@ class ModelConfig:
     def emb_dim(self) -> int:
         return self.embed_dim or self.d_model
 
+    def undivided_by(self, tp: int) -> str:
+        """The sizes tensor parallel over ``tp`` ranks would split and ``tp`` does not divide (heads, key-value heads,
+        MLP features), as ``model.KEY=N`` joined; empty when it divides them all."""
+        sizes = (("n_heads", self.n_heads), ("n_kv_heads", self.kv_heads), ("ffn_dim", self.hidden_dim))
+        return ", ".join(f"model.{k}={n}" for k, n in sizes if n % tp)
+
     def problems(self) -> list[str]:
         """Every inconsistency in this config, as messages naming the key (empty when valid)."""
         out: list[str] = []
@@ -185,13 +191,16 @@ def rope_scaling_problems(scaling, family: str) -> list[str]:
     return []
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's scale for a context ``factor`` times longer: 0.1 mscale ln(factor) + 1 (1 for a factor up to 1)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
 def yarn_attention_factor(scaling: dict) -> float:
     """YaRN's scale of the cos/sin tables (each attention logit scaled by its square): ``attention_factor``, else
-    0.1 ln(factor) + 1 (1 for a factor up to 1)."""
+    :func:`yarn_mscale` of the factor."""
     given = scaling.get("attention_factor")
-    if given is not None:
-        return float(given)
-    return 0.1 * math.log(scaling["factor"]) + 1.0 if scaling["factor"] > 1 else 1.0
+    return float(given) if given is not None else yarn_mscale(scaling["factor"])
 
 
 def rope_cache(seq_len: int, head_dim: int, theta: float, device=None, scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -536,10 +545,8 @@ class Decoder(LanguageModel):
         from lmtrain.nn.parallel import Replicated
 
         c = self.cfg
-        undivided = [f"{k}={n}" for k, n in (("n_heads", c.n_heads), ("n_kv_heads", c.kv_heads), ("ffn_dim", c.hidden_dim)) if n % tp]
-        if undivided:
-            what = ", model.".join(undivided)
-            raise ValueError(f"tensor parallel over {tp} ranks splits heads and MLP features: it does not divide model.{what}")
+        if undivided := c.undivided_by(tp):
+            raise ValueError(f"tensor parallel over {tp} ranks splits heads and MLP features: it does not divide {undivided}")
         shared: dict = {}
         whole = ["tok_emb", "norm", "lm_head", *(n for n in ("pos_emb", "proj_in", "proj_out") if getattr(self, n) is not None)]
         plan = {name: Replicated(shared=shared) for name in whole}

@@ -172,15 +172,23 @@ def world_size(cfg: DictConfig) -> int:
     return n * num_nodes
 
 
+def strategy_class(cfg: DictConfig):
+    """The class (or function) ``strategy._target_`` names, or None: no strategy node, or a target that does not
+    import (reported with the other keys by validate_config)."""
+    st = cfg.get("strategy")
+    if st is None or not hasattr(st, "get") or "_target_" not in st:
+        return None
+    try:
+        return get_object(str(st._target_))
+    except Exception:  # noqa: BLE001 - reported with the other keys by validate_config
+        return None
+
+
 def _strategy_problems(cfg: DictConfig) -> list[str]:
     """The strategy's own answer (its ``config_problems``: the rules live with the class) and Lightning's FSDPStrategy
     on CPU, found by class rather than by the text of ``_target_``."""
-    st = cfg.get("strategy")
-    if st is None or not hasattr(st, "get") or "_target_" not in st:
-        return []
-    try:
-        target = get_object(str(st._target_))
-    except Exception:  # noqa: BLE001 - reported with the other keys by validate_config
+    st, target = cfg.get("strategy"), strategy_class(cfg)
+    if target is None:
         return []
     on_cpu = device_type(cfg.trainer.get("accelerator", "auto")) == "cpu"
     from lightning.pytorch.strategies import FSDPStrategy

@@ -42,21 +42,16 @@ class Layout:
             raise ValueError(f"rank {rank} not in [0, {self.world})")
         return rank // (self.tp * self.cp)
 
-    def describe(self) -> str:
-        parts = [f"{n} {k}" for k, n in (("replicate", self.replicate), ("shard", self.shard), ("tp", self.tp), ("cp", self.cp)) if n > 1]
-        return f"{self.world} rank{'s' if self.world != 1 else ''}" + (f" ({' x '.join(parts)})" if len(parts) > 1 else "")
-
     @classmethod
     def of_config(cls, cfg) -> Layout:
         """The layout a composed config asks for, before any process starts (lmtrain.training.config): the strategy's
         own answer (its ``layout_for``: the rules live with the class), else pure data parallel over every process."""
-        from lmtrain.training.config import world_size
+        from lmtrain.training.config import strategy_class, world_size
+        from lmtrain.training.strategies import FSDP2Strategy
 
         world = world_size(cfg)
         strategy = cfg.get("strategy")
-        target = _strategy_class(strategy)
-        from lmtrain.training.strategies import FSDP2Strategy
-
+        target = strategy_class(cfg)
         if isinstance(target, type) and issubclass(target, FSDP2Strategy):
             options = {k: strategy.get(k) for k in strategy if not str(k).startswith("_")}
             return target.layout_for(options, world=world, devices=cfg.trainer.get("devices"))
@@ -74,17 +69,6 @@ class Layout:
         return cls(replicate=trainer.world_size)
 
 
-def _strategy_class(strategy):
-    if strategy is None or not hasattr(strategy, "get") or "_target_" not in strategy:
-        return None
-    from hydra.utils import get_object
-
-    try:
-        return get_object(str(strategy._target_))
-    except Exception:  # noqa: BLE001 - a target that does not import is reported by validate_config
-        return None
-
-
 def tensor_parallel_problems(tp: int, model_cfg, head_kind: str, fp8_recipe, fused_mlp: bool) -> list[str]:
     """What ``strategy.tp`` cannot split in this run, before any process starts: heads and MLP features it does not
     divide (lmtrain.nn.model.Decoder.tensor_parallel_plan says the same at assembly), and what does not run under
@@ -92,11 +76,8 @@ def tensor_parallel_problems(tp: int, model_cfg, head_kind: str, fp8_recipe, fus
     if tp == 1:
         return []
     out = []
-    if model_cfg is not None:
-        sizes = (("n_heads", model_cfg.n_heads), ("n_kv_heads", model_cfg.kv_heads), ("ffn_dim", model_cfg.hidden_dim))
-        undivided = [f"model.{k}={n}" for k, n in sizes if n % tp]
-        if undivided:
-            out.append(f"strategy.tp={tp} splits heads and MLP features over {tp} ranks: it does not divide {', '.join(undivided)}")
+    if model_cfg is not None and (undivided := model_cfg.undivided_by(tp)):
+        out.append(f"strategy.tp={tp} splits heads and MLP features over {tp} ranks: it does not divide {undivided}")
     if head_kind != "plain":
         out.append(f"module.head.kind={head_kind} with strategy.tp={tp}: under tensor parallel the output head is the plain one for now")
     if fp8_recipe is not None or fused_mlp:

@@ -16,15 +16,16 @@ sharded checkpoints (PyTorch distributed checkpoint, one file per rank). Options
   (every block, by operator: the matrix products' and attention's outputs are kept and only the cheap rest, the
   norms, activation functions, rotary embedding and dropout, is recomputed; torchtitan's op-level selective mode);
 * compiled by ``module.compile``: ``torch.compile`` each block, and the output head with the loss;
-
-(activation checkpointing and compiling are applied by lmtrain.training.assemble, in its one order; the strategy
-shards: :meth:`FSDP2Strategy.shard`)
+* ``tp``: tensor parallel, each block split over groups of ``tp`` ranks, the groups sharded (a 2-D mesh; 3-D under hsdp);
 * ``cpu_offload``: keep sharded parameters, gradients and optimizer state in host memory;
 * ``reshard_after_forward``: free gathered parameters after forward (less memory, one more all-gather); the
   last block keeps them either way, as its backward comes right after;
 * ``init_device``: ``cpu`` builds the full model on every rank with the seeded initialisation, then shards
   it (bit-identical to a single-process run); ``meta`` builds it without memory and initialises each shard
   in place (for models that do not fit one host's memory per rank).
+
+Tensor parallel, activation checkpointing and compiling are applied by lmtrain.training.assemble, in its one order;
+the strategy shards (:meth:`FSDP2Strategy.shard`).
 """
 
 from __future__ import annotations

@@ -143,9 +143,8 @@ def saved_split(path: Path) -> bool:
 
     from lmtrain.formats import checkpoint as ck
 
-    meta = path / ck.META if path.is_dir() else path.parent / ck.META
     try:
-        return int(json.loads(meta.read_text()).get("tp", 1)) > 1
+        return int(json.loads((path / ck.META).read_text()).get("tp", 1)) > 1
     except (OSError, ValueError, TypeError):
         return False
 
