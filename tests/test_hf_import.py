@@ -103,6 +103,9 @@ def test_another_rope_scaling_a_bias_or_a_missing_tensor_is_one_error_naming_it(
         hf.model_fields({**config, "rope_parameters": {"rope_type": "longrope", "rope_theta": 500000.0, "factor": 8.0}})
     with pytest.raises(InputError, match='rope_type="yarn" without original_max_position_embeddings'):
         hf.model_fields({**config, "rope_parameters": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0}})
+    with pytest.raises(InputError, match='rope_type="yarn" with truncate=false: lmtrain rounds the ramp.s ends as truncate=true does'):
+        hf.model_fields({**config, "rope_parameters": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
+                                                       "original_max_position_embeddings": 16, "truncate": False}})  # fmt: skip
     with pytest.raises(InputError, match='rope_type="llama3" without low_freq_factor, high_freq_factor'):
         hf.model_fields({**config, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                                        "original_max_position_embeddings": 16}})  # fmt: skip

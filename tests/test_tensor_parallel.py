@@ -48,6 +48,8 @@ def test_data_parallel_2_x_tensor_parallel_2_trains_as_one_process_and_resumes_o
     ref = _run(tmp_path, dataset_dir, "tp", "strategy=fsdp", "strategy.tp=2", "trainer.devices=4", "data.batch_size=4")
     assert "tensor parallel: each block's products split over 2 ranks" in ref.stderr
     assert "fully_shard per block on mesh (2,) ('data_parallel',)" in ref.stderr
+    # the tokens trained are the data-parallel ranks' (2 x 4 sequences of 64 a step), not the 4 processes': one process's
+    assert "finished run tp in " in ref.stderr and ": 8 steps, 4,096 tokens;" in ref.stderr, ref.stderr[-2000:]
     _close(_floats(tmp_path / "runs" / "tp"), want)
 
     ckpts = tmp_path / "runs" / "tp" / "checkpoints"
