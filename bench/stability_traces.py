@@ -74,7 +74,7 @@ SETS = {
         "tiny-lr0.3": ["data.batch_size=4", "data.seq_len=64", *CONSTANT, "optimizer.lr=0.3"],
         "tiny-lr0.01": ["data.batch_size=4", "data.seq_len=64", *CONSTANT, "optimizer.lr=0.01"],
     },
-    # opt-1.3b, 400 steps: a rate that diverges, the same with QK-norm and z-loss, the OPT recipe's rate
+    # opt-1.3b, 400 steps: rates that diverge or struggle, the same with QK-norm and z-loss, the OPT recipe's rate
     "1.3b": {
         "1.3b-adamw-lr0.003": ["model=opt-1.3b", *CONSTANT, "optimizer.lr=0.003"],
         "1.3b-qknorm-zloss-lr0.003": ["model=opt-1.3b", *CONSTANT, *GUARDED, "optimizer.lr=0.003"],
@@ -82,6 +82,8 @@ SETS = {
         "1.3b-adamw-lr0.003-detector": [ACTING, "model=opt-1.3b", *CONSTANT, "optimizer.lr=0.003", *BIG_SAVES],
         "1.3b-adamw-lr0.01": ["model=opt-1.3b", *CONSTANT, "optimizer.lr=0.01"],
         "1.3b-adamw-lr0.01-detector": [ACTING, "model=opt-1.3b", *CONSTANT, "optimizer.lr=0.01", *BIG_SAVES],
+        "1.3b-adamw-lr0.03": ["model=opt-1.3b", *CONSTANT, "optimizer.lr=0.03"],
+        "1.3b-adamw-lr0.03-detector": [ACTING, "model=opt-1.3b", *CONSTANT, "optimizer.lr=0.03", *BIG_SAVES],
     },
 }
 _LOCK = threading.Lock()

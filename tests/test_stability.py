@@ -504,9 +504,11 @@ def test_the_labelled_real_events_meet_the_targets_with_the_shipped_settings():
     false = [(r["kind"], r["run"], r["false_action"]) for r in results if r["false_action"] is not None]
     assert not false, false  # never a rollback or stop on a healthy run or a blip, nor before an event began
     wrong = [(r["kind"], r["run"], r.get("onset"), r["acted"]) for r in results if not r["correct"]]
-    # the one miss, said in docs/stability.md: the slow ramp is rolled back 60 steps after its onset (target 20), to
-    # a checkpoint from before it began
-    assert wrong == [("ramp", "adamw-lr0.003", 600, 660)], wrong
+    # the misses, said in docs/stability.md: the slow ramp is rolled back 60 steps after its onset (target 20), to a
+    # checkpoint from before it began; two opt-1.3b stalls recorded after the settings were fixed (2026-12-06, on an
+    # H100) are flagged 235 steps after their onset and not within the run's 400 steps
+    stalls = [("stall", "1.3b-adamw-lr0.01-detector", 200, None), ("stall", "1.3b-adamw-lr0.03", 75, 310)]
+    assert wrong == [("ramp", "adamw-lr0.003", 600, 660), *stalls], wrong
     assert next(r for r in results if r["kind"] == "ramp")["returns_before"] <= 450
     assert {r["kind"] for r in results} == {"healthy", "blip", "divergence", "ramp", "stall"}
     out = subprocess.run([sys.executable, "-m", "lmtrain", "replay", "--events", "tests/data/stability/events.json"],
@@ -525,6 +527,8 @@ def test_the_labelled_real_events_meet_the_targets_with_the_shipped_settings():
     one_step = {**shipped, "loss_level": {"ratio": 1.5, "persist": 1, "action": "rollback"}}
     wrong = [(r["run"], r["kind"], r["false_action"]) for r in score(later, traces, **one_step) if not r["correct"]]
     assert sorted(wrong) == [(f"1.3b-{run}-lr0.003", kind, 2) for run in ("adamw", "qknorm-zloss") for kind in ("blip", "healthy")], wrong
+    held_out = score([e for e in events if "2026-12-06" in e["trace"]], traces, **shipped)  # the opt-1.3b blips are right
+    assert sorted((r["kind"], r["correct"]) for r in held_out) == [("blip", True), ("blip", True), ("stall", False), ("stall", False)]
     assert len(events) >= 40 and 2 * sum("h200" in e["trace"] for e in events) >= len(events)
 
 

@@ -467,13 +467,13 @@ def table(results: list[dict]) -> str:
     """The scores by kind, as the Markdown table of docs/stability.md."""
     import statistics
 
-    rows = ["| kind | what should happen | events (H200) | correct | false actions | missed or late | steps to act (median, max) | warned of a stall |",
+    rows = ["| kind | what should happen | events (GPU) | correct | false actions | missed or late | steps to act (median, max) | warned of a stall |",
             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for kind, should in KINDS.items():
         mine = [r for r in results if r["kind"] == kind]
         if not mine:
             continue
-        gpu = sum("h200" in r["trace"] for r in mine)
+        gpu = sum(r["trace"].startswith(("h200", "h100")) for r in mine)
         false = sum(r["false_action"] is not None for r in mine)
         missed = sum(not r["correct"] and r["false_action"] is None for r in mine)
         steps = [r["steps_to_act"] for r in mine if r["steps_to_act"] is not None]
