@@ -58,7 +58,7 @@ def _throughput():
     return module
 
 
-def _record(script: Path, mode: str, tmp_path: Path, args: tuple[str, ...] = ()) -> list[list[str]]:
+def _record(script: Path, mode: str, tmp_path: Path, args: tuple[str, ...] = (), env: dict | None = None) -> list[list[str]]:
     """The commands ``bash SCRIPT [MODE] [ARGS...]`` runs, each as its argument list (see the module's docstring)."""
     shims = tmp_path / "shims"
     record = tmp_path / f"record-{script.stem}-{mode}-{'-'.join(args)}"
@@ -76,6 +76,7 @@ def _record(script: Path, mode: str, tmp_path: Path, args: tuple[str, ...] = ())
         "OUT": str(tmp_path / "out"),
         "RAW": "raw_gpt_baseline.py",
         "RAW_DIR": str(tmp_path),
+        **(env or {}),
     }
     argv = ["bash", str(copy), *([mode] if mode else []), *args]
     res = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -95,12 +96,12 @@ def _validate_recorded(calls: list[list[str]], what: str, tmp_path: Path, throug
     """Each recorded ``train.py`` and ``bench/throughput.py`` command composes and validates; there is at least one."""
     checked, failed = 0, []
     for argv in calls:
-        entry = next((a for a in argv if a in ("train.py", "bench/throughput.py")), None)
+        entry = next((a for a in argv if a in ("train.py", "bench/throughput.py") or a.endswith("/train.py")), None)
         if entry is None:
             continue
         rest = argv[argv.index(entry) + 1 :]
         try:
-            if entry == "train.py":
+            if entry.endswith("train.py"):
                 cfg = make_cfg(rest, tmp_path)
             else:
                 args, overrides = throughput.parse_args(rest)
@@ -210,15 +211,15 @@ def _page_commands(text: str) -> list[str]:
 
 
 def _check_benchmark_command(command: str, tmp_path: Path, throughput) -> None:
-    argv = shlex.split(command)
-    while "=" in argv[0]:  # VAR=value prefixes
-        argv.pop(0)
+    argv, env = shlex.split(command), {}
+    while "=" in argv[0]:  # VAR=value prefixes: the script's environment
+        env.update([argv.pop(0).split("=", 1)])
     if argv[0] == "bash":  # a bench script and its modes (its trainer commands: test_every_bench_script_trainer_command_validates)
         script = ROOT / argv[1]
         assert script.is_file(), f"{command}: no {argv[1]}"
         modes = [m for m in _modes(script) if m]
         if not modes:  # a script of positional parameters (gpu_scaling.sh SIZE BATCH): run with them, its commands checked
-            _validate_recorded(_record(script, "", tmp_path, tuple(argv[2:])), command, tmp_path, throughput)
+            _validate_recorded(_record(script, "", tmp_path, tuple(argv[2:]), env), command, tmp_path, throughput)
             return
         unknown = [a for a in argv[2:] if not a.isdigit() and a not in modes]
         assert not unknown, f"{command}: {script.name} has no mode {unknown} (modes: {modes})"
@@ -405,3 +406,100 @@ def test_the_recipe_benchmarks_stability_overrides_and_attention_logits(tmp_path
             h.remove()
         assert len(per_layer) == len(model.blocks) == 2
         assert per_layer == pytest.approx(want, abs=0.006), (step, per_layer, want)  # the benchmark rounds to 2 decimals
+
+
+# -- bench/peers: lmtrain beside the trainers a team would pick instead (issue 59) ---------------------------------------
+PEERS = BENCH / "peers"
+
+
+def _peers_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"peers_{name}", PEERS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_peer_runs_train_one_model_on_one_recipe_and_a_misspelled_run_is_refused(tmp_path, dataset_dir):
+    """Every trainer of bench/peers/run.sh gets the same shape, tokens and hyperparameters: lmtrain's commands compose
+    and validate, their model has the matmul parameters rows.py's MFU counts, and OLMo-core's command carries the same
+    sequence, batch, steps, rate and warm-up (its optimizer's betas, decay and floor are olmo_train.py's defaults,
+    read here from its source)."""
+    import torch
+    from hydra.utils import instantiate
+
+    from lmtrain.nn.model import matmul_params
+
+    runs = ("lmtrain-1b", "lmtrain-125m", "lmtrain-1b-fp8", "olmo-1b", "olmo-125m-fp8")
+    calls = _record(PEERS / "run.sh", "", tmp_path, runs, env={"DATA": str(dataset_dir)})
+    _validate_recorded(calls, "bench/peers/run.sh", tmp_path, _throughput())
+    rows = _peers_module("rows")
+    def named(argv):  # the recorder's files are not in the order of the calls: each run by its name
+        return next(a.split("=", 1)[1] for a in argv if a.startswith("run_name=")) if "torchrun" != argv[0] else argv[-1].rsplit("/", 1)[1]
+
+    by_name = {named(c): c for c in calls if c[0] == "torchrun" or any(a.endswith("/train.py") for a in c)}
+    assert sorted(by_name) == sorted(runs), sorted(by_name)
+    trains, olmos = [by_name[r] for r in runs[:3]], [by_name[r] for r in runs[3:]]
+    for argv, shape in zip(trains, ("1b", "125m", "1b")):
+        cfg = make_cfg(argv[argv.index(next(a for a in argv if a.endswith("/train.py"))) + 1 :], tmp_path)
+        assert (cfg.data.seq_len, cfg.data.batch_size, cfg.trainer.max_steps, cfg.optimizer.lr) == (2048, 4, 30, 3e-4)
+        assert (cfg.scheduler.warmup_steps, cfg.scheduler.decay, cfg.scheduler.min_lr_ratio) == (20, "cosine", 0.1)
+        assert (list(cfg.optimizer.betas), cfg.optimizer.weight_decay, cfg.module.grad_clip) == ([0.9, 0.95], 0.1, 1.0)
+        with torch.device("meta"):
+            model = instantiate(cfg.model)()
+        assert matmul_params(model) == rows.SHAPES[shape]["matmul"], shape
+        assert (model.cfg.vocab_size, model.cfg.d_model, model.cfg.n_layers) == tuple(rows.SHAPES[shape][k] for k in ("vocab", "d", "layers"))
+        assert not model.cfg.tie_embeddings  # an untied head, as OLMo-core's llama_like
+    assert "speed=fp8" in trains[2] and "speed=fp8" not in trains[0]
+    source = (PEERS / "olmo_train.py").read_text()
+    assert 'default=0.1, help="AdamW' in source and "betas=(0.9, 0.95)" in source and "alpha_f=0.1" in source and "max_grad_norm=1.0" in source
+    for argv, want in zip(olmos, (["--model", "llama3_1B", "--vocab", "128256"], ["--model", "llama_125M", "--vocab", "50304"])):
+        i = argv.index("--model")
+        assert argv[i : i + 4] == want and argv[argv.index(str(dataset_dir)) - 1].endswith("bench/peers/olmo_train.py")
+        flags = dict(zip(argv[i + 4 :: 2], argv[i + 5 :: 2]))
+        assert {k: flags[k] for k in ("--seq", "--batch", "--steps", "--lr", "--warmup")} == {
+            "--seq": "2048", "--batch": "4", "--steps": "30", "--lr": "3e-4", "--warmup": "20"}  # fmt: skip
+    assert "--fp8" in olmos[1] and "--fp8" not in olmos[0]
+    bad = subprocess.run(["bash", str(PEERS / "run.sh"), "lmtrain-1b", "olmo-2b"], env={**os.environ, "DATA": str(dataset_dir),
+                         "OUT": str(tmp_path / "bad")}, capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 2 and "no shape '2b' in 'olmo-2b'" in bad.stderr and not (tmp_path / "bad" / "runs").exists(), bad.stderr
+
+
+def test_the_peer_rows_read_each_trainers_own_record(tmp_path, dataset_dir):
+    """rows.py on real records: OLMo-core's console log of an H100 run (llama3_1B, batch 4 x 2048: tokens/s from its
+    lines' times at steps 10 and 30, where it collects its metrics, 20 x 8,192 tokens in 3.184 s) and a CPU run of
+    lmtrain's train.py, whose tokens/s is the harmonic mean of its per-step record in metrics.csv and whose first step
+    ends after its launch and before its end."""
+    import csv
+
+    out = tmp_path / "peers"
+    out.mkdir()
+    log = (ROOT / "tests" / "data" / "peers" / "olmo-llama3_1B-b4-h100.log").read_text()
+    (out / "olmo-1b.log").write_text(log)
+    meta = {"trainer": "olmo-core", "version": "3.0.0", "shape": "1b", "seq": 2048, "batch": 4, "warm": 10, "card": "NVIDIA H100 80GB HBM3",
+            "launch_local": "2026-12-06 05:33:30"}  # the log's first time is 05:33:38, its first step's line 05:34:39.376
+    (out / "olmo-1b.launch").write_text(json.dumps(meta))
+    run = tmp_path / "run"
+    started = __import__("time").time()
+    res = subprocess.run([sys.executable, "train.py", "model=tiny", "logger=csv", f"data.path={dataset_dir}", "data.prepare=null",
+                          "data.batch_size=4", "data.seq_len=64", "trainer.max_steps=12", "scheduler.warmup_steps=2", f"run_dir={run}",
+                          "trainer.enable_progress_bar=false"], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    ended = __import__("time").time()
+    assert res.returncode == 0, res.stderr[-3000:]
+    lm = {"trainer": "lmtrain", "shape": "125m", "seq": 64, "batch": 4, "warm": 5, "card": "CPU", "run_dir": str(run), "launch": started}
+    (out / "lmtrain-125m.launch").write_text(json.dumps(lm))
+    (out / "lmtrain-125m.log").write_text(res.stdout)
+    printed = subprocess.run([sys.executable, str(PEERS / "rows.py"), str(out)], capture_output=True, text=True, check=True).stdout
+    olmo = next(line for line in printed.splitlines() if "olmo-core" in line).split(" | ")
+    assert olmo[4:6] == ["11-30", f"{20 * 8192 / 3.184:,.0f}"], olmo
+    assert olmo[6] == f"{100 * 20 * 8192 / 3.184 * _peers_module('rows').flops_per_token('1b', 2048) / 989.4e12:.1f}%"
+    assert olmo[7] == "29.8 (reserved 37.5)" and olmo[8] == "69 s", olmo
+    assert olmo[9] == "6.688 at 245,760 tokens |", olmo  # steps 26-30: 6.684, 6.605, 6.781, 6.557, 6.815
+    per = {}
+    with open(run / "csv" / "metrics.csv") as fh:
+        for r in csv.DictReader(fh):
+            if r.get("perf/tokens_per_sec"):
+                per[int(r["step"])] = float(r["perf/tokens_per_sec"])
+    want = 256 * 7 / sum(256 / per[s] for s in range(6, 13))
+    lmrow = next(line for line in printed.splitlines() if "lmtrain" in line).split(" | ")
+    assert lmrow[4:6] == ["6-12", f"{want:,.0f}"], (lmrow, per)
+    assert 0 < float(lmrow[8].rstrip(" s")) <= ended - started and lmrow[6] == "-", lmrow

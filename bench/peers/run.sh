@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# lmtrain beside the trainers a team would pick instead, on one GPU: the same model shape, the same tokens, the same
+# hyperparameters, each trainer with its own trainer loop and its own best one-GPU settings (issue 59,
+# docs/BENCHMARKS.md). A run is named TRAINER-SHAPE[-fp8]:
+#
+#   DATA=DATASET OUT=DIR bash bench/peers/run.sh lmtrain-1b olmo-1b lmtrain-125m olmo-125m lmtrain-1b-fp8 olmo-1b-fp8
+#   python3 bench/peers/rows.py DIR                      # the table: tokens/s, MFU, peak memory, first step, loss
+#
+# DATASET: an lmtrain prepared dataset (python -m lmtrain.data.prepare), read as it is by every trainer. Shapes:
+# 1b, Llama 3.2 1B's body (width 2048, 16 layers, 32 heads sharing 8 key/value heads, SwiGLU 8192) with an untied
+# head of 128,256 tokens, as OLMo-core's llama3_1B; 125m, Llama-like width 768, 12 layers, 12 heads, SwiGLU 2048,
+# 50,304 tokens. Sequence 2048 (SEQ), B sequences a step (default 4), STEPS steps (30) of which the first WARM (10)
+# are not timed; AdamW (0.9, 0.95), weight decay 0.1 (none on embeddings), peak rate LR (3e-4) after 20 warm-up steps,
+# cosine to a tenth at the last step, gradient clipping at 1.0, bf16.
+#
+# lmtrain is run as a user types it (train.py, trainer=gpu: compiled, fused AdamW); OLMo-core by bench/peers/olmo_train.py
+# after its own Llama example (its model compiled, FSDP wrapper with bf16 parameters, fused AdamW; with -fp8 its
+# cookbook's torchao float8). A peer's packages come from PEER_PATH (put before PYTHONPATH for the peer's runs only).
+set -uo pipefail
+: "${DATA:?an lmtrain prepared dataset}"
+OUT=${OUT:-/tmp/peers}
+SEQ=${SEQ:-2048} B=${B:-4} STEPS=${STEPS:-30} WARM=${WARM:-10} LR=${LR:-3e-4}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+HERE=$(cd "$(dirname "$0")/../.." && pwd)
+CARD=$(python3 -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU')")
+L1B="model=llama-1b model.tie_embeddings=false"
+L125M="model=llama-1b model.tie_embeddings=false model.d_model=768 model.n_layers=12 model.n_heads=12 model.n_kv_heads=12 model.ffn_dim=2048 model.vocab_size=50304"
+
+launch() {  # NAME TRAINER VERSION SHAPE FP8: what rows.py needs to read the run, and the clock before it starts
+  python3 - "$@" <<'EOF' > "$OUT/$1.launch"
+import datetime, json, sys, time, os
+name, trainer, version, shape, fp8 = sys.argv[1:6]
+print(json.dumps({"trainer": trainer, "version": version, "shape": shape, "fp8": fp8 == "1", "seq": int(os.environ["SEQ"]),
+                  "batch": int(os.environ["B"]), "warm": int(os.environ["WARM"]), "card": os.environ["CARD"],
+                  "run_dir": f"{os.environ['OUT']}/runs/{name}", "launch": time.time(),
+                  "launch_local": datetime.datetime.now().isoformat(" ")}))
+EOF
+}
+export SEQ B WARM CARD OUT
+
+for run in "${@:?name the runs: lmtrain-1b olmo-1b ...}"; do  # every name checked before anything runs
+  IFS=- read -r trainer shape fp8 <<< "$run"
+  case "$trainer" in lmtrain|olmo) ;; *) echo "bench/peers/run.sh: no trainer '$trainer' in '$run' (lmtrain or olmo)" >&2; exit 2 ;; esac
+  case "$shape" in 1b|125m) ;; *) echo "bench/peers/run.sh: no shape '$shape' in '$run' (1b or 125m)" >&2; exit 2 ;; esac
+  [ -z "$fp8" ] || [ "$fp8" = fp8 ] || { echo "bench/peers/run.sh: '$run': only -fp8 may follow the shape" >&2; exit 2; }
+done
+for run in "$@"; do
+  IFS=- read -r trainer shape fp8 <<< "$run"
+  f=$([ "$fp8" = fp8 ] && echo 1 || echo 0)
+  case "$trainer" in
+  lmtrain)
+    model=$([ "$shape" = 1b ] && echo "$L1B" || echo "$L125M")
+    launch "$run" lmtrain "$(git -C "$HERE" rev-parse --short HEAD 2>/dev/null)" "$shape" "$f"
+    python3 "$HERE/train.py" trainer=gpu logger=csv $model $([ "$f" = 1 ] && echo speed=fp8) data=prepared "data.path=$DATA" \
+      data.seq_len="$SEQ" data.batch_size="$B" trainer.max_steps="$STEPS" optimizer.lr="$LR" scheduler.warmup_steps=20 \
+      "run_dir=$OUT/runs/$run" "run_name=$run" trainer.enable_progress_bar=false > "$OUT/$run.log" 2>&1
+    ;;
+  olmo)
+    m=$([ "$shape" = 1b ] && echo "--model llama3_1B --vocab 128256" || echo "--model llama_125M --vocab 50304")
+    launch "$run" olmo-core "$(PYTHONPATH=${PEER_PATH:-}:${PYTHONPATH:-} python3 -c 'import importlib.metadata as m; print(m.version("ai2-olmo-core"))' 2>/dev/null)" "$shape" "$f"
+    PYTHONPATH=${PEER_PATH:-}:${PYTHONPATH:-} torchrun --standalone --nproc-per-node 1 "$HERE/bench/peers/olmo_train.py" "$DATA" $m \
+      --seq "$SEQ" --batch "$B" --steps "$STEPS" --lr "$LR" --warmup 20 $([ "$f" = 1 ] && echo --fp8) --out "$OUT/runs/$run" > "$OUT/$run.log" 2>&1
+    ;;
+  esac
+  echo "$run: exit $?"
+done
