@@ -12,7 +12,8 @@ Planner keys (everything else is a training override: ``model=``, ``model.*``, `
 * ``output=table|json``.
 
 Memory per GPU: lmtrain.training.memory's count (its docstring says what is counted and how it compares with
-measured peaks). Checkpoints: fp32 weights and AdamW's two moments, 12 B/param on disk per save (llama-7b: 80.86 GB counted, 80.864 GB
+measured peaks), a tensor-parallel rank's with ``strategy.tp``; the bytes each GPU sends per step; and a suggested
+layout (:func:`suggest_layout`: sharding alone while it fits, tensor parallel within a node when not). Checkpoints: fp32 weights and AdamW's two moments, 12 B/param on disk per save (llama-7b: 80.86 GB counted, 80.864 GB
 saved on 2 H100s; ``optimizer=muon``: 8 B for the blocks' matrices, one momentum buffer); an asynchronous save first copies that state to host memory, per node: all of it on rank zero's
 node (ddp, one file), the node's shards (fsdp over every GPU), a whole replica (hsdp). ``async_save=auto`` wants twice
 the copy available; the copy's pinned buffers are exactly its size (callbacks.checkpoint.HostCopy registers memory of
@@ -50,6 +51,51 @@ def fewest_gpus(cfg, params: int, seq: int, batch: int, node: int, mem_bytes: fl
     return None
 
 
+def communication(c: dict, strategy: str, gpus: int, node: int, tp: int, accumulate: int) -> dict:
+    """Bytes each GPU sends per optimizer step, by ring collectives ((n - 1) / n of the data each way): ``sharding``,
+    per micro-batch two all-gathers of the bf16 parameters (forward and backward) and one reduce-scatter of the fp32
+    gradients over the shard group, and under hsdp an all-reduce of the gradient shards across replicas; ``tensor``,
+    per micro-batch four all-reduces of a block's bf16 output (batch x seq x d_model) per block under ``tp``, the
+    traffic of a tensor-parallel group, kept within a node."""
+    nums, mcfg, seq, batch = c["nums"], c["mcfg"], c["seq"], c["batch"]
+    local = nums["params"] - nums["tp_split_params"] * (1 - 1 / tp)
+    shard = {"ddp": 1, "fsdp": gpus // tp, "hsdp": min(node, gpus) // tp}[strategy]
+    out = {"sharding": 0.0, "tensor": 0.0}
+    if strategy == "ddp":
+        out["sharding"] = 2 * (gpus - 1) / gpus * 4 * nums["params"] if gpus > 1 else 0.0  # DDP's fp32 all-reduce
+    else:
+        ring = (shard - 1) / shard
+        out["sharding"] = accumulate * ring * (2 * 2 * local + 4 * local)
+        replicas = gpus // (shard * tp)
+        if replicas > 1:
+            out["sharding"] += 2 * (replicas - 1) / replicas * 4 * local / shard
+    if tp > 1:
+        out["tensor"] = accumulate * mcfg.n_layers * 4 * 2 * (tp - 1) / tp * 2 * batch * seq * mcfg.d_model
+    return out
+
+
+def suggest_layout(c: dict, gpus: int, node: int, mem_bytes: float, global_batch: int | None) -> dict | None:
+    """The layout a run of ``c`` on ``gpus`` GPUs should start from, as a torchtitan user is told to choose one: the
+    fewest tensor-parallel ranks that fit (1: sharding alone; tp divides the heads, key-value heads, MLP features and the
+    GPUs, at most one node's), with the least recomputation (activation checkpointing none, op, selective, full), then
+    hsdp over more than one node (its parameter gathers stay in a node) or fsdp. None when nothing fits."""
+    tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= node and gpus % t == 0 and node % t == 0 and not c["mcfg"].undivided_by(t)]
+    for tp in tps:
+        for ac in AC:
+            for strategy in ("hsdp", "fsdp") if gpus > node else ("fsdp",):
+                dp = gpus // tp
+                if global_batch and global_batch % (c["batch"] * dp):
+                    continue
+                accum = global_batch // (c["batch"] * dp) if global_batch else c["accum"]
+                m = breakdown({**c, "tp": tp, "accum": accum}, strategy, gpus, node, ac)
+                if m["total"] <= MARGIN * mem_bytes:
+                    overrides = [f"strategy={strategy}", *([f"strategy.tp={tp}"] if tp > 1 else []), f"strategy.activation_checkpointing={ac}"]
+                    return {"strategy": strategy, "tp": tp, "activation_checkpointing": ac, "accumulate_grad_batches": accum,
+                            "memory_gb_per_gpu": m["total"] / GB, "overrides": " ".join(overrides),
+                            "communication_gb_per_step": {k: v / GB for k, v in communication(c, strategy, gpus, node, tp, accum).items()}}  # fmt: skip
+    return None
+
+
 def plan(cfg, cluster: dict, budget: dict) -> dict:
     c = counted(cfg, gpus=int(cluster["gpus"]), node=int(cluster["gpus_per_node"]))
     mcfg, nums, seq, batch, accum = c["mcfg"], c["nums"], c["seq"], c["batch"], c["accum"]
@@ -74,11 +120,15 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
         tokens = float(budget["tokens"]) if budget.get("tokens") else flops / nums["flops_per_token"]
         seconds = flops / (gpus * rate_flops)
         out["run"] = {"flops": flops, "tokens": tokens, "days": seconds / 86400, "gpu_hours": gpus * seconds / 3600}
-    out["memory_gb_per_gpu"] = {s: {ac: {k: v / GB for k, v in breakdown(c, s, gpus, node, ac).items()} for ac in AC} for s in STRATEGIES}
+    strategies = [s for s in STRATEGIES if s != "ddp" or c["tp"] == 1]  # tensor parallel splits layers under fsdp and hsdp
+    out["tp"] = c["tp"]
+    out["memory_gb_per_gpu"] = {s: {ac: {k: v / GB for k, v in breakdown(c, s, gpus, node, ac).items()} for ac in AC} for s in strategies}
+    out["communication_gb_per_step"] = {s: {k: v / GB for k, v in communication(c, s, gpus, node, c["tp"], accum).items()} for s in strategies}
     ckpt = checkpoint_bytes(nums["params"], gpus, node, c["muon_params"])
     out["checkpoint_gb"] = ckpt["size"] / GB
     out["async_host_copy_gb_per_node"] = {s: v / GB for s, v in ckpt["host_copy_per_node"].items()}
-    out["fits"] = {s: {ac: out["memory_gb_per_gpu"][s][ac]["total"] * GB <= MARGIN * mem_bytes for ac in AC} for s in STRATEGIES}
+    out["fits"] = {s: {ac: out["memory_gb_per_gpu"][s][ac]["total"] * GB <= MARGIN * mem_bytes for ac in AC} for s in strategies}
+    out["suggested_layout"] = suggest_layout(c, gpus, node, mem_bytes, cfg.get("global_batch_size"))
     fewest = fewest_gpus(mcfg, nums["params"], seq, batch, node, mem_bytes, "full", accum)
     out["fewest_gpus_fsdp_full_ac"] = fewest
     out["fewest_nodes_fsdp_full_ac"] = None if fewest is None else fewest // node
@@ -130,14 +180,30 @@ def table(p: dict) -> str:
     )
     lines.append("| strategy | activation ckpt | weights | gradients | optimizer | activations | logits | total | peak at | fits |")
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
-    for s in STRATEGIES:
+    tp = f" x tp {p['tp']}" if p.get("tp", 1) > 1 else ""
+    for s in p["memory_gb_per_gpu"]:
         for ac in AC:
             m = p["memory_gb_per_gpu"][s][ac]
             lines.append(
-                f"| {s} | {ac} | {m['weights']:.2f} | {m['gradients']:.2f} | {m['optimizer']:.2f} | {m['activations']:.2f} | "
+                f"| {s}{tp} | {ac} | {m['weights']:.2f} | {m['gradients']:.2f} | {m['optimizer']:.2f} | {m['activations']:.2f} | "
                 f"{m['logits']:.2f} | {m['total']:.2f} | {'forward' if m['forward_peak'] >= m['backward_peak'] else 'backward'} | "
                 f"{'yes' if p['fits'][s][ac] else 'no'} |"
             )
+    comm = p["communication_gb_per_step"]
+    lines.append(
+        "sent per GPU per step (GB): "
+        + "; ".join(f"{s}{tp} {v['sharding']:.2f}" + (f" + tensor parallel {v['tensor']:.2f}" if v["tensor"] else "") for s, v in comm.items())
+    )
+    lay = p["suggested_layout"]
+    lines.append(
+        f"suggested layout on {c['gpus']} GPUs: {lay['overrides']}: {lay['memory_gb_per_gpu']:.2f} GB per GPU, "
+        f"{lay['communication_gb_per_step']['sharding']:.2f} GB sent per GPU per step for sharding"
+        + (f", {lay['communication_gb_per_step']['tensor']:.2f} within tensor-parallel groups" if lay["tp"] > 1 else "")
+        + (f", {lay['accumulate_grad_batches']} micro-batches per step" if lay["accumulate_grad_batches"] > 1 else "")
+        + " (the fewest tensor-parallel ranks that fit, with the least recomputation)"
+        if lay
+        else f"suggested layout on {c['gpus']} GPUs: none fits (more GPUs, a smaller micro-batch or a shorter sequence)"
+    )
     copy = p["async_host_copy_gb_per_node"]
     lines.append(
         f"checkpoint: {p['checkpoint_gb']:.2f} GB per save on disk (fp32 weights, optimizer state); an asynchronous save's host "

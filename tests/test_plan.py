@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from lmtrain.plan import main
+from lmtrain.training.memory import GB, block_activations, model_numbers
 from tests.conftest import ROOT
 
 
@@ -347,3 +348,47 @@ def test_the_training_configs_checks_see_the_clusters_world_size(capsys):
     assert main(["cluster.gpus=8", "global_batch_size=12"]) == 2
     assert "global_batch_size=12 is not a multiple of data.batch_size (8) x world size (8) = 64" in capsys.readouterr().err
     assert _plan(capsys, "cluster.gpus=8", "global_batch_size=128")["accumulate_grad_batches"] == 2
+
+
+def test_tensor_parallel_splits_the_blocks_products_and_their_activations(capsys):
+    """``strategy.tp``: a block's matrices split over the tensor-parallel ranks, every other parameter whole in each
+    group, the groups sharded (fsdp over gpus / tp); activations as Korthikanti et al.'s 10 + 24/t per layer for an
+    OPT block (no sequence parallelism: the norms' and products' inputs stay whole); the all-reduces of the blocks'
+    outputs counted as traffic inside the group; ddp, which cannot split layers, has no row."""
+    from lmtrain.formats.presets import preset
+
+    assert [block_activations(preset("opt-1.3b"), tp=t) for t in (1, 2, 4, 8)] == [34, 22, 16, 13]
+    args = ["model=llama-7b", "data.seq_len=4096", "data.batch_size=2", "cluster.gpus=8"]
+    one, two = _plan(capsys, *args), _plan(capsys, *args, "strategy=fsdp", "strategy.tp=2")
+    assert "ddp" not in two["memory_gb_per_gpu"] and two["tp"] == 2 and one["tp"] == 1
+    nums = model_numbers(preset("llama-7b"), 4096)
+    local = nums["params"] - nums["tp_split_params"] / 2  # a tensor-parallel rank's share (llama: no biases)
+    assert nums["tp_split_params"] == nums["block_linear_params"]
+    m1, m2 = one["memory_gb_per_gpu"]["fsdp"]["none"], two["memory_gb_per_gpu"]["fsdp"]["none"]
+    assert m2["weights"] == pytest.approx(4 * local / 4 / GB) and m1["weights"] == pytest.approx(4 * nums["params"] / 8 / GB)
+    assert m2["activations"] == pytest.approx(m1["activations"] * block_activations(preset("llama-7b"), tp=2) / 37.5)
+    assert m2["logits"] == m1["logits"]  # the output head is whole on every rank
+    comm = two["communication_gb_per_step"]["fsdp"]
+    assert comm["tensor"] == pytest.approx(32 * 4 * 2 * (1 / 2) * 2 * 2 * 4096 * 4096 / GB)  # 4 all-reduces a block
+    assert comm["sharding"] == pytest.approx(3 / 4 * 8 * local / GB) and one["communication_gb_per_step"]["fsdp"]["tensor"] == 0
+
+
+def test_the_suggested_layout_is_the_fewest_tensor_parallel_ranks_that_fit_and_plans_as_suggested(capsys):
+    """`lmtrain plan` suggests sharding alone with the least recomputation while it fits, tensor parallel within a node
+    only when it does not (llama-7b at 32K on 8 GPUs: 80 GB cards need no tp; 34 GB ones need 2, 32 GB ones 4, 30 GB
+    ones cannot fit it); the suggestion's overrides are a training config that validates and plans to the same memory."""
+    args = ["model=llama-7b", "model.max_seq_len=32768", "data.seq_len=32768", "data.batch_size=1", "cluster.gpus=8"]
+    got = {gb: _plan(capsys, *args, f"cluster.memory_gb={gb}")["suggested_layout"] for gb in (80, 34, 32, 30)}
+    assert got[80]["overrides"] == "strategy=fsdp strategy.activation_checkpointing=full", got[80]
+    assert got[34]["overrides"] == "strategy=fsdp strategy.tp=2 strategy.activation_checkpointing=full", got[34]
+    assert got[32]["tp"] == 4 and got[30] is None
+    for gb in (80, 34, 32):
+        again = _plan(capsys, *args, f"cluster.memory_gb={gb}", *got[gb]["overrides"].split())
+        lay = got[gb]
+        assert again["memory_gb_per_gpu"][lay["strategy"]][lay["activation_checkpointing"]]["total"] == pytest.approx(lay["memory_gb_per_gpu"])
+        assert again["suggested_layout"] == lay
+    out = subprocess.run([sys.executable, "-m", "lmtrain.plan", *args, "cluster.memory_gb=34"], capture_output=True, text=True, check=True).stdout
+    assert "suggested layout on 8 GPUs: strategy=fsdp strategy.tp=2 strategy.activation_checkpointing=full: 28.87 GB per GPU" in out, out
+    # across nodes hsdp first (its gathers stay in a node) when it fits
+    many = _plan(capsys, "model=opt-1.3b", "data.seq_len=1024", "data.batch_size=16", "cluster.gpus=16")["suggested_layout"]
+    assert many["overrides"] == "strategy=hsdp strategy.activation_checkpointing=none", many

@@ -6,11 +6,13 @@ process starts."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from lmtrain.training import memory
 from lmtrain.training.config import ConfigError, validate_config
 from tests.conftest import TINY, make_cfg
 from tests.test_fsdp import _one_process, _run
@@ -47,6 +49,13 @@ def test_data_parallel_2_x_tensor_parallel_2_trains_as_one_process_and_resumes_o
     want, one_run = one
     ref = _run(tmp_path, dataset_dir, "tp", "strategy=fsdp", "strategy.tp=2", "trainer.devices=4", "data.batch_size=4")
     assert "tensor parallel: each block's products split over 2 ranks" in ref.stderr
+    # a rank's parameters before sharding, as the planner counts them under tp (lmtrain.training.memory)
+    local = int(re.search(r"split over 2 ranks \(mesh .*?\): ([\d,]+) parameters a rank", ref.stderr)[1].replace(",", ""))
+    counted = memory.counted(make_cfg([*TINY, "strategy=fsdp", "strategy.tp=2", "trainer.devices=4", "data.batch_size=4"], tmp_path), 4, 4)
+    nums = counted["nums"]
+    assert counted["tp"] == 2 and local == nums["params"] - nums["tp_split_params"] // 2, (local, nums)
+    weights = memory.breakdown(counted, "fsdp", 4, 4, "none")["weights"]
+    assert weights == 4 * local / 2  # fp32, sharded over the 2 data-parallel ranks
     assert "fully_shard per block on mesh (2,) ('data_parallel',)" in ref.stderr
     # the tokens trained are the data-parallel ranks' (2 x 4 sequences of 64 a step), not the 4 processes': one process's
     assert "finished run tp in " in ref.stderr and ": 8 steps, 4,096 tokens;" in ref.stderr, ref.stderr[-2000:]

@@ -142,8 +142,10 @@ class Plan:
             raise InputError(f"strategy.tp={self.tp}: {exc}") from None
         mesh = self.sharding.tensor_parallel_mesh()
         parallelize_module(model, mesh, plan)
-        if self.rank0:
-            said = f"[lmtrain] tensor parallel: each block's products split over {self.tp} ranks (mesh {mesh.mesh_dim_names})"
+        if self.rank0:  # a rank's share before sharding: what lmtrain.training.memory counts under tp
+            local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+            said = (f"[lmtrain] tensor parallel: each block's products split over {self.tp} ranks (mesh {mesh.mesh_dim_names}): "
+                    f"{local:,} parameters a rank before sharding")  # fmt: skip
             print(said, file=sys.stderr, flush=True)
 
     def _checkpoint_activations(self, model: nn.Module) -> None:

@@ -78,21 +78,29 @@ def _numbers_of(model_cfg, seq_len: int) -> dict:
         "matmul_params": matmul_params(model),
         # the weights FSDP gathers in float8 with module.fp8.recipe=tensorwise (every linear layer inside the blocks)
         "block_linear_params": sum(m.weight.numel() for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)),
+        # what tensor parallel splits (Decoder.tensor_parallel_plan): those weights, and the biases of the column-split
+        # products (every one but attention's output projection and the MLP's down projection, split by rows)
+        "tp_split_params": sum(m.weight.numel() + (m.bias.numel() if m.bias is not None and not n.endswith(("attn.proj", "mlp.down")) else 0)
+                               for n, m in model.blocks.named_modules() if isinstance(m, torch.nn.Linear)),  # fmt: skip
         "flops_per_token": flops_per_token(model, seq_len),
     }
 
 
-def block_activations(cfg, fp8: bool = False) -> float:
+def block_activations(cfg, fp8: bool = False, tp: int = 1) -> float:
     """What one block keeps for its backward pass without recomputation, in bytes per token per unit of d_model
     (Korthikanti et al. 2022 with flash attention, counted for each family's MLP of width f): the two norms' inputs
     4, attention's input, q, k, v and output 10, the MLP's input 2, then GPT's MLP 4 f/d (its activation's input and
     output) plus 2 (dropout masks; 34 at f = 4d, the count the OPT rows were measured against) or llama's gated MLP
     8 f/d (the gate and up products, silu's output and their product: 37.5 for llama-7b, whose rows the 34 undercounted
     by up to 5%). ``module.fp8.recipe``: the four products keep their inputs in float8, one byte instead of two, 3 + f/d less
-    (7 at f = 4d). Checkpointing by operator keeps the products' bf16 outputs and recomputes the casts, so its 22 stay."""
+    (7 at f = 4d). Checkpointing by operator keeps the products' bf16 outputs and recomputes the casts, so its 22 stay.
+    ``tp``: split over that many tensor-parallel ranks (Korthikanti et al.'s 10 + 24/t for an OPT block, without
+    sequence parallelism): q, k, v, attention's output and the MLP's inner activations are split, the norms' and
+    products' inputs and the dropout masks are whole on every rank."""
     f = cfg.hidden_dim / cfg.d_model
-    full = 16 + (8 * f if cfg.family == "llama" else 4 * f + 2)
-    return full - (3 + f if fp8 else 0)
+    whole = 8 + (0 if cfg.family == "llama" else 2) - (2 if fp8 else 0)  # the norms' inputs 4, the two inputs 2 + 2 (masks 2)
+    split = 8 + (8 * f if cfg.family == "llama" else 4 * f) - (1 + f if fp8 else 0)  # q, k, v, output 8; the MLP's inside
+    return whole + split / tp
 
 
 def memory(
@@ -110,25 +118,35 @@ def memory(
     reshard: bool = True,
     float8_gathered: int = 0,
     muon_params: int = 0,
+    tp: int = 1,
+    tp_split: int = 0,
 ) -> dict:
     """Bytes per GPU (see the module docstring): each term, and ``total``, the larger of the two peaks. ``muon_params``:
-    the parameters whose state is Muon's one buffer instead of AdamW's two."""
-    shard = {"ddp": 1, "fsdp": world, "hsdp": min(node, world)}[strategy]
+    the parameters whose state is Muon's one buffer instead of AdamW's two. ``tp``: tensor-parallel ranks (fsdp and
+    hsdp): the ``tp_split`` parameters (the blocks' matrices, the column-split products' biases) split over them, every
+    other parameter whole in each group,
+    the groups sharded (fsdp over ``world / tp`` ranks, hsdp over one node's); activations by
+    :func:`block_activations`; the output head whole, its logits on every rank."""
+    if tp > 1 and strategy == "ddp":
+        raise ValueError("strategy.tp splits layers under fsdp or hsdp, not ddp")
+    shard = {"ddp": 1, "fsdp": world // tp, "hsdp": min(node, world) // tp}[strategy]
+    local = params - tp_split * (1 - 1 / tp)  # a tensor-parallel rank's share before sharding
+    split = local / params if params else 1.0
     L, d, V = cfg.n_layers, cfg.d_model, cfg.vocab_size
-    per_layer_full = block_activations(cfg, fp8) * seq * batch * d
+    per_layer_full = block_activations(cfg, fp8, tp) * seq * batch * d
     per_layer_saved = 2 * seq * batch * d
     if ac == "none":
         act = L * per_layer_full
     elif ac == "full":
         act = L * per_layer_saved + per_layer_full
-    elif ac == "op":
-        act = L * 22 * seq * batch * d + per_layer_full
+    elif ac == "op":  # of the 22: q, k, v, attention's output and the MLP's first product split, 6 whole
+        act = L * (6 + 16 / tp) * seq * batch * d + per_layer_full
     else:
         act = math.ceil(L / 2) * per_layer_full + (L // 2) * per_layer_saved
     out = {
-        "weights": 4 * params / shard,
-        "gradients": 4 * params / shard,
-        "optimizer": (8 * params - 4 * muon_params) / shard,
+        "weights": 4 * local / shard,
+        "gradients": 4 * local / shard,
+        "optimizer": (8 * params - 4 * muon_params) * split / shard,
         "activations": act,
         "logits": 6 * batch * seq * V if not loss_chunk else 6 * min(loss_chunk, batch * seq) * V + 4 * (batch * seq + V) * cfg.emb_dim,
     }
@@ -136,7 +154,7 @@ def memory(
     if strategy != "ddp":  # parameters gathered for compute: one block and the prefetched next one, or, with
         # strategy.reshard_after_forward=false, all of them from the forward pass to the backward (+2.2 GiB at 1.3B);
         # bf16, but the ``float8_gathered`` parameters (the blocks' linear weights under float8 all-gather) in float8
-        every = 2 * params - float8_gathered
+        every = 2 * local - float8_gathered / tp
         out["gathered"] = 2 * every / max(L, 1) if reshard else every
         always += out["gathered"]
     elif world > 1:  # DDP's gradient buckets: a second fp32 copy of the gradients (gradient_as_bucket_view off)
@@ -147,7 +165,7 @@ def memory(
     out["forward_peak"] = always + act + out["logits"] + (out["gradients"] if accumulate > 1 else 0)
     out["backward_peak"] = always + out["gradients"]
     if strategy != "ddp":  # the last block's unsharded gradients, bf16 and the fp32 copy reduce-scattered
-        out["backward_peak"] += 6 * (params / max(L, 1))
+        out["backward_peak"] += 6 * (local / max(L, 1))
     out["total"] = max(out["forward_peak"], out["backward_peak"])
     return out
 
@@ -194,6 +212,7 @@ def counted(cfg, gpus: int, node: int) -> dict:
     float8_gathered = nums["block_linear_params"] if fp8 and gathers_in_float8(fp8_cfg.recipe, sharded=True) else 0
     muon = str((cfg.get("optimizer") or {}).get("_target_", "")) == "lmtrain.nn.optim.MuonWithAdamW"  # its matrices: the blocks'
     return {
+        "tp": tp if dp != gpus or tp == 1 else 1,
         "muon_params": nums["block_linear_params"] if muon else 0,
         "mcfg": mcfg, "nums": nums, "seq": seq, "batch": batch, "chunk": chunk, "accum": accum, "fp8": fp8, "reshard": reshard,
         "float8_gathered": float8_gathered, "chunk_uncounted": chunk_uncounted, "fp8_recipe": fp8_cfg.recipe, "head": head_cfg.kind,
@@ -204,7 +223,7 @@ def breakdown(c: dict, strategy: str, gpus: int, node: int, ac: str) -> dict:
     """:func:`memory`'s terms and peaks (bytes per GPU) for what :func:`counted` read from a config."""
     return memory(
         c["mcfg"], c["nums"]["params"], c["seq"], c["batch"], strategy, gpus, node, ac, c["chunk"], c["accum"], c["fp8"], c["reshard"],
-        c["float8_gathered"], c["muon_params"],
+        c["float8_gathered"], c["muon_params"], c["tp"] if strategy != "ddp" else 1, c["nums"]["tp_split_params"],
     )  # fmt: skip
 
 
