@@ -51,16 +51,17 @@ def fewest_gpus(cfg, params: int, seq: int, batch: int, node: int, mem_bytes: fl
     return None
 
 
-def communication(c: dict, strategy: str, gpus: int, node: int, tp: int, accumulate: int) -> dict:
+def communication(c: dict, strategy: str, gpus: int, node: int, tp: int, accumulate: int, cp: int = 1) -> dict:
     """Bytes each GPU sends per optimizer step, by ring collectives ((n - 1) / n of the data each way): ``sharding``,
     per micro-batch two all-gathers of the bf16 parameters (forward and backward) and one reduce-scatter of the fp32
     gradients over the shard group, and under hsdp an all-reduce of the gradient shards across replicas; ``tensor``,
     per micro-batch four all-reduces of a block's bf16 output (batch x seq x d_model) per block under ``tp``, the
-    traffic of a tensor-parallel group, kept within a node."""
+    traffic of a tensor-parallel group, kept within a node; ``context``, per micro-batch under ``cp`` an all-gather of
+    every block's keys and values in the forward pass and a reduce-scatter of their gradients in the backward."""
     nums, mcfg, seq, batch = c["nums"], c["mcfg"], c["seq"], c["batch"]
     local = nums["params"] - nums["tp_split_params"] * (1 - 1 / tp)
     shard = {"ddp": 1, "fsdp": gpus // tp, "hsdp": min(node, gpus) // tp}[strategy]
-    out = {"sharding": 0.0, "tensor": 0.0}
+    out = {"sharding": 0.0, "tensor": 0.0, "context": 0.0}
     if strategy == "ddp":
         out["sharding"] = 2 * (gpus - 1) / gpus * 4 * nums["params"] if gpus > 1 else 0.0  # DDP's fp32 all-reduce
     else:
@@ -70,7 +71,9 @@ def communication(c: dict, strategy: str, gpus: int, node: int, tp: int, accumul
         if replicas > 1:
             out["sharding"] += 2 * (replicas - 1) / replicas * 4 * local / shard
     if tp > 1:
-        out["tensor"] = accumulate * mcfg.n_layers * 4 * 2 * (tp - 1) / tp * 2 * batch * seq * mcfg.d_model
+        out["tensor"] = accumulate * mcfg.n_layers * 4 * 2 * (tp - 1) / tp * 2 * batch * seq / cp * mcfg.d_model
+    if cp > 1:  # keys and values, bf16, this rank's heads: gathered forward, their gradients reduce-scattered backward
+        out["context"] = accumulate * mcfg.n_layers * 2 * (cp - 1) / cp * 2 * 2 * batch * seq * mcfg.kv_heads * mcfg.head_dim / tp
     return out
 
 
@@ -78,21 +81,36 @@ def suggest_layout(c: dict, gpus: int, node: int, mem_bytes: float, global_batch
     """The layout a run of ``c`` on ``gpus`` GPUs should start from, as a torchtitan user is told to choose one: the
     fewest tensor-parallel ranks that fit (1: sharding alone; tp divides the heads, key-value heads, MLP features and the
     GPUs, at most one node's), with the least recomputation (activation checkpointing none, op, selective, full), then
-    hsdp over more than one node (its parameter gathers stay in a node) or fsdp. None when nothing fits."""
-    tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= node and gpus % t == 0 and node % t == 0 and not c["mcfg"].undivided_by(t)]
-    for tp in tps:
-        for ac in AC:
-            for strategy in ("hsdp", "fsdp") if gpus > node else ("fsdp",):
-                dp = gpus // tp
-                if global_batch and global_batch % (c["batch"] * dp):
-                    continue
-                accum = global_batch // (c["batch"] * dp) if global_batch else c["accum"]
-                m = breakdown({**c, "tp": tp, "accum": accum}, strategy, gpus, node, ac)
-                if m["total"] <= MARGIN * mem_bytes:
-                    overrides = [f"strategy={strategy}", *([f"strategy.tp={tp}"] if tp > 1 else []), f"strategy.activation_checkpointing={ac}"]
-                    return {"strategy": strategy, "tp": tp, "activation_checkpointing": ac, "accumulate_grad_batches": accum,
-                            "memory_gb_per_gpu": m["total"] / GB, "overrides": " ".join(overrides),
-                            "communication_gb_per_step": {k: v / GB for k, v in communication(c, strategy, gpus, node, tp, accum).items()}}  # fmt: skip
+    hsdp over more than one node (its parameter gathers stay in a node) or fsdp. Context parallel (fsdp; cp divides
+    the GPUs and the sequence into 2 cp chunks) counts with tensor parallel: of the same number of ranks splitting the
+    model's work, the one that sends the least. None when nothing fits."""
+    mcfg, seq = c["mcfg"], c["seq"]
+    tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= node and gpus % t == 0 and node % t == 0 and not mcfg.undivided_by(t)]
+    pairs = [(t, k) for t in tps for k in (1, 2, 4, 8, 16, 32, 64) if gpus % (t * k) == 0 and seq % (2 * k) == 0]
+    for split in sorted({t * k for t, k in pairs}):
+        fits = []
+        for tp, cp in [(t, k) for t, k in pairs if t * k == split]:
+            for ac in AC:
+                found = None
+                for strategy in ("hsdp", "fsdp") if gpus > node and cp == 1 else ("fsdp",):
+                    dp = gpus // split
+                    if global_batch and global_batch % (c["batch"] * dp):
+                        continue
+                    accum = global_batch // (c["batch"] * dp) if global_batch else c["accum"]
+                    m = breakdown({**c, "tp": tp, "cp": cp, "accum": accum}, strategy, gpus, node, ac)
+                    if m["total"] <= MARGIN * mem_bytes:
+                        sent = communication(c, strategy, gpus, node, tp, accum, cp)
+                        overrides = [f"strategy={strategy}", *([f"strategy.tp={tp}"] if tp > 1 else []), *([f"strategy.cp={cp}"] if cp > 1 else []),
+                                     f"strategy.activation_checkpointing={ac}"]  # fmt: skip
+                        found = {"strategy": strategy, "tp": tp, "cp": cp, "activation_checkpointing": ac, "accumulate_grad_batches": accum,
+                                 "memory_gb_per_gpu": m["total"] / GB, "overrides": " ".join(overrides),
+                                 "communication_gb_per_step": {k: v / GB for k, v in sent.items()}}  # fmt: skip
+                        break
+                if found:
+                    fits.append((AC.index(ac), sum(found["communication_gb_per_step"].values()), found))
+                    break
+        if fits:
+            return min(fits, key=lambda f: f[:2])[2]
     return None
 
 
@@ -120,10 +138,12 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
         tokens = float(budget["tokens"]) if budget.get("tokens") else flops / nums["flops_per_token"]
         seconds = flops / (gpus * rate_flops)
         out["run"] = {"flops": flops, "tokens": tokens, "days": seconds / 86400, "gpu_hours": gpus * seconds / 3600}
-    strategies = [s for s in STRATEGIES if s != "ddp" or c["tp"] == 1]  # tensor parallel splits layers under fsdp and hsdp
-    out["tp"] = c["tp"]
+    # tensor parallel splits layers under fsdp and hsdp, context parallel sequences under fsdp
+    strategies = [s for s in STRATEGIES if (s != "ddp" or c["tp"] == 1) and (s == "fsdp" or c["cp"] == 1)]
+    out["tp"], out["cp"] = c["tp"], c["cp"]
     out["memory_gb_per_gpu"] = {s: {ac: {k: v / GB for k, v in breakdown(c, s, gpus, node, ac).items()} for ac in AC} for s in strategies}
-    out["communication_gb_per_step"] = {s: {k: v / GB for k, v in communication(c, s, gpus, node, c["tp"], accum).items()} for s in strategies}
+    sent = {s: communication(c, s, gpus, node, c["tp"], accum, c["cp"]) for s in strategies}
+    out["communication_gb_per_step"] = {s: {k: v / GB for k, v in parts.items()} for s, parts in sent.items()}
     ckpt = checkpoint_bytes(nums["params"], gpus, node, c["muon_params"])
     out["checkpoint_gb"] = ckpt["size"] / GB
     out["async_host_copy_gb_per_node"] = {s: v / GB for s, v in ckpt["host_copy_per_node"].items()}
@@ -180,7 +200,7 @@ def table(p: dict) -> str:
     )
     lines.append("| strategy | activation ckpt | weights | gradients | optimizer | activations | logits | total | peak at | fits |")
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
-    tp = f" x tp {p['tp']}" if p.get("tp", 1) > 1 else ""
+    tp = (f" x tp {p['tp']}" if p.get("tp", 1) > 1 else "") + (f" x cp {p['cp']}" if p.get("cp", 1) > 1 else "")
     for s in p["memory_gb_per_gpu"]:
         for ac in AC:
             m = p["memory_gb_per_gpu"][s][ac]
@@ -192,15 +212,17 @@ def table(p: dict) -> str:
     comm = p["communication_gb_per_step"]
     lines.append(
         "sent per GPU per step (GB): "
-        + "; ".join(f"{s}{tp} {v['sharding']:.2f}" + (f" + tensor parallel {v['tensor']:.2f}" if v["tensor"] else "") for s, v in comm.items())
+        + "; ".join(f"{s}{tp} {v['sharding']:.2f}" + (f" + tensor parallel {v['tensor']:.2f}" if v["tensor"] else "")
+                    + (f" + context parallel {v['context']:.2f}" if v["context"] else "") for s, v in comm.items())
     )
     lay = p["suggested_layout"]
     lines.append(
         f"suggested layout on {c['gpus']} GPUs: {lay['overrides']}: {lay['memory_gb_per_gpu']:.2f} GB per GPU, "
         f"{lay['communication_gb_per_step']['sharding']:.2f} GB sent per GPU per step for sharding"
         + (f", {lay['communication_gb_per_step']['tensor']:.2f} within tensor-parallel groups" if lay["tp"] > 1 else "")
+        + (f", {lay['communication_gb_per_step']['context']:.2f} within context-parallel groups" if lay["cp"] > 1 else "")
         + (f", {lay['accumulate_grad_batches']} micro-batches per step" if lay["accumulate_grad_batches"] > 1 else "")
-        + " (the fewest tensor-parallel ranks that fit, with the least recomputation)"
+        + " (the fewest model-splitting ranks that fit, with the least recomputation)"
         if lay
         else f"suggested layout on {c['gpus']} GPUs: none fits (more GPUs, a smaller micro-batch or a shorter sequence)"
     )

@@ -373,16 +373,21 @@ def test_tensor_parallel_splits_the_blocks_products_and_their_activations(capsys
     assert comm["sharding"] == pytest.approx(3 / 4 * 8 * local / GB) and one["communication_gb_per_step"]["fsdp"]["tensor"] == 0
 
 
-def test_the_suggested_layout_is_the_fewest_tensor_parallel_ranks_that_fit_and_plans_as_suggested(capsys):
-    """`lmtrain plan` suggests sharding alone with the least recomputation while it fits, tensor parallel within a node
-    only when it does not (llama-7b at 32K on 8 GPUs: 80 GB cards need no tp; 34 GB ones need 2, 32 GB ones 4, 30 GB
-    ones cannot fit it); the suggestion's overrides are a training config that validates and plans to the same memory."""
+def test_the_suggested_layout_is_the_fewest_model_splitting_ranks_that_fit_and_plans_as_suggested(capsys):
+    """`lmtrain plan` suggests sharding alone with the least recomputation while it fits, then the fewest ranks splitting
+    each layer (tp, within a node) or each sequence (cp), of equal numbers the one that sends the least: llama-7b at
+    32K on 8 GPUs: 80 GB cards need neither; 34 GB ones tp 2 (cp 2 fits too but sends more); 32 GB ones cp 2 (tp 2
+    no longer fits: the saved block inputs and the logits stay whole under tp); 20 GB ones both. The suggestion's
+    overrides are a training config that validates and plans to the same memory."""
     args = ["model=llama-7b", "model.max_seq_len=32768", "data.seq_len=32768", "data.batch_size=1", "cluster.gpus=8"]
-    got = {gb: _plan(capsys, *args, f"cluster.memory_gb={gb}")["suggested_layout"] for gb in (80, 34, 32, 30)}
+    got = {gb: _plan(capsys, *args, f"cluster.memory_gb={gb}")["suggested_layout"] for gb in (80, 34, 32, 24, 12)}
     assert got[80]["overrides"] == "strategy=fsdp strategy.activation_checkpointing=full", got[80]
     assert got[34]["overrides"] == "strategy=fsdp strategy.tp=2 strategy.activation_checkpointing=full", got[34]
-    assert got[32]["tp"] == 4 and got[30] is None
-    for gb in (80, 34, 32):
+    assert got[32]["overrides"] == "strategy=fsdp strategy.cp=2 strategy.activation_checkpointing=full", got[32]
+    assert (got[24]["tp"], got[24]["cp"]) == (2, 2) and got[12] is None, (got[24], got[12])
+    cp = got[32]["communication_gb_per_step"]["context"]
+    assert cp == pytest.approx(32 * 2 * (1 / 2) * 2 * 2 * 32768 * 8 * 128 / GB * 4)  # keys and values of 32 heads of 128
+    for gb in (80, 34, 32, 24):
         again = _plan(capsys, *args, f"cluster.memory_gb={gb}", *got[gb]["overrides"].split())
         lay = got[gb]
         assert again["memory_gb_per_gpu"][lay["strategy"]][lay["activation_checkpointing"]]["total"] == pytest.approx(lay["memory_gb_per_gpu"])
@@ -392,3 +397,16 @@ def test_the_suggested_layout_is_the_fewest_tensor_parallel_ranks_that_fit_and_p
     # across nodes hsdp first (its gathers stay in a node) when it fits
     many = _plan(capsys, "model=opt-1.3b", "data.seq_len=1024", "data.batch_size=16", "cluster.gpus=16")["suggested_layout"]
     assert many["overrides"] == "strategy=hsdp strategy.activation_checkpointing=none", many
+
+
+def test_context_parallel_divides_each_ranks_tokens_and_keeps_the_gathered_keys(capsys):
+    """``strategy.cp``: a rank's activations and logits are its ``seq / cp`` tokens', plus every block's gathered keys
+    and values of the whole sequence and the mask of its queries against them; parameters shard over the data- and
+    context-parallel ranks together (fsdp only: no ddp or hsdp row)."""
+    args = ["model=llama-7b", "model.max_seq_len=32768", "data.seq_len=32768", "data.batch_size=1", "cluster.gpus=8"]
+    one, two = _plan(capsys, *args), _plan(capsys, *args, "strategy=fsdp", "strategy.cp=2")
+    assert list(two["memory_gb_per_gpu"]) == ["fsdp"] and two["cp"] == 2
+    m1, m2 = one["memory_gb_per_gpu"]["fsdp"]["none"], two["memory_gb_per_gpu"]["fsdp"]["none"]
+    assert m2["logits"] == pytest.approx(m1["logits"] / 2) and m2["weights"] == m1["weights"]
+    kv = 2 * 2 * 32768 * 4096  # bf16 keys and values of the whole sequence (32 heads of 128), a block
+    assert m2["activations"] == pytest.approx(m1["activations"] / 2 + (32 * kv + 16384 * 32768) / GB)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from lmtrain.nn.context import ContextParallel, ContextSplit
 from lmtrain.nn.loss import chunked_linear_cross_entropy, cross_entropy
 
 FAMILIES = ("opt", "llama")
@@ -323,11 +324,12 @@ class Attention(nn.Module):
         self.qk_probe = QKProbe()
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | BlockMask | None = None
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | BlockMask | ContextSplit | None = None
     ) -> torch.Tensor:
         """``rope``: the (cos, sin) rows of each position; ``mask``: where a query may attend a key (document masking),
         a (B, 1, T, T) boolean tensor (:func:`document_mask`, for SDPA) or a FlexAttention block mask
-        (:func:`document_block_mask`); None: plain causal attention."""
+        (:func:`document_block_mask`); under context parallel a :class:`ContextSplit` (the keys and values gathered
+        from the group, its mask of this rank's queries against them); None: plain causal attention."""
         B, T, _ = x.shape  # (B, T, C)
         if self.qkv is not None:
             q, k, v = self.qkv(x).split([self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
@@ -342,6 +344,8 @@ class Attention(nn.Module):
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k = self.qk_probe(q, k)
+        if isinstance(mask, ContextSplit):  # context parallel: this rank's queries against the whole sequence's keys
+            k, v, mask = mask.cp.gather(k, 2), mask.cp.gather(v, 2), mask.mask
         if isinstance(mask, BlockMask):
             y = flex_attention_fn(x.device)(q, k, v, block_mask=mask, enable_gqa=self.kv_heads != self.n_heads)
             return self.proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -517,6 +521,7 @@ class Decoder(LanguageModel):
         self.loss_float8_fast_accum = False
         self.z_loss = 0.0  # module.z_loss: the coefficient of the log-partition penalty in every head (lmtrain.nn.loss.with_z_loss)
         self.flex_attention: bool | None = None  # the document mask's kernel: see document_attention_mask
+        self.context_parallel: ContextParallel | None = None  # strategy.cp: see set_context_parallel
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         if cfg.family == "llama":
@@ -595,15 +600,42 @@ class Decoder(LanguageModel):
             )
         return document_block_mask(doc) if flex else document_mask(doc)
 
+    def set_context_parallel(self, cp: ContextParallel | None) -> None:
+        """Split every training and validation forward pass that computes a loss over ``cp``'s group
+        (lmtrain.nn.context): each rank embeds, runs the blocks on and scores its own tokens, attention gathering the
+        whole sequence's keys and values; its loss is the mean over its tokens, every rank's the same number of them,
+        so the group's mean is the sequence's. Logits without targets (evaluations, generation) are computed whole."""
+        self.context_parallel = cp
+
     def hidden_states(self, idx: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
         """Final normalised hidden state before the output head, (B, T, emb_dim). ``doc`` (B, T): each token's document
         within its sequence (:func:`document_ids`); given, attention stays inside each document and positions restart
         at each document's first token, so a packed sequence computes what its documents compute alone."""
-        B, T = idx.shape
+        T = idx.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         positions = torch.arange(T, device=idx.device) if doc is None else document_positions(doc)  # (T,) or (B, T)
         mask = None if doc is None else self.document_attention_mask(doc)
+        return self._run(idx, positions, mask)
+
+    def _split_hidden_states(self, idx: torch.Tensor, doc: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under context parallel: this rank's tokens' final hidden states and their positions in the sequence
+        (:meth:`set_context_parallel`); the mask is causal by those positions and, with ``doc``, keeps each document."""
+        cp, T = self.context_parallel, idx.shape[1]
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        mine, keys = cp.index(T, idx.device), cp.key_index(T, idx.device)
+        allowed = keys.unsqueeze(0) <= mine.unsqueeze(1)  # (T / cp, T): causal by position in the sequence
+        if doc is None:
+            positions, mask = mine, allowed[None, None]
+        else:
+            positions = document_positions(doc)[:, mine]
+            mask = (allowed & (doc[:, keys].unsqueeze(1) == doc[:, mine].unsqueeze(2))).unsqueeze(1)
+        return self._run(idx[:, mine], positions, ContextSplit(cp, mask)), mine
+
+    def _run(self, idx: torch.Tensor, positions: torch.Tensor, mask) -> torch.Tensor:
+        """Embeddings, blocks, final norm for tokens ``idx`` at ``positions`` ((T,) or (B, T)) under ``mask``."""
+        T = idx.shape[1]
         x = self.tok_emb(idx)  # (B, T, E)
         if self.proj_in is not None:
             x = self.proj_in(x)  # (B, T, C)
@@ -611,11 +643,11 @@ class Decoder(LanguageModel):
             x = x + self.pos_emb(positions)
         rope = None
         if self.cfg.family == "llama":
-            rope = (
-                (self.rope_cos[:T], self.rope_sin[:T])
-                if doc is None
-                else (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
-            )
+            if positions.dim() == 1:  # one set of positions for every sequence: the cache's rows (a slice when in order)
+                in_order = not isinstance(mask, ContextSplit)
+                rope = (self.rope_cos[:T], self.rope_sin[:T]) if in_order else (self.rope_cos[positions], self.rope_sin[positions])
+            else:
+                rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
         for block in self.blocks:
             x = block(x, rope, mask)
         x = self.norm(x)
@@ -626,6 +658,9 @@ class Decoder(LanguageModel):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, doc: torch.Tensor | None = None) -> torch.Tensor:
         """Next-token logits (B, T, V); with ``targets`` (B, T), the mean cross-entropy loss instead; ``doc``: see
         :meth:`hidden_states`."""
+        if targets is not None and self.context_parallel is not None:
+            hidden, mine = self._split_hidden_states(idx, doc)
+            return self.head_loss(hidden, targets[:, mine])
         hidden = self.hidden_states(idx, doc)
         if targets is None:
             return self.lm_head(hidden)  # (B, T, V)

@@ -44,3 +44,4 @@ class Replicated(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return distribute_module(module, device_mesh, self._partition, self._inputs, self._outputs)
+

@@ -2,14 +2,13 @@
 fixed order, from one :class:`Plan` made once (OLMo-core's ``parallelize_model``, torchtitan's converters applied
 before parallelising):
 
-    build -> output head -> float8 -> tensor parallel -> activation checkpointing -> compile -> shard
-          -> initialise or load the weights
+    build -> output head -> float8 -> tensor parallel -> context parallel -> activation checkpointing -> compile
+          -> shard -> initialise or load the weights
 
 A step reads only the plan and what the network declares it offers (lmtrain.nn.model.LanguageModel: its blocks, its
 head's options, its final norm, its initialisation), never attributes probed by name. LMModule.configure_model calls
 :func:`Plan.assemble` once; the strategy (lmtrain.training.strategies) shards and nothing else; the process layout
-(data, tensor, context parallel sizes) is lmtrain.training.layout's. Context parallelism (issue 60) lands beside
-tensor parallelism, on the layout's mesh.
+(data, tensor, context parallel sizes) is lmtrain.training.layout's.
 """
 
 from __future__ import annotations
@@ -32,7 +31,8 @@ class Plan:
     """What assembling a model does, decided once: ``head`` and ``fp8`` (``module.head``, ``module.fp8``: checked by
     lmtrain.training.fastpaths), ``z_loss``, ``compile`` (resolved: ``auto`` is a GPU), ``sharding`` (the fsdp/hsdp
     strategy, or None: single device or DDP, the model whole on each rank), ``device`` (where it trains), ``rank0``
-    (this process says what it did) and ``tp`` (``strategy.tp``: the ranks each layer is split over)."""
+    (this process says what it did), ``tp`` (``strategy.tp``: the ranks each layer is split over) and ``cp``
+    (``strategy.cp``: the ranks each sequence is split over)."""
 
     head: fastpaths.Head
     fp8: fastpaths.Float8
@@ -42,6 +42,7 @@ class Plan:
     device: torch.device
     rank0: bool = True
     tp: int = 1  # ranks each layer is split over (strategy.tp, under fsdp)
+    cp: int = 1  # ranks each sequence is split over (strategy.cp, under fsdp)
 
     @classmethod
     def of(cls, module, strategy) -> Plan:
@@ -51,8 +52,8 @@ class Plan:
         sharding = strategy if isinstance(strategy, FSDP2Strategy) else None
         device = strategy.root_device if strategy is not None else module.device
         compile_ = module.compile if module.compile != "auto" else device.type == "cuda"  # built without the config
-        tp = sharding.tp if sharding is not None else 1
-        return cls(module.head, module.fp8, module.z_loss, bool(compile_), sharding, device, module.global_rank == 0, tp)
+        tp, cp = (sharding.tp, sharding.cp) if sharding is not None else (1, 1)
+        return cls(module.head, module.fp8, module.z_loss, bool(compile_), sharding, device, module.global_rank == 0, tp, cp)
 
     @property
     def ac(self) -> str:
@@ -66,7 +67,8 @@ class Plan:
         model = self._build(model)
         self._head(model)
         self._float8(model)
-        self._tensor_parallel(model)  # (context parallel, strategy.cp, lands here too: issue 60)
+        self._tensor_parallel(model)
+        self._context_parallel(model)
         self._checkpoint_activations(model)
         loss = self._compile(model, loss)
         if self.sharding is not None:
@@ -147,6 +149,23 @@ class Plan:
             said = (f"[lmtrain] tensor parallel: each block's products split over {self.tp} ranks (mesh {mesh.mesh_dim_names}): "
                     f"{local:,} parameters a rank before sharding")  # fmt: skip
             print(said, file=sys.stderr, flush=True)
+
+    def _context_parallel(self, model: nn.Module) -> None:
+        """Each sequence split over the ``cp`` ranks of the context-parallel mesh (lmtrain.nn.context): the network
+        computes its own share of each sequence's tokens (Decoder.set_context_parallel); FSDP2 shards over the
+        data-parallel and context-parallel ranks together."""
+        if self.cp == 1:
+            return
+        from lmtrain.nn.context import ContextParallel
+
+        if not hasattr(model, "set_context_parallel"):
+            name = type(model).__name__
+            raise InputError(f"strategy.cp={self.cp}: the model {name} cannot split a sequence (lmtrain.nn.model.Decoder can)")
+        mesh = self.sharding.context_parallel_mesh()
+        model.set_context_parallel(ContextParallel(mesh.get_group(), self.cp, mesh.get_local_rank()))
+        if self.rank0:
+            print(f"[lmtrain] context parallel: each sequence split over {self.cp} ranks (mesh {mesh.mesh_dim_names}), "
+                  "keys and values gathered", file=sys.stderr, flush=True)  # fmt: skip
 
     def _checkpoint_activations(self, model: nn.Module) -> None:
         if self.sharding is not None and not isinstance(model, LanguageModel):

@@ -327,9 +327,11 @@ def validate_config(cfg: DictConfig) -> None:
         head, fp8, form = fastpaths.read(module.get("head"), module.get("fp8"))
         problems += form or fastpaths.problems(head, fp8, model_cfg=model_cfg, precision=precision, device=device)
         if not form:
-            from lmtrain.training.layout import tensor_parallel_problems
+            from lmtrain.training.layout import context_parallel_problems, tensor_parallel_problems
 
-            problems += tensor_parallel_problems(Layout.of_config(cfg).tp, model_cfg, head.kind, fp8.recipe, fp8.fused_mlp)
+            layout = Layout.of_config(cfg)
+            problems += tensor_parallel_problems(layout.tp, model_cfg, head.kind, fp8.recipe, fp8.fused_mlp)
+            problems += context_parallel_problems(layout.cp, (cfg.get("data") or {}).get("seq_len"))
 
     ckpt = cfg.get("ckpt_path")
     if ckpt is not None and not os.path.exists(str(ckpt)):

@@ -84,3 +84,11 @@ def tensor_parallel_problems(tp: int, model_cfg, head_kind: str, fp8_recipe, fus
         out.append(f"module.fp8 with strategy.tp={tp}: float8 blocks under tensor parallel are not there yet (use speed=default)")
     return out
 
+
+
+def context_parallel_problems(cp: int, seq_len) -> list[str]:
+    """What ``strategy.cp`` cannot split, before any process starts: a sequence is cut into ``2 x cp`` chunks (each
+    rank one from the front and one from the back: lmtrain.nn.context), so ``data.seq_len`` must divide by it."""
+    if cp == 1 or not isinstance(seq_len, int) or seq_len % (2 * cp) == 0:
+        return []
+    return [f"strategy.cp={cp} cuts each sequence into {2 * cp} equal chunks: data.seq_len={seq_len} does not divide by {2 * cp}"]

@@ -120,35 +120,43 @@ def memory(
     muon_params: int = 0,
     tp: int = 1,
     tp_split: int = 0,
+    cp: int = 1,
 ) -> dict:
     """Bytes per GPU (see the module docstring): each term, and ``total``, the larger of the two peaks. ``muon_params``:
     the parameters whose state is Muon's one buffer instead of AdamW's two. ``tp``: tensor-parallel ranks (fsdp and
     hsdp): the ``tp_split`` parameters (the blocks' matrices, the column-split products' biases) split over them, every
     other parameter whole in each group,
     the groups sharded (fsdp over ``world / tp`` ranks, hsdp over one node's); activations by
-    :func:`block_activations`; the output head whole, its logits on every rank."""
+    :func:`block_activations`; the output head whole, its logits on every rank. ``cp``: context-parallel ranks (fsdp),
+    each holding ``seq / cp`` of every sequence's activations and logits, plus what attention gathers and keeps for
+    its backward pass, every block's keys and values of the whole sequence, and the mask of its queries against them
+    (one byte per pair); the groups shard with the data-parallel ranks (fsdp over ``world / tp``)."""
     if tp > 1 and strategy == "ddp":
         raise ValueError("strategy.tp splits layers under fsdp or hsdp, not ddp")
     shard = {"ddp": 1, "fsdp": world // tp, "hsdp": min(node, world) // tp}[strategy]
     local = params - tp_split * (1 - 1 / tp)  # a tensor-parallel rank's share before sharding
     split = local / params if params else 1.0
     L, d, V = cfg.n_layers, cfg.d_model, cfg.vocab_size
-    per_layer_full = block_activations(cfg, fp8, tp) * seq * batch * d
-    per_layer_saved = 2 * seq * batch * d
+    mine = seq / cp  # a context-parallel rank's tokens of each sequence
+    gathered = 2 * 2 * batch * seq * cfg.kv_heads * cfg.head_dim / tp if cp > 1 else 0  # bf16 keys and values, whole
+    per_layer_full = block_activations(cfg, fp8, tp) * mine * batch * d + gathered
+    per_layer_saved = 2 * mine * batch * d
     if ac == "none":
         act = L * per_layer_full
     elif ac == "full":
         act = L * per_layer_saved + per_layer_full
     elif ac == "op":  # of the 22: q, k, v, attention's output and the MLP's first product split, 6 whole
-        act = L * (6 + 16 / tp) * seq * batch * d + per_layer_full
+        act = L * ((6 + 16 / tp) * mine * batch * d + gathered) + per_layer_full
     else:
         act = math.ceil(L / 2) * per_layer_full + (L // 2) * per_layer_saved
+    if cp > 1:
+        act += batch * mine * seq  # the mask of this rank's queries against every key, kept for every block's backward
     out = {
         "weights": 4 * local / shard,
         "gradients": 4 * local / shard,
         "optimizer": (8 * params - 4 * muon_params) * split / shard,
         "activations": act,
-        "logits": 6 * batch * seq * V if not loss_chunk else 6 * min(loss_chunk, batch * seq) * V + 4 * (batch * seq + V) * cfg.emb_dim,
+        "logits": 6 * batch * mine * V if not loss_chunk else 6 * min(loss_chunk, batch * mine) * V + 4 * (batch * mine + V) * cfg.emb_dim,
     }
     always = out["weights"] + out["optimizer"]
     if strategy != "ddp":  # parameters gathered for compute: one block and the prefetched next one, or, with
@@ -199,12 +207,14 @@ def counted(cfg, gpus: int, node: int) -> dict:
     chunk = None if chunk_uncounted else chunk
     reshard = strategy_cfg.get("reshard_after_forward", True) is not False
     gbs = cfg.get("global_batch_size")
-    tp = strategy_cfg.get("tp") or 1  # the ranks of a tensor-parallel group read the same samples
-    dp = gpus // tp if isinstance(tp, int) and tp > 0 and gpus % tp == 0 else gpus
+    tp = strategy_cfg.get("tp") or 1  # the ranks of a tensor- and a context-parallel group read the same samples
+    cp = strategy_cfg.get("cp") or 1
+    group = tp * cp if isinstance(tp, int) and isinstance(cp, int) and tp > 0 and cp > 0 else 1
+    dp = gpus // group if gpus % group == 0 else gpus
     if gbs and gbs % (batch * dp):
         from lmtrain.training.config import ConfigError
 
-        ranks = f"cluster.gpus ({gpus}) / strategy.tp ({tp})" if dp != gpus else f"cluster.gpus ({gpus})"
+        ranks = f"cluster.gpus ({gpus}) / (strategy.tp x strategy.cp) ({group})" if dp != gpus else f"cluster.gpus ({gpus})"
         raise ConfigError(f"global_batch_size={gbs} is not a multiple of data.batch_size ({batch}) x {ranks} = {batch * dp}")
     accum = gbs // (batch * dp) if gbs else int(cfg.trainer.accumulate_grad_batches)
     nums = model_numbers(mcfg, seq)
@@ -213,6 +223,7 @@ def counted(cfg, gpus: int, node: int) -> dict:
     muon = str((cfg.get("optimizer") or {}).get("_target_", "")) == "lmtrain.nn.optim.MuonWithAdamW"  # its matrices: the blocks'
     return {
         "tp": tp if dp != gpus or tp == 1 else 1,
+        "cp": cp if dp != gpus or cp == 1 else 1,
         "muon_params": nums["block_linear_params"] if muon else 0,
         "mcfg": mcfg, "nums": nums, "seq": seq, "batch": batch, "chunk": chunk, "accum": accum, "fp8": fp8, "reshard": reshard,
         "float8_gathered": float8_gathered, "chunk_uncounted": chunk_uncounted, "fp8_recipe": fp8_cfg.recipe, "head": head_cfg.kind,
@@ -224,6 +235,7 @@ def breakdown(c: dict, strategy: str, gpus: int, node: int, ac: str) -> dict:
     return memory(
         c["mcfg"], c["nums"]["params"], c["seq"], c["batch"], strategy, gpus, node, ac, c["chunk"], c["accum"], c["fp8"], c["reshard"],
         c["float8_gathered"], c["muon_params"], c["tp"] if strategy != "ddp" else 1, c["nums"]["tp_split_params"],
+        c.get("cp", 1) if strategy == "fsdp" else 1,
     )  # fmt: skip
 
 

@@ -17,6 +17,8 @@ sharded checkpoints (PyTorch distributed checkpoint, one file per rank). Options
   norms, activation functions, rotary embedding and dropout, is recomputed; torchtitan's op-level selective mode);
 * compiled by ``module.compile``: ``torch.compile`` each block, and the output head with the loss;
 * ``tp``: tensor parallel, each block split over groups of ``tp`` ranks, the groups sharded (a 2-D mesh; 3-D under hsdp);
+* ``cp``: context parallel (fsdp), each sequence split over groups of ``cp`` ranks (lmtrain.nn.context), the data-parallel
+  and context-parallel ranks sharding together (a 3-D mesh: data, context, tensor parallel);
 * ``cpu_offload``: keep sharded parameters, gradients and optimizer state in host memory;
 * ``reshard_after_forward``: free gathered parameters after forward (less memory, one more all-gather); the
   last block keeps them either way, as its backward comes right after;
@@ -68,6 +70,12 @@ class FSDP2Strategy(ModelParallelStrategy):
             out.append(f"strategy.tp={tp!r} must be a positive number of ranks")
         elif world_size % tp:
             out.append(f"strategy.tp={tp} does not divide the world size {world_size} (trainer.devices x trainer.num_nodes)")
+        cp = options.get("cp", 1)
+        if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+            out.append(f"strategy.cp={cp!r} must be a positive number of ranks")
+        elif isinstance(tp, int) and tp >= 1 and world_size % (tp * cp):
+            world = f"the world size {world_size} (trainer.devices x trainer.num_nodes)"
+            out.append(f"strategy.cp={cp} x strategy.tp={tp} does not divide {world}")
         if on_cpu and options.get("cpu_offload"):
             out.append("strategy.cpu_offload=true needs GPUs: on CPU the parameters already live in host memory")
         mixed = str(precision) == "bf16-mixed" and options.get("mixed_precision", True)
@@ -89,9 +97,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         timeout_s: int = 1800,
         reduce_dtype: str = "float32",
         tp: int = 1,
+        cp: int = 1,
     ) -> None:
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise StrategyError(f"strategy.tp={tp!r} must be a positive number of ranks")
+        for key, value in (("tp", tp), ("cp", cp)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise StrategyError(f"strategy.{key}={value!r} must be a positive number of ranks")
         if reduce_dtype not in REDUCE_DTYPES:
             raise StrategyError(f"strategy.reduce_dtype={reduce_dtype!r}: use one of {list(REDUCE_DTYPES)}")
         if activation_checkpointing not in AC_MODES:
@@ -109,34 +119,59 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.cpu_offload = cpu_offload
         self.reshard_after_forward, self.init_device = reshard_after_forward, init_device
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
-        self.tp = tp
+        self.tp, self.cp = tp, cp
+        self._shard_mesh = None
 
     @classmethod
     def layout_for(cls, options: dict, *, world: int, devices) -> Layout:
         """The layout these options give ``world`` processes (lmtrain.training.layout): groups of ``tp`` ranks split
-        each layer (tensor parallel), and the groups shard."""
-        tp = options.get("tp") or 1
-        return Layout(shard=world // tp, tp=tp) if isinstance(tp, int) and world % tp == 0 else Layout(shard=world)
+        each layer (tensor parallel), groups of ``cp`` such groups each sequence (context parallel), and all of them
+        shard."""
+        tp, cp = options.get("tp") or 1, options.get("cp") or 1
+        if isinstance(tp, int) and isinstance(cp, int) and tp > 0 and cp > 0 and world % (tp * cp) == 0:
+            return Layout(shard=world // (tp * cp), tp=tp, cp=cp)
+        return Layout(shard=world)  # said by config_problems
 
     @property
     def layout(self) -> Layout:
-        return Layout(shard=self.world_size // self.tp, tp=self.tp)
+        return Layout(shard=self.world_size // (self.tp * self.cp), tp=self.tp, cp=self.cp)
 
     def tensor_parallel_mesh(self):
         """The mesh each layer is split over (strategy.tp > 1), the inner dimension of the device mesh."""
         return self.device_mesh["tensor_parallel"]
 
+    def context_parallel_mesh(self):
+        """The mesh each sequence is split over (strategy.cp > 1)."""
+        return self.device_mesh["context_parallel"]
+
     def setup_environment(self) -> None:
-        self._data_parallel_size = self.world_size_for_mesh()
-        super().setup_environment()
+        if self.cp == 1:
+            self._data_parallel_size = self.world_size_for_mesh()
+            super().setup_environment()
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # devices and the process group as ModelParallelStrategy sets them up, then a 3-D mesh ordered as the layout
+        # numbers the ranks (lmtrain.training.layout): (data parallel, context parallel, tensor parallel)
+        super(ModelParallelStrategy, self).setup_environment()
+        self._setup_distributed()
+        shape = (self.world_size // (self.cp * self.tp), self.cp, self.tp)
+        names = ("data_parallel", "context_parallel", "tensor_parallel")
+        self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
+        compat.set_module_device_mesh(self.lightning_module, self._device_mesh)
 
     def world_size_for_mesh(self) -> int:
         """The data-parallel size of the mesh: every process, in groups of ``tp``."""
         return self.num_nodes * self.num_processes // self.tp
 
     def shard_mesh(self):
-        """The mesh ``fully_shard`` gets: 1-D over every rank."""
-        return self.device_mesh["data_parallel"]
+        """The mesh ``fully_shard`` gets: 1-D over every rank of a tensor-parallel position (the data-parallel and,
+        under context parallel, the context-parallel ranks together: each holds its own share of the gradients)."""
+        if self.cp == 1:
+            return self.device_mesh["data_parallel"]
+        if self._shard_mesh is None:
+            self._shard_mesh = self.device_mesh["data_parallel", "context_parallel"]._flatten("data_context_parallel")
+        return self._shard_mesh
 
     # -- applied by lmtrain.training.assemble -----------------------------------------------------
     def shard(self, model: nn.Module, compiled: bool) -> nn.Module:
@@ -218,6 +253,8 @@ class HSDPStrategy(FSDP2Strategy):
     @classmethod
     def config_problems(cls, options: dict, *, precision: str, on_cpu: bool, world_size: int, devices) -> list[str]:
         out = super().config_problems(options, precision=precision, on_cpu=on_cpu, world_size=world_size, devices=devices)
+        if options.get("cp", 1) not in (1, None):
+            out.append(f"strategy.cp={options.get('cp')} under hsdp: context parallel runs under fsdp for now (strategy=fsdp)")
         tp = options.get("tp") or 1
         if not isinstance(tp, int) or tp < 1 or world_size % tp:
             return out  # said by the parent
@@ -249,7 +286,10 @@ class HSDPStrategy(FSDP2Strategy):
         timeout_s: int = 1800,
         reduce_dtype: str = "float32",
         tp: int = 1,
+        cp: int = 1,
     ) -> None:
+        if cp != 1:
+            raise StrategyError(f"strategy.cp={cp} under hsdp: context parallel runs under fsdp for now (strategy=fsdp)")
         super().__init__(  # by name: the parent's arguments are this one's, listed again so that config keys are checked
             mixed_precision=mixed_precision,
             activation_checkpointing=activation_checkpointing,
