@@ -37,6 +37,8 @@ def test_a_layout_counts_data_parallel_ranks_apart_from_tensor_and_context_paral
         (["strategy=hsdp", "trainer.devices=4", "strategy.shard_size=2"], Layout(replicate=2, shard=2)),
         (["strategy=hsdp", "trainer.devices=2", "trainer.num_nodes=3"], Layout(replicate=3, shard=2)),
         (["strategy=hsdp", "trainer.devices=4", "trainer.num_nodes=2", "strategy.tp=2"], Layout(replicate=2, shard=2, tp=2)),
+        (["strategy=fsdp", "trainer.devices=4", "strategy.cp=2"], Layout(shard=2, cp=2)),
+        (["strategy=fsdp", "trainer.devices=8", "strategy.cp=2", "strategy.tp=2"], Layout(shard=2, cp=2, tp=2)),
     ],
 )
 def test_the_config_s_layout_is_the_strategy_s(tmp_path, monkeypatch, overrides, want):
@@ -48,7 +50,8 @@ def test_the_config_s_layout_is_the_strategy_s(tmp_path, monkeypatch, overrides,
 def _plan(**given) -> Plan:
     head, fp8, problems = fastpaths.read(given.pop("head", None), None)
     assert not problems
-    return Plan(head=head, fp8=fp8, z_loss=given.pop("z_loss", 0.0), compile=False, sharding=None, device=torch.device("cpu"), rank0=False)
+    return Plan(head=head, fp8=fp8, z_loss=given.pop("z_loss", 0.0), compile=False, sharding=None, device=torch.device("cpu"), rank0=False,
+                cp=given.pop("cp", 1))  # fmt: skip
 
 
 def test_the_head_is_configured_through_what_the_model_declares():
@@ -68,6 +71,7 @@ def test_the_head_is_configured_through_what_the_model_declares():
     [
         ({"head": {"kind": "chunked"}}, "module.head.kind=chunked: the model Sequential has no chunked loss"),
         ({"z_loss": 1e-4}, "module.z_loss=0.0001: the model Sequential has no z-loss"),
+        ({"cp": 2}, r"strategy.cp=2: the model Sequential cannot split a sequence \(lmtrain.nn.model.Decoder can\)"),
     ],
 )
 def test_a_network_that_does_not_offer_what_an_option_needs_is_refused_naming_both(given, says):

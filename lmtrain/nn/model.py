@@ -470,8 +470,10 @@ class LanguageModel(nn.Module):
     float8, checkpointed, compiled and sharded on its own; ``final_norm``: the module whose input is the last block's
     output (its RMS is a divergence signal); :meth:`configure_head`: how the output head computes its loss;
     :meth:`head_loss`: that head and loss, compiled apart from the blocks under sharding; :meth:`init_weights`: the
-    seeded initialisation, run again on shards built on the meta device. LMModule trains any ``(B, T) -> (B, T, V)``
-    network; the options of ``module.head``, ``module.z_loss``, ``module.fp8`` and fsdp/hsdp need one of these."""
+    seeded initialisation, run again on shards built on the meta device; :meth:`tensor_parallel_plan` and
+    :meth:`set_context_parallel`: how it splits over tensor- and context-parallel ranks. LMModule trains any
+    ``(B, T) -> (B, T, V)`` network; the options of ``module.head``, ``module.z_loss``, ``module.fp8``, fsdp/hsdp, tp
+    and cp need one of these."""
 
     blocks: nn.ModuleList
 
@@ -495,6 +497,11 @@ class LanguageModel(nn.Module):
         """Prepare this network to be split over ``tp`` ranks and return the plan for
         ``torch.distributed.tensor.parallel.parallelize_module``: a style per module name. Raises ValueError naming
         what ``tp`` does not divide."""
+        raise NotImplementedError
+
+    def set_context_parallel(self, cp) -> None:
+        """Compute each sequence's loss split over ``cp``'s group (lmtrain.nn.context.ContextParallel), each rank its
+        own tokens."""
         raise NotImplementedError
 
 

@@ -158,7 +158,7 @@ class Plan:
             return
         from lmtrain.nn.context import ContextParallel
 
-        if not hasattr(model, "set_context_parallel"):
+        if not isinstance(model, LanguageModel):
             name = type(model).__name__
             raise InputError(f"strategy.cp={self.cp}: the model {name} cannot split a sequence (lmtrain.nn.model.Decoder can)")
         mesh = self.sharding.context_parallel_mesh()
