@@ -1,7 +1,7 @@
 """Context parallel (``strategy=fsdp strategy.cp=N``, issue 60) on CPU with gloo, real launches through train.py: each
 sequence split over the ranks of a context-parallel group, attention gathering the keys and values of the whole
 sequence, the data-parallel and context-parallel ranks sharding together. The per-step losses equal one process's with
-the document mask on (positions restarting per document, attention kept inside each), alone and with tensor parallel;
+the document mask on (positions restarting per document, attention kept inside each) and off, alone and with tensor parallel;
 a checkpoint continues exactly on another layout; what it cannot split is refused before any process starts."""
 
 from __future__ import annotations
@@ -87,3 +87,13 @@ def test_what_context_parallel_cannot_split_is_refused_before_launch(tmp_path, m
     cfg = make_cfg([a for a in TINY if not a.startswith("trainer.devices")] + overrides, tmp_path)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate_config(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_context_parallel_without_the_document_mask_trains_as_one_process(tmp_path, dataset_dir):
+    """The OPT family (learned positions, tied head), plain causal attention over the packed sequence: 2 ranks each
+    taking half of every sequence give one process's losses."""
+    want = _one_process(tmp_path / "one", dataset_dir)
+    _run(tmp_path, dataset_dir, "cp", "strategy=fsdp", "strategy.cp=2", "trainer.devices=2", "data.batch_size=8")
+    _close(_floats(tmp_path / "runs" / "cp"), want)
