@@ -38,20 +38,27 @@ def _start(args: list[str], cwd: Path, stderr=subprocess.PIPE) -> subprocess.Pop
     )
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+def _stuck(proc: subprocess.Popen, what: str) -> str:
+    """``what``, and where the still running ``proc`` was: stopped, its standard error's end (once, in CI, a run beside
+    the chaos soak saved no step 2 in 120 s that takes 14-20 s here, alone or beside it; its stderr was not kept)."""
+    proc.kill()
+    return f"{what}; the run's stderr:\n{(proc.communicate()[1] or '')[-3000:]}"
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, f"{path} did not appear"
+        assert time.monotonic() < deadline, _stuck(proc, f"{path} did not appear in {timeout:.0f} s")
         time.sleep(0.2)
 
 
-def _wait_training(run: Path, after: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+def _wait_training(run: Path, after: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     """Until this attempt has saved a checkpoint past step ``after``: it is training (its signal handlers are in place)."""
     deadline = time.monotonic() + timeout
     while not any(e["kind"] == "checkpoint" and e["step"] > after for e in logbook.read(run)):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "no checkpoint saved"
+        assert time.monotonic() < deadline, _stuck(proc, f"no checkpoint saved in {timeout:.0f} s")
         time.sleep(0.1)
 
 
