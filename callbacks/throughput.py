@@ -95,6 +95,7 @@ class Throughput(L.Callback, ReportsThroughput):
             # one read of the allocator's statistics (max_memory_allocated would read them all again for its one entry)
             stats = torch.cuda.memory_stats(pl_module.device)
             metrics["perf/max_memory_gib"] = stats.get("allocated_bytes.all.peak", 0) / 2**30
+            metrics["perf/max_reserved_gib"] = stats.get("reserved_bytes.all.peak", 0) / 2**30  # what the process holds
             retries = int(stats.get("num_alloc_retries", 0))
             metrics["perf/alloc_retries"] = retries
             if retries > self._retries_warned:

@@ -429,16 +429,17 @@ def test_the_peer_runs_train_one_model_on_one_recipe_and_a_misspelled_run_is_ref
 
     from lmtrain.nn.model import matmul_params
 
-    runs = ("lmtrain-1b", "lmtrain-125m", "lmtrain-1b-fp8", "olmo-1b", "olmo-125m-fp8")
+    runs = ("lmtrain-1b", "lmtrain-125m", "lmtrain-1b-fp8", "olmo-1b", "olmo-125m-fp8", "titan-1b", "titan-125m-fp8")
     calls = _record(PEERS / "run.sh", "", tmp_path, runs, env={"DATA": str(dataset_dir)})
     _validate_recorded(calls, "bench/peers/run.sh", tmp_path, _throughput())
     rows = _peers_module("rows")
     def named(argv):  # the recorder's files are not in the order of the calls: each run by its name
         return next(a.split("=", 1)[1] for a in argv if a.startswith("run_name=")) if "torchrun" != argv[0] else argv[-1].rsplit("/", 1)[1]
 
+
     by_name = {named(c): c for c in calls if c[0] == "torchrun" or any(a.endswith("/train.py") for a in c)}
     assert sorted(by_name) == sorted(runs), sorted(by_name)
-    trains, olmos = [by_name[r] for r in runs[:3]], [by_name[r] for r in runs[3:]]
+    trains, olmos, titans = [by_name[r] for r in runs[:3]], [by_name[r] for r in runs[3:5]], [by_name[r] for r in runs[5:]]
     for argv, shape in zip(trains, ("1b", "125m", "1b")):
         cfg = make_cfg(argv[argv.index(next(a for a in argv if a.endswith("/train.py"))) + 1 :], tmp_path)
         assert (cfg.data.seq_len, cfg.data.batch_size, cfg.trainer.max_steps, cfg.optimizer.lr) == (2048, 4, 30, 3e-4)
@@ -459,6 +460,18 @@ def test_the_peer_runs_train_one_model_on_one_recipe_and_a_misspelled_run_is_ref
         assert {k: flags[k] for k in ("--seq", "--batch", "--steps", "--lr", "--warmup")} == {
             "--seq": "2048", "--batch": "4", "--steps": "30", "--lr": "3e-4", "--warmup": "20"}  # fmt: skip
     assert "--fp8" in olmos[1] and "--fp8" not in olmos[0]
+    for argv, config in zip(titans, ("llama_1b", "llama_125m_fp8")):  # torchtitan's own entry point, our shapes' configs
+        assert argv[argv.index("-m") + 1 : argv.index("-m") + 6] == ["torchtitan.train", "--module", "bench.peers.titan_configs", "--config", config]
+        flags = dict(zip(argv[argv.index(config) + 1 :: 2], argv[argv.index(config) + 2 :: 2]))
+        assert {k: flags[k] for k in ("--training.local_batch_size", "--training.seq_len", "--training.steps")} == {
+            "--training.local_batch_size": "4", "--training.seq_len": "2048", "--training.steps": "30"}  # fmt: skip
+    titan = (PEERS / "titan_configs.py").read_text()  # the recipe, read from its source (torchtitan needs a GPU to build)
+    for want in ('"weight_decay": 0.0', '"weight_decay": 0.1', "betas=(0.9, 0.95)", 'decay_type="cosine", min_lr_factor=0.1',
+                 "warmup_steps=20", "max_norm=1.0", 'os.environ.get("PEER_LR", "3e-4")'):  # fmt: skip
+        assert want in titan, want
+    for shape, want in _peers_module("rows").SHAPES.items():
+        got = re.search(rf'"{shape}": dict\(dim=(\d+), n_layers=(\d+), .*vocab=(\d+)\)', titan).groups()
+        assert tuple(map(int, got)) == (want["d"], want["layers"], want["vocab"]), shape
     bad = subprocess.run(["bash", str(PEERS / "run.sh"), "lmtrain-1b", "olmo-2b"], env={**os.environ, "DATA": str(dataset_dir),
                          "OUT": str(tmp_path / "bad")}, capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 2 and "no shape '2b' in 'olmo-2b'" in bad.stderr and not (tmp_path / "bad" / "runs").exists(), bad.stderr

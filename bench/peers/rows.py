@@ -4,15 +4,18 @@
 
 - tokens/s: the tokens of the steps after the warm-up (``WARM``, 10) over their wall time; the trainer's own record
   of each step's time (lmtrain: ``perf/tokens_per_sec`` per step, a harmonic mean; OLMo-core: its console line's
-  time at the two ends, both steps where it collects its metrics, so the host has waited for the card there);
+  time at the two ends, both steps where it collects its metrics, so the host has waited for the card there;
+  torchtitan: its console lines' times at the two ends, steps where it reads the loss back);
 - MFU: one formula for all, lmtrain's (``6 N + 12 L d T`` FLOPs per token, N the parameters in matrix products: the
   embedding lookup is not one, an untied head is), over the card's dense bf16 peak;
-- peak memory: what the trainer reports as its peak (lmtrain: the allocator's peak, ``perf/max_memory_gib``; OLMo-core: its
-  monitor's active and reserved memory);
+- peak memory: what the trainer reports as its peak, live tensors and (in brackets) what the allocator held from the
+  card (lmtrain: ``perf/max_memory_gib``, ``perf/max_reserved_gib``; OLMo-core: its monitor's active and reserved
+  memory; torchtitan: its console's reserved memory);
 - time to the first step: from the launch (the harness's clock, before the interpreter starts) to the end of the
-  first step (OLMo-core: its first step's console line, in the machine's local time as ``launch_local``; lmtrain: the
+  first step (OLMo-core, torchtitan: the first step's console line, in the machine's local time as ``launch_local``; lmtrain: the
   attempt's start in its record, plus its start-up and first step from its goodput figures);
-- loss: the mean of the last 5 steps' training loss, at the tokens the row says.
+- loss: the mean of the training losses logged in the last 5 steps (torchtitan logs only the last), at the tokens
+  the row says.
 """
 
 from __future__ import annotations
@@ -59,6 +62,23 @@ def _olmo(log: str, warm: int, launch_local: str) -> dict:
             "peak": f"{mem.get('active', float('nan')):.1f} (reserved {mem.get('reserved', float('nan')):.1f})"}  # fmt: skip
 
 
+def _titan(log: str, warm: int, launch_local: str) -> dict:
+    """torchtitan's console: ``[titan] <date time,ms> - root - INFO - step: K  loss: ...  memory: R GiB(..%)  tps: ...``
+    at step 1 and every ``metrics.log_freq`` (10) steps; R is the card memory reserved since its previous line."""
+    times, loss, reserved = {}, {}, 0.0
+    for line in re.sub(r"\x1b\[[0-9;]*m", "", log).splitlines():
+        m = re.match(r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d+) .* - step:\s*(\d+)\s+loss:\s*([\d.]+).*memory:\s*([\d.]+)GiB", line)
+        if m:
+            step = int(m.group(3))
+            times[step] = dt.datetime.fromisoformat(f"{m.group(1)}.{m.group(2)}")
+            loss[step], reserved = float(m.group(4)), max(reserved, float(m.group(5)))
+    last = max(times)
+    a = warm if warm in times else min(s for s in times if s >= warm)
+    first = (times[min(times)] - dt.datetime.fromisoformat(launch_local)).total_seconds()
+    return {"first_s": first, "timed": (a, last), "seconds": (times[last] - times[a]).total_seconds(), "losses": loss,
+            "peak": f"- (reserved {reserved:.1f})"}  # fmt: skip
+
+
 def _lmtrain(run_dir: Path, warm: int, tokens_per_step: int, launch: float) -> dict:
     """lmtrain's run directory: metrics.jsonl (per-step ``perf/tokens_per_sec``, ``train/loss``; its first line the
     attempt's start, wall clock) and the goodput figures (start-up, the first step) logged at the end."""
@@ -72,9 +92,11 @@ def _lmtrain(run_dir: Path, warm: int, tokens_per_step: int, launch: float) -> d
     last = max(tps)
     good = next(m for s, m in sorted(per.items(), reverse=True) if "goodput/startup_s" in m)
     peak = max((m["perf/max_memory_gib"] for m in per.values() if "perf/max_memory_gib" in m), default=float("nan"))
+    held = max((m["perf/max_reserved_gib"] for m in per.values() if "perf/max_reserved_gib" in m), default=None)
     return {"first_s": start + good["goodput/startup_s"] + good["goodput/first_steps_s"] - launch, "timed": (warm, last),
             "seconds": sum(tokens_per_step / tps[s] for s in range(warm + 1, last + 1)),
-            "losses": {s: m["train/loss"] for s, m in per.items() if "train/loss" in m}, "peak": f"{peak:.1f}"}  # fmt: skip
+            "losses": {s: m["train/loss"] for s, m in per.items() if "train/loss" in m},
+            "peak": f"{peak:.1f}" + (f" (reserved {held:.1f})" if held is not None else "")}  # fmt: skip
 
 
 def row(out: Path, name: str) -> str:
@@ -83,13 +105,16 @@ def row(out: Path, name: str) -> str:
     tokens_per_step = meta["batch"] * meta["seq"]
     if meta["trainer"] == "olmo-core":
         got = _olmo(log, meta["warm"], meta["launch_local"])
+    elif meta["trainer"] == "torchtitan":
+        got = _titan(log, meta["warm"], meta["launch_local"])
     else:
         got = _lmtrain(Path(meta["run_dir"]), meta["warm"], tokens_per_step, meta["launch"])
     a, b = got["timed"]
     tokens_per_s = tokens_per_step * (b - a) / got["seconds"]
     peak = next((v for k, v in PEAKS.items() if k in meta["card"]), None)
     mfu = f"{100 * tokens_per_s * flops_per_token(meta['shape'], meta['seq']) / peak:.1f}%" if peak else "-"
-    tail = [got["losses"][s] for s in sorted(got["losses"])[-5:]]
+    last = max(got["losses"], default=0)
+    tail = [got["losses"][s] for s in sorted(got["losses"]) if s > last - 5]  # those logged in the last 5 steps
     loss = f"{sum(tail) / len(tail):.3f} at {tokens_per_step * max(got['losses']):,} tokens" if tail else "-"
     return (f"| {meta['card']} | {meta['trainer']} {meta.get('version', '')} | {meta['shape']}{' fp8' if meta.get('fp8') else ''} | "
             f"{meta['batch']} x {meta['seq']} | {a + 1}-{b} | {tokens_per_s:,.0f} | {mfu} | {got['peak']} | {got['first_s']:.0f} s | {loss} |")  # fmt: skip

@@ -3,7 +3,7 @@
 # hyperparameters, each trainer with its own trainer loop and its own best one-GPU settings (issue 59,
 # docs/BENCHMARKS.md). A run is named TRAINER-SHAPE[-fp8]:
 #
-#   DATA=DATASET OUT=DIR bash bench/peers/run.sh lmtrain-1b olmo-1b lmtrain-125m olmo-125m lmtrain-1b-fp8 olmo-1b-fp8
+#   DATA=DATASET OUT=DIR bash bench/peers/run.sh lmtrain-1b olmo-1b titan-1b lmtrain-1b-fp8 olmo-1b-fp8 titan-1b-fp8
 #   python3 bench/peers/rows.py DIR                      # the table: tokens/s, MFU, peak memory, first step, loss
 #
 # DATASET: an lmtrain prepared dataset (python -m lmtrain.data.prepare), read as it is by every trainer. Shapes:
@@ -15,7 +15,9 @@
 #
 # lmtrain is run as a user types it (train.py, trainer=gpu: compiled, fused AdamW); OLMo-core by bench/peers/olmo_train.py
 # after its own Llama example (its model compiled, FSDP wrapper with bf16 parameters, fused AdamW; with -fp8 its
-# cookbook's torchao float8). A peer's packages come from PEER_PATH (put before PYTHONPATH for the peer's runs only).
+# cookbook's torchao float8); torchtitan by its own `torchtitan.train` with bench/peers/titan_configs.py (its Llama 3
+# model and parallelize function: compiled, FSDP over one rank, fused AdamW, chunked loss; with -fp8 its float8
+# converter). A peer's packages come from OLMO_PATH or TITAN_PATH (put before PYTHONPATH for its runs only).
 set -uo pipefail
 : "${DATA:?an lmtrain prepared dataset}"
 OUT=${OUT:-/tmp/peers}
@@ -41,7 +43,7 @@ export SEQ B WARM CARD OUT
 
 for run in "${@:?name the runs: lmtrain-1b olmo-1b ...}"; do  # every name checked before anything runs
   IFS=- read -r trainer shape fp8 <<< "$run"
-  case "$trainer" in lmtrain|olmo) ;; *) echo "bench/peers/run.sh: no trainer '$trainer' in '$run' (lmtrain or olmo)" >&2; exit 2 ;; esac
+  case "$trainer" in lmtrain|olmo|titan) ;; *) echo "bench/peers/run.sh: no trainer '$trainer' in '$run' (lmtrain, olmo or titan)" >&2; exit 2 ;; esac
   case "$shape" in 1b|125m) ;; *) echo "bench/peers/run.sh: no shape '$shape' in '$run' (1b or 125m)" >&2; exit 2 ;; esac
   [ -z "$fp8" ] || [ "$fp8" = fp8 ] || { echo "bench/peers/run.sh: '$run': only -fp8 may follow the shape" >&2; exit 2; }
 done
@@ -58,9 +60,15 @@ for run in "$@"; do
     ;;
   olmo)
     m=$([ "$shape" = 1b ] && echo "--model llama3_1B --vocab 128256" || echo "--model llama_125M --vocab 50304")
-    launch "$run" olmo-core "$(PYTHONPATH=${PEER_PATH:-}:${PYTHONPATH:-} python3 -c 'import importlib.metadata as m; print(m.version("ai2-olmo-core"))' 2>/dev/null)" "$shape" "$f"
-    PYTHONPATH=${PEER_PATH:-}:${PYTHONPATH:-} torchrun --standalone --nproc-per-node 1 "$HERE/bench/peers/olmo_train.py" "$DATA" $m \
+    launch "$run" olmo-core "$(PYTHONPATH=${OLMO_PATH:-}:${PYTHONPATH:-} python3 -c 'import importlib.metadata as m; print(m.version("ai2-olmo-core"))' 2>/dev/null)" "$shape" "$f"
+    PYTHONPATH=${OLMO_PATH:-}:${PYTHONPATH:-} torchrun --standalone --nproc-per-node 1 "$HERE/bench/peers/olmo_train.py" "$DATA" $m \
       --seq "$SEQ" --batch "$B" --steps "$STEPS" --lr "$LR" --warmup 20 $([ "$f" = 1 ] && echo --fp8) --out "$OUT/runs/$run" > "$OUT/$run.log" 2>&1
+    ;;
+  titan)
+    launch "$run" torchtitan "$(PYTHONPATH=${TITAN_PATH:-}:${PYTHONPATH:-} python3 -c 'import importlib.metadata as m; print(m.version("torchtitan"))' 2>/dev/null)" "$shape" "$f"
+    PEER_DATASET="$DATA" PEER_LR="$LR" PYTHONPATH=${TITAN_PATH:-}:$HERE:${PYTHONPATH:-} torchrun --standalone --nproc-per-node 1 \
+      -m torchtitan.train --module bench.peers.titan_configs --config "llama_$shape$([ "$f" = 1 ] && echo _fp8)" \
+      --training.local_batch_size "$B" --training.seq_len "$SEQ" --training.steps "$STEPS" --dump_folder "$OUT/runs/$run" > "$OUT/$run.log" 2>&1
     ;;
   esac
   echo "$run: exit $?"
