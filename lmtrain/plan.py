@@ -55,8 +55,9 @@ def communication(c: dict, strategy: str, gpus: int, node: int, tp: int, accumul
     """Bytes each GPU sends per optimizer step, by ring collectives ((n - 1) / n of the data each way): ``sharding``,
     per micro-batch two all-gathers of the bf16 parameters (forward and backward) and one reduce-scatter of the fp32
     gradients over the shard group, and under hsdp an all-reduce of the gradient shards across replicas; ``tensor``,
-    per micro-batch four all-reduces of a block's bf16 output (batch x seq x d_model) per block under ``tp``, the
-    traffic of a tensor-parallel group, kept within a node; ``context``, per micro-batch under ``cp`` an all-gather of
+    per micro-batch and block under ``tp`` two all-gathers of the sequence-split input of a branch and two
+    reduce-scatters of its output (bf16, batch x seq x d_model), each way: the bytes of four all-reduces, the traffic
+    of a tensor-parallel group, kept within a node; ``context``, per micro-batch under ``cp`` an all-gather of
     every block's keys and values in the forward pass and a reduce-scatter of their gradients in the backward."""
     nums, mcfg, seq, batch = c["nums"], c["mcfg"], c["seq"], c["batch"]
     local = nums["params"] - nums["tp_split_params"] * (1 - 1 / tp)

@@ -352,48 +352,49 @@ def test_the_training_configs_checks_see_the_clusters_world_size(capsys):
 
 def test_tensor_parallel_splits_the_blocks_products_and_their_activations(capsys):
     """``strategy.tp``: a block's matrices split over the tensor-parallel ranks, every other parameter whole in each
-    group, the groups sharded (fsdp over gpus / tp); activations as Korthikanti et al.'s 10 + 24/t per layer for an
-    OPT block (no sequence parallelism: the norms' and products' inputs stay whole); the all-reduces of the blocks'
-    outputs counted as traffic inside the group; ddp, which cannot split layers, has no row."""
+    group but the embedding and the head, split by vocabulary, the groups sharded (fsdp over gpus / tp); activations as
+    Korthikanti et al.'s 34/t per layer for an OPT block with sequence parallelism, and the logits split; the
+    gathers and reduce-scatters of the blocks' branches counted as traffic inside the group (the bytes of four
+    all-reduces a block); ddp, which cannot split layers, has no row."""
     from lmtrain.formats.presets import preset
 
-    assert [block_activations(preset("opt-1.3b"), tp=t) for t in (1, 2, 4, 8)] == [34, 22, 16, 13]
+    assert [block_activations(preset("opt-1.3b"), tp=t) for t in (1, 2, 4, 8)] == [34, 17, 8.5, 4.25]
     args = ["model=llama-7b", "data.seq_len=4096", "data.batch_size=2", "cluster.gpus=8"]
     one, two = _plan(capsys, *args), _plan(capsys, *args, "strategy=fsdp", "strategy.tp=2")
     assert "ddp" not in two["memory_gb_per_gpu"] and two["tp"] == 2 and one["tp"] == 1
     nums = model_numbers(preset("llama-7b"), 4096)
     local = nums["params"] - nums["tp_split_params"] / 2  # a tensor-parallel rank's share (llama: no biases)
-    assert nums["tp_split_params"] == nums["block_linear_params"]
+    assert nums["tp_split_params"] == nums["block_linear_params"] + 2 * 32000 * 4096  # and its untied embedding and head
     m1, m2 = one["memory_gb_per_gpu"]["fsdp"]["none"], two["memory_gb_per_gpu"]["fsdp"]["none"]
     assert m2["weights"] == pytest.approx(4 * local / 4 / GB) and m1["weights"] == pytest.approx(4 * nums["params"] / 8 / GB)
     assert m2["activations"] == pytest.approx(m1["activations"] * block_activations(preset("llama-7b"), tp=2) / 37.5)
-    assert m2["logits"] == m1["logits"]  # the output head is whole on every rank
+    assert m2["logits"] == pytest.approx(m1["logits"] / 2)  # the output head split by vocabulary
     comm = two["communication_gb_per_step"]["fsdp"]
-    assert comm["tensor"] == pytest.approx(32 * 4 * 2 * (1 / 2) * 2 * 2 * 4096 * 4096 / GB)  # 4 all-reduces a block
+    assert comm["tensor"] == pytest.approx(32 * 4 * 2 * (1 / 2) * 2 * 2 * 4096 * 4096 / GB)  # the bytes of 4 all-reduces a block
     assert comm["sharding"] == pytest.approx(3 / 4 * 8 * local / GB) and one["communication_gb_per_step"]["fsdp"]["tensor"] == 0
 
 
 def test_the_suggested_layout_is_the_fewest_model_splitting_ranks_that_fit_and_plans_as_suggested(capsys):
     """`lmtrain plan` suggests sharding alone with the least recomputation while it fits, then the fewest ranks splitting
     each layer (tp, within a node) or each sequence (cp), of equal numbers the one that sends the least: llama-7b at
-    32K on 8 GPUs: 80 GB cards need neither; 34 GB ones tp 2 (cp 2 fits too but sends more); 32 GB ones cp 2 (tp 2
-    no longer fits: the saved block inputs and the logits stay whole under tp); 20 GB ones both. The suggestion's
-    overrides are a training config that validates and plans to the same memory."""
+    32K on 8 GPUs: 80 GB cards need neither; 34 and 32 GB ones tp 2 (cp 2 fits too but sends more); 24 GB ones
+    both; 20 GB ones cp 4 (tp 2 x cp 2 no longer fits: the whole weights of a context-parallel group are the larger
+    share there). The suggestion's overrides are a training config that validates and plans to the same memory."""
     args = ["model=llama-7b", "model.max_seq_len=32768", "data.seq_len=32768", "data.batch_size=1", "cluster.gpus=8"]
-    got = {gb: _plan(capsys, *args, f"cluster.memory_gb={gb}")["suggested_layout"] for gb in (80, 34, 32, 24, 12)}
+    got = {gb: _plan(capsys, *args, f"cluster.memory_gb={gb}")["suggested_layout"] for gb in (80, 34, 32, 24, 20, 12)}
     assert got[80]["overrides"] == "strategy=fsdp strategy.activation_checkpointing=full", got[80]
-    assert got[34]["overrides"] == "strategy=fsdp strategy.tp=2 strategy.activation_checkpointing=full", got[34]
-    assert got[32]["overrides"] == "strategy=fsdp strategy.cp=2 strategy.activation_checkpointing=full", got[32]
+    assert got[34]["overrides"] == got[32]["overrides"] == "strategy=fsdp strategy.tp=2 strategy.activation_checkpointing=full", got[32]
     assert (got[24]["tp"], got[24]["cp"]) == (2, 2) and got[12] is None, (got[24], got[12])
-    cp = got[32]["communication_gb_per_step"]["context"]
-    assert cp == pytest.approx(32 * 2 * (1 / 2) * 2 * 2 * 32768 * 8 * 128 / GB * 4)  # keys and values of 32 heads of 128
-    for gb in (80, 34, 32, 24):
+    assert got[20]["overrides"] == "strategy=fsdp strategy.cp=4 strategy.activation_checkpointing=full", got[20]
+    cp = got[20]["communication_gb_per_step"]["context"]
+    assert cp == pytest.approx(32 * 2 * (3 / 4) * 2 * 2 * 32768 * 32 * 128 / GB)  # keys and values of 32 heads of 128
+    for gb in (80, 34, 32, 24, 20):
         again = _plan(capsys, *args, f"cluster.memory_gb={gb}", *got[gb]["overrides"].split())
         lay = got[gb]
         assert again["memory_gb_per_gpu"][lay["strategy"]][lay["activation_checkpointing"]]["total"] == pytest.approx(lay["memory_gb_per_gpu"])
         assert again["suggested_layout"] == lay
     out = subprocess.run([sys.executable, "-m", "lmtrain.plan", *args, "cluster.memory_gb=34"], capture_output=True, text=True, check=True).stdout
-    assert "suggested layout on 8 GPUs: strategy=fsdp strategy.tp=2 strategy.activation_checkpointing=full: 28.87 GB per GPU" in out, out
+    assert "suggested layout on 8 GPUs: strategy=fsdp strategy.tp=2 strategy.activation_checkpointing=full: 24.78 GB per GPU" in out, out
     # across nodes hsdp first (its gathers stay in a node) when it fits
     many = _plan(capsys, "model=opt-1.3b", "data.seq_len=1024", "data.batch_size=16", "cluster.gpus=16")["suggested_layout"]
     assert many["overrides"] == "strategy=hsdp strategy.activation_checkpointing=none", many

@@ -87,9 +87,11 @@ def test_data_parallel_2_x_tensor_parallel_2_trains_as_one_process_and_resumes_o
 @pytest.mark.distributed
 def test_grouped_query_attention_and_qk_norm_split_over_two_ranks_train_as_one_process(tmp_path, dataset_dir):
     """The llama family with 2 key-value heads for 4 query heads and QK-norm (whose weights see each rank's own heads:
-    their gradients summed over the ranks), split over 2 ranks: one process's losses."""
-    want = _one_process(tmp_path / "one", dataset_dir, *LLAMA)
-    _run(tmp_path, dataset_dir, "tp", "strategy=fsdp", "strategy.tp=2", "trainer.devices=2", "data.batch_size=8", *LLAMA)
+    their gradients summed over the ranks), an untied head split by vocabulary and a z-loss (its log-partition over
+    the split logits), split over 2 ranks: one process's losses."""
+    z = "module.z_loss=1e-3"
+    want = _one_process(tmp_path / "one", dataset_dir, *LLAMA, z)
+    _run(tmp_path, dataset_dir, "tp", "strategy=fsdp", "strategy.tp=2", "trainer.devices=2", "data.batch_size=8", *LLAMA, z)
     _close(_floats(tmp_path / "runs" / "tp"), want)
 
 

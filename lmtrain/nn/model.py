@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from lmtrain.nn.context import ContextParallel, ContextSplit
@@ -546,32 +547,42 @@ class Decoder(LanguageModel):
         self.loss_chunk_tokens, self.loss_kernel, self.z_loss = chunk_tokens, kernel, float(z_loss)
 
     def tensor_parallel_plan(self, tp: int) -> dict:
-        """Megatron's split: in each block the query, key and value products (and the MLP's first ones) by output
-        features, each rank computing its own heads, and the attention's and the MLP's output products by input
-        features, their partial sums added over the ranks once per branch; the norms, the embeddings and the output
-        head whole on every rank (lmtrain.nn.parallel.Replicated). The fused ``qkv`` and ``gate_up`` are unfused
-        first (their rows hold the heads in an order no even split keeps)."""
-        from torch.distributed.tensor import Shard
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+        """Megatron's split with sequence parallelism (torchtitan's plan): in each block the query, key and value
+        products (and the MLP's first ones) split by output features, each rank computing its own heads, and the
+        attention's and the MLP's output products by input features, their partial sums reduce-scattered over the
+        sequence; between the products the residual stream and the norms are split by sequence, gathered whole
+        before each branch. The embedding and the output head are split by vocabulary (lmtrain.nn.parallel), the
+        loss computed on the split logits; positional embeddings and the projections around a factorised embedding
+        whole on every rank. The fused ``qkv`` and ``gate_up`` are unfused first (their rows hold the heads in an
+        order no even split keeps)."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-        from lmtrain.nn.parallel import Replicated
+        from lmtrain.nn.parallel import Replicated, VocabColumns, VocabRows
 
         c = self.cfg
         if undivided := c.undivided_by(tp):
             raise ValueError(f"tensor parallel over {tp} ranks splits heads and MLP features: it does not divide {undivided}")
-        shared: dict = {}
-        whole = ["tok_emb", "norm", "lm_head", *(n for n in ("pos_emb", "proj_in", "proj_out") if getattr(self, n) is not None)]
-        plan = {name: Replicated(shared=shared) for name in whole}
+        shared: dict = {}  # a tied embedding and head: one parameter
+        seq = Shard(1)  # the residual stream between the branches: each rank its part of every sequence
+        plan = {"lm_head": VocabColumns(shared), "tok_emb": VocabRows(shared), "norm": Replicated(seq, shared)}
+        plan |= {n: Replicated(shared=shared) for n in ("pos_emb", "proj_in") if getattr(self, n) is not None}
+        if self.proj_out is not None:
+            plan["proj_out"] = Replicated(seq, shared)
+        whole, split = (Replicate(), None, None), (seq, None, None)
+        plan["blocks.0"] = PrepareModuleInput(input_layouts=whole, desired_input_layouts=split, use_local_output=True)
         for i, block in enumerate(self.blocks):
             at = f"blocks.{i}."
             block.attn.unfuse()
             block.mlp.unfuse()
-            plan |= {at + "attn_norm": Replicated(shared=shared), at + "mlp_norm": Replicated(shared=shared)}
-            plan |= {at + f"attn.{n}": ColwiseParallel() for n in ("q", "k", "v")} | {at + "attn.proj": RowwiseParallel()}
+            plan |= {at + "attn_norm": Replicated(seq, shared), at + "mlp_norm": Replicated(seq, shared)}
+            plan[at + "attn"] = PrepareModuleInput(input_layouts=split, desired_input_layouts=whole, use_local_output=True)
+            plan |= {at + f"attn.{n}": ColwiseParallel() for n in ("q", "k", "v")} | {at + "attn.proj": RowwiseParallel(output_layouts=seq)}
             if c.qk_norm:  # over each of this rank's heads (B, H / tp, T, hd): their weights' gradients summed over the ranks
                 plan |= {at + f"attn.{n}": Replicated(Shard(1), shared) for n in ("q_norm", "k_norm")}
+            plan[at + "mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True)
             plan |= {at + f"mlp.{n}": ColwiseParallel() for n in (("gate", "up") if block.mlp.swiglu else ("up",))}
-            plan |= {at + "mlp.down": RowwiseParallel()}
+            plan |= {at + "mlp.down": RowwiseParallel(output_layouts=seq)}
             block.attn.n_heads, block.attn.kv_heads = c.n_heads // tp, c.kv_heads // tp  # this rank's
         return plan
 
@@ -670,7 +681,8 @@ class Decoder(LanguageModel):
             return self.head_loss(hidden, targets[:, mine])
         hidden = self.hidden_states(idx, doc)
         if targets is None:
-            return self.lm_head(hidden)  # (B, T, V)
+            logits = self.lm_head(hidden)  # (B, T, V)
+            return logits.full_tensor() if isinstance(logits, DTensor) else logits  # split by vocabulary under tp
         return self.head_loss(hidden, targets)
 
     def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -680,7 +692,12 @@ class Decoder(LanguageModel):
         (``module.loss_chunk_tokens``), computed that many tokens at a time (lmtrain.nn.loss), its products in float8 with
         ``loss_float8``; with ``loss_kernel`` set to a
         function (``module.loss_kernel``: lmtrain.training.kernels), by that fused kernel. With ``z_loss`` set, each
-        returns :func:`lmtrain.nn.loss.with_z_loss`'s (objective, cross-entropy, z) instead of the mean."""
+        returns :func:`lmtrain.nn.loss.with_z_loss`'s (objective, cross-entropy, z) instead of the mean. Under tensor
+        parallel (:meth:`tensor_parallel_plan`) the head is split by vocabulary and so is the loss."""
+        if isinstance(self.lm_head.weight, DTensor):
+            from lmtrain.nn.parallel import vocab_parallel_cross_entropy
+
+            return vocab_parallel_cross_entropy(self.lm_head(hidden), targets, self.z_loss)
         if self.loss_kernel is not None:
             if self.z_loss:
                 return self.loss_kernel(hidden.flatten(0, 1), self.lm_head.weight, targets.flatten(), z_loss=self.z_loss)

@@ -1,13 +1,17 @@
-"""Tensor parallelism's one piece that PyTorch lacks, for lmtrain.nn.model.Decoder.tensor_parallel_plan: the modules
-every tensor-parallel rank holds whole. Pure PyTorch (``torch.distributed.tensor``); lmtrain.training.assemble
-applies the plan on the run's tensor-parallel mesh."""
+"""Tensor parallelism's pieces that PyTorch lacks, for lmtrain.nn.model.Decoder.tensor_parallel_plan: the modules
+every tensor-parallel rank holds whole, the embedding and output head split by vocabulary with a tied weight kept one,
+and the cross-entropy of logits split by vocabulary. Pure PyTorch (``torch.distributed.tensor``);
+lmtrain.training.assemble applies the plan on the run's tensor-parallel mesh."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 
 class Replicated(ParallelStyle):
@@ -45,3 +49,64 @@ class Replicated(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return distribute_module(module, device_mesh, self._partition, self._inputs, self._outputs)
 
+
+
+def _share(shared: dict, module: nn.Module, mesh, placement: Placement) -> None:
+    """``module``'s own parameters as DTensors with ``placement``, the one already made for a parameter it shares."""
+    for pname, p in list(module.named_parameters(recurse=False)):
+        if id(p) not in shared:
+            shared[id(p)] = nn.Parameter(distribute_tensor(p.data, mesh, [placement]), requires_grad=p.requires_grad)
+        module.register_parameter(pname, shared[id(p)])
+
+
+class VocabRows(RowwiseParallel):
+    """The token embedding split by vocabulary rows (each rank looks up the ids in its rows, the others' zero), its
+    output summed over the ranks whole; a weight tied to the output head stays one parameter (``shared``)."""
+
+    def __init__(self, shared: dict) -> None:
+        super().__init__(input_layouts=Replicate(), output_layouts=Replicate())
+        self.shared = shared
+
+    def _partition_embedding_fn(self, name, module, device_mesh):
+        _share(self.shared, module, device_mesh, Shard(0))
+
+
+class VocabColumns(ColwiseParallel):
+    """The output head split by vocabulary: its input the sequence-split hidden states (gathered), its output the
+    logits as a DTensor split by vocabulary, for :func:`vocab_parallel_cross_entropy`."""
+
+    def __init__(self, shared: dict) -> None:
+        super().__init__(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+        self.shared = shared
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        _share(self.shared, module, device_mesh, Shard(0))
+
+
+_LOSS_PARALLEL = contextlib.ExitStack()
+
+
+def vocab_parallel_cross_entropy(logits: DTensor, targets: torch.Tensor, z_loss: float = 0.0):
+    """Mean next-token cross-entropy of logits split by vocabulary over the tensor-parallel ranks, without gathering
+    them (PyTorch's ``loss_parallel``: each rank's log-softmax over its columns, one all-reduce of the maxima and one
+    of the sums), returned as plain tensors, the same on every rank; with ``z_loss``, the parts of
+    lmtrain.nn.loss.with_z_loss, the log-partition computed the same way.
+
+    ``loss_parallel``'s operators must also be there when the backward pass runs, which the trainer starts outside
+    any model code: they are registered once for the process, here, and stay (they apply only to the log-softmax and
+    the negative log-likelihood of DTensors, which only this head computes)."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from lmtrain.nn.loss import IGNORE_INDEX, with_z_loss
+
+    if not _LOSS_PARALLEL._exit_callbacks:
+        _LOSS_PARALLEL.enter_context(loss_parallel())
+    x, t = logits.flatten(0, -2).float(), targets.flatten()
+    ce = F.cross_entropy(x, t).to_local()
+    if not z_loss:
+        return ce
+    m = x.detach().amax(-1, keepdim=True)  # the maxima, all-reduced: a shift for a stable sum
+    lse = ((x - m).exp().sum(-1).log() + m.squeeze(-1)).to_local()
+    valid = t != IGNORE_INDEX
+    z = torch.where(valid, lse.square(), 0.0).sum() / valid.sum().clamp(min=1)
+    return with_z_loss(ce, z, z_loss)

@@ -78,10 +78,12 @@ def _numbers_of(model_cfg, seq_len: int) -> dict:
         "matmul_params": matmul_params(model),
         # the weights FSDP gathers in float8 with module.fp8.recipe=tensorwise (every linear layer inside the blocks)
         "block_linear_params": sum(m.weight.numel() for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)),
-        # what tensor parallel splits (Decoder.tensor_parallel_plan): those weights, and the biases of the column-split
-        # products (every one but attention's output projection and the MLP's down projection, split by rows)
+        # what tensor parallel splits (Decoder.tensor_parallel_plan): those weights, the biases of the column-split
+        # products (every one but attention's output projection and the MLP's down projection, split by rows), and the
+        # embedding and the output head (split by vocabulary; one tensor when tied)
         "tp_split_params": sum(m.weight.numel() + (m.bias.numel() if m.bias is not None and not n.endswith(("attn.proj", "mlp.down")) else 0)
-                               for n, m in model.blocks.named_modules() if isinstance(m, torch.nn.Linear)),  # fmt: skip
+                               for n, m in model.blocks.named_modules() if isinstance(m, torch.nn.Linear))
+                           + model.tok_emb.weight.numel() + (0 if model_cfg.tie_embeddings else model.lm_head.weight.numel()),  # fmt: skip
         "flops_per_token": flops_per_token(model, seq_len),
     }
 
@@ -94,13 +96,14 @@ def block_activations(cfg, fp8: bool = False, tp: int = 1) -> float:
     8 f/d (the gate and up products, silu's output and their product: 37.5 for llama-7b, whose rows the 34 undercounted
     by up to 5%). ``module.fp8.recipe``: the four products keep their inputs in float8, one byte instead of two, 3 + f/d less
     (7 at f = 4d). Checkpointing by operator keeps the products' bf16 outputs and recomputes the casts, so its 22 stay.
-    ``tp``: split over that many tensor-parallel ranks (Korthikanti et al.'s 10 + 24/t for an OPT block, without
-    sequence parallelism): q, k, v, attention's output and the MLP's inner activations are split, the norms' and
-    products' inputs and the dropout masks are whole on every rank."""
+    ``tp``: split over that many tensor-parallel ranks with sequence parallelism (Korthikanti et al.'s 34/t for an
+    OPT block): q, k, v, attention's output and the MLP's inner activations split by heads and features, the norms'
+    inputs, the products' gathered inputs (kept as each rank's part of the sequence) and the dropout masks by
+    sequence."""
     f = cfg.hidden_dim / cfg.d_model
     whole = 8 + (0 if cfg.family == "llama" else 2) - (2 if fp8 else 0)  # the norms' inputs 4, the two inputs 2 + 2 (masks 2)
     split = 8 + (8 * f if cfg.family == "llama" else 4 * f) - (1 + f if fp8 else 0)  # q, k, v, output 8; the MLP's inside
-    return whole + split / tp
+    return (whole + split) / tp
 
 
 def memory(
@@ -127,7 +130,7 @@ def memory(
     hsdp): the ``tp_split`` parameters (the blocks' matrices, the column-split products' biases) split over them, every
     other parameter whole in each group,
     the groups sharded (fsdp over ``world / tp`` ranks, hsdp over one node's); activations by
-    :func:`block_activations`; the output head whole, its logits on every rank. ``cp``: context-parallel ranks (fsdp),
+    :func:`block_activations`; the output head split by vocabulary, and its logits. ``cp``: context-parallel ranks (fsdp),
     each holding ``seq / cp`` of every sequence's activations and logits, plus what attention gathers and keeps for
     its backward pass, every block's keys and values of the whole sequence, and the mask of its queries against them
     (one byte per pair); the groups shard with the data-parallel ranks (fsdp over ``world / tp``)."""
@@ -145,8 +148,8 @@ def memory(
         act = L * per_layer_full
     elif ac == "full":
         act = L * per_layer_saved + per_layer_full
-    elif ac == "op":  # of the 22: q, k, v, attention's output and the MLP's first product split, 6 whole
-        act = L * ((6 + 16 / tp) * mine * batch * d + gathered) + per_layer_full
+    elif ac == "op":  # the 22 the products keep, split over the tensor-parallel ranks
+        act = L * (22 / tp * mine * batch * d + gathered) + per_layer_full
     else:
         act = math.ceil(L / 2) * per_layer_full + (L // 2) * per_layer_saved
     if cp > 1:
@@ -156,7 +159,7 @@ def memory(
         "gradients": 4 * local / shard,
         "optimizer": (8 * params - 4 * muon_params) * split / shard,
         "activations": act,
-        "logits": 6 * batch * mine * V if not loss_chunk else 6 * min(loss_chunk, batch * mine) * V + 4 * (batch * mine + V) * cfg.emb_dim,
+        "logits": 6 * batch * mine * V / tp if not loss_chunk else 6 * min(loss_chunk, batch * mine) * V + 4 * (batch * mine + V) * cfg.emb_dim,
     }
     always = out["weights"] + out["optimizer"]
     if strategy != "ddp":  # parameters gathered for compute: one block and the prefetched next one, or, with
