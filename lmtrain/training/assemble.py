@@ -186,7 +186,8 @@ class Plan:
             return torch.compile(loss)
         for block in model.blocks:
             block.compile()
-        model.head_loss = torch.compile(model.head_loss)  # the output head and loss, fused (lmtrain.nn.model.Decoder)
+        if self.tp == 1:  # under tp the head's loss is loss_parallel's operators on DTensors (lmtrain.nn.parallel), eager
+            model.head_loss = torch.compile(model.head_loss)  # the output head and loss, fused (lmtrain.nn.model.Decoder)
         return loss
 
     def _weights(self, model: nn.Module, weights) -> None:
