@@ -5,8 +5,6 @@ lmtrain.training.assemble applies the plan on the run's tensor-parallel mesh."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -83,7 +81,7 @@ class VocabColumns(ColwiseParallel):
         _share(self.shared, module, device_mesh, Shard(0))
 
 
-_LOSS_PARALLEL = contextlib.ExitStack()
+_LOSS_PARALLEL: list = []  # the entered loss_parallel() context, kept for the process
 
 
 def vocab_parallel_cross_entropy(logits: DTensor, targets: torch.Tensor, z_loss: float = 0.0):
@@ -99,8 +97,9 @@ def vocab_parallel_cross_entropy(logits: DTensor, targets: torch.Tensor, z_loss:
 
     from lmtrain.nn.loss import IGNORE_INDEX, with_z_loss
 
-    if not _LOSS_PARALLEL._exit_callbacks:
-        _LOSS_PARALLEL.enter_context(loss_parallel())
+    if not _LOSS_PARALLEL:
+        _LOSS_PARALLEL.append(loss_parallel())
+        _LOSS_PARALLEL[0].__enter__()
     x, t = logits.flatten(0, -2).float(), targets.flatten()
     ce = F.cross_entropy(x, t).to_local()
     if not z_loss:
