@@ -54,6 +54,8 @@ def _olmo(log: str, warm: int, launch_local: str) -> dict:
                 loss[step] = value
             elif name.startswith("gpu_memory/GPU") and name.endswith("(GiB)"):
                 mem[name.split("GPU ")[1].split(" mem")[0]] = max(value, mem.get(name, 0.0))
+    if not times:
+        return {"timed": (None, None)}
     last = max(times)
     ends = [s for s in (warm, last) if s % 5 == 0] or [warm, last]  # its metrics are collected every 5 steps
     a, b = (warm, last) if len(ends) < 2 else ends
@@ -72,6 +74,8 @@ def _titan(log: str, warm: int, launch_local: str) -> dict:
             step = int(m.group(3))
             times[step] = dt.datetime.fromisoformat(f"{m.group(1)}.{m.group(2)}")
             loss[step], reserved = float(m.group(4)), max(reserved, float(m.group(5)))
+    if not times:
+        return {"timed": (None, None)}
     last = max(times)
     a = warm if warm in times else min(s for s in times if s >= warm)
     first = (times[min(times)] - dt.datetime.fromisoformat(launch_local)).total_seconds()
@@ -110,6 +114,8 @@ def row(out: Path, name: str) -> str:
     else:
         got = _lmtrain(Path(meta["run_dir"]), meta["warm"], tokens_per_step, meta["launch"])
     a, b = got["timed"]
+    if a is None:
+        raise ValueError("no training step in its record")
     tokens_per_s = tokens_per_step * (b - a) / got["seconds"]
     peak = next((v for k, v in PEAKS.items() if k in meta["card"]), None)
     mfu = f"{100 * tokens_per_s * flops_per_token(meta['shape'], meta['seq']) / peak:.1f}%" if peak else "-"

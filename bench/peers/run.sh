@@ -71,5 +71,7 @@ for run in "$@"; do
       --training.local_batch_size "$B" --training.seq_len "$SEQ" --training.steps "$STEPS" --dump_folder "$OUT/runs/$run" > "$OUT/$run.log" 2>&1
     ;;
   esac
-  echo "$run: exit $?"
+  rc=$?
+  rm -rf "$OUT/runs/$run/save" "$OUT/runs/$run/checkpoints"  # a 1B run's final checkpoint is 18 GB: the disk holds few
+  echo "$run: exit $rc"
 done
