@@ -82,7 +82,7 @@ def suggest_layout(c: dict, gpus: int, node: int, mem_bytes: float, global_batch
     """The layout a run of ``c`` on ``gpus`` GPUs should start from, as a torchtitan user is told to choose one: the
     fewest tensor-parallel ranks that fit (1: sharding alone; tp divides the heads, key-value heads, MLP features and the
     GPUs, at most one node's), with the least recomputation (activation checkpointing none, op, selective, full), then
-    hsdp over more than one node (its parameter gathers stay in a node) or fsdp. Context parallel (fsdp; cp divides
+    hsdp over more than one node (its parameter gathers stay in a node) or fsdp. Context parallel (cp divides
     the GPUs and the sequence into 2 cp chunks) counts with tensor parallel: of the same number of ranks splitting the
     model's work, the one that sends the least. None when nothing fits."""
     mcfg, seq = c["mcfg"], c["seq"]
@@ -93,7 +93,7 @@ def suggest_layout(c: dict, gpus: int, node: int, mem_bytes: float, global_batch
         for tp, cp in [(t, k) for t, k in pairs if t * k == split]:
             for ac in AC:
                 found = None
-                for strategy in ("hsdp", "fsdp") if gpus > node and cp == 1 else ("fsdp",):
+                for strategy in ("hsdp", "fsdp") if gpus > node else ("fsdp",):
                     dp = gpus // split
                     if global_batch and global_batch % (c["batch"] * dp):
                         continue
@@ -139,8 +139,8 @@ def plan(cfg, cluster: dict, budget: dict) -> dict:
         tokens = float(budget["tokens"]) if budget.get("tokens") else flops / nums["flops_per_token"]
         seconds = flops / (gpus * rate_flops)
         out["run"] = {"flops": flops, "tokens": tokens, "days": seconds / 86400, "gpu_hours": gpus * seconds / 3600}
-    # tensor parallel splits layers under fsdp and hsdp, context parallel sequences under fsdp
-    strategies = [s for s in STRATEGIES if (s != "ddp" or c["tp"] == 1) and (s == "fsdp" or c["cp"] == 1)]
+    # tensor parallel splits layers and context parallel sequences under fsdp and hsdp
+    strategies = [s for s in STRATEGIES if s != "ddp" or (c["tp"] == 1 and c["cp"] == 1)]
     out["tp"], out["cp"] = c["tp"], c["cp"]
     out["memory_gb_per_gpu"] = {s: {ac: {k: v / GB for k, v in breakdown(c, s, gpus, node, ac).items()} for ac in AC} for s in strategies}
     sent = {s: communication(c, s, gpus, node, c["tp"], accum, c["cp"]) for s in strategies}

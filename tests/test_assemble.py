@@ -39,6 +39,8 @@ def test_a_layout_counts_data_parallel_ranks_apart_from_tensor_and_context_paral
         (["strategy=hsdp", "trainer.devices=4", "trainer.num_nodes=2", "strategy.tp=2"], Layout(replicate=2, shard=2, tp=2)),
         (["strategy=fsdp", "trainer.devices=4", "strategy.cp=2"], Layout(shard=2, cp=2)),
         (["strategy=fsdp", "trainer.devices=8", "strategy.cp=2", "strategy.tp=2"], Layout(shard=2, cp=2, tp=2)),
+        (["strategy=hsdp", "trainer.devices=8", "trainer.num_nodes=2", "strategy.cp=2", "strategy.tp=2"], Layout(replicate=2, shard=2, cp=2, tp=2)),
+        (["strategy=hsdp", "trainer.devices=4", "strategy.cp=2", "strategy.shard_size=1"], Layout(replicate=2, shard=1, cp=2)),
     ],
 )
 def test_the_config_s_layout_is_the_strategy_s(tmp_path, monkeypatch, overrides, want):

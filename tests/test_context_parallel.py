@@ -73,13 +73,33 @@ def test_tensor_parallel_2_x_context_parallel_2_continues_one_process_exactly(tm
     _close(_floats(tmp_path / "runs" / "tpcp"), {s: v for s, v in want.items() if s > 3}, "tp 2 x cp 2")
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_hsdp_2_replicas_x_context_parallel_2_trains_as_one_process(tmp_path, dataset_dir, one):
+    """hsdp with context parallel: 2 replicas of 1 shard, each of 2 ranks splitting every sequence, on a (replicate,
+    shard, context_parallel) mesh, FSDP2 replicating over the first and sharding over the other two flattened; and
+    with tensor parallel too, on the 4-D mesh: one process's losses."""
+    want, _ = one
+    res = _run(tmp_path, dataset_dir, "hsdp-cp", "strategy=hsdp", "strategy.cp=2", "strategy.shard_size=1", "trainer.devices=4",
+               "data.batch_size=4", *DOCS)  # fmt: skip
+    assert "HSDPStrategy: fully_shard per block on mesh (2, 2) ('replicate', 'shard_context_parallel')" in res.stderr, res.stderr[-3000:]
+    assert ": 8 steps, 4,096 tokens;" in res.stderr  # 2 data-parallel ranks x 4 sequences of 64 a step
+    _close(_floats(tmp_path / "runs" / "hsdp-cp"), want)
+    # the 4-D mesh: (replicate 1, shard 1, context 2, tensor 2), every rank reading the same samples
+    res = _run(tmp_path, dataset_dir, "hsdp-cp-tp", "strategy=hsdp", "strategy.cp=2", "strategy.tp=2", "strategy.shard_size=1",
+               "trainer.devices=4", "data.batch_size=8", *DOCS)  # fmt: skip
+    assert "fully_shard per block on mesh (1, 2) ('replicate', 'shard_context_parallel')" in res.stderr, res.stderr[-3000:]
+    _close(_floats(tmp_path / "runs" / "hsdp-cp-tp"), want, "hsdp x cp 2 x tp 2")
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
         (["strategy=fsdp", "strategy.cp=3", "trainer.devices=4"], "strategy.cp=3 x strategy.tp=1 does not divide the world size 4"),
         (["strategy=fsdp", "strategy.cp=0"], "strategy.cp=0 must be a positive number of ranks"),
         (["strategy=fsdp", "strategy.cp=2", "trainer.devices=2", "data.seq_len=30"], "data.seq_len=30 does not divide by 4"),
-        (["strategy=hsdp", "strategy.cp=2", "trainer.devices=4"], "strategy.cp=2 under hsdp"),
+        (["strategy=hsdp", "strategy.cp=2", "trainer.devices=4", "strategy.shard_size=3"],
+         "strategy.shard_size=3 x strategy.cp=2 does not divide the world size 4"),
     ],
 )
 def test_what_context_parallel_cannot_split_is_refused_before_launch(tmp_path, monkeypatch, overrides, message):

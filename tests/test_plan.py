@@ -403,10 +403,10 @@ def test_the_suggested_layout_is_the_fewest_model_splitting_ranks_that_fit_and_p
 def test_context_parallel_divides_each_ranks_tokens_and_keeps_the_gathered_keys(capsys):
     """``strategy.cp``: a rank's activations and logits are its ``seq / cp`` tokens', plus every block's gathered keys
     and values of the whole sequence and the mask of its queries against them; parameters shard over the data- and
-    context-parallel ranks together (fsdp only: no ddp or hsdp row)."""
+    context-parallel ranks together (fsdp, and hsdp within a node's ranks; no ddp row)."""
     args = ["model=llama-7b", "model.max_seq_len=32768", "data.seq_len=32768", "data.batch_size=1", "cluster.gpus=8"]
     one, two = _plan(capsys, *args), _plan(capsys, *args, "strategy=fsdp", "strategy.cp=2")
-    assert list(two["memory_gb_per_gpu"]) == ["fsdp"] and two["cp"] == 2
+    assert list(two["memory_gb_per_gpu"]) == ["fsdp", "hsdp"] and two["cp"] == 2
     m1, m2 = one["memory_gb_per_gpu"]["fsdp"]["none"], two["memory_gb_per_gpu"]["fsdp"]["none"]
     assert m2["logits"] == pytest.approx(m1["logits"] / 2) and m2["weights"] == m1["weights"]
     kv = 2 * 2 * 32768 * 4096  # bf16 keys and values of the whole sequence (32 heads of 128), a block

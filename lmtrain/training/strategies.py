@@ -253,26 +253,25 @@ class HSDPStrategy(FSDP2Strategy):
     @classmethod
     def config_problems(cls, options: dict, *, precision: str, on_cpu: bool, world_size: int, devices) -> list[str]:
         out = super().config_problems(options, precision=precision, on_cpu=on_cpu, world_size=world_size, devices=devices)
-        if options.get("cp", 1) not in (1, None):
-            out.append(f"strategy.cp={options.get('cp')} under hsdp: context parallel runs under fsdp for now (strategy=fsdp)")
-        tp = options.get("tp") or 1
-        if not isinstance(tp, int) or tp < 1 or world_size % tp:
+        tp, cp = options.get("tp") or 1, options.get("cp") or 1
+        if not isinstance(tp, int) or not isinstance(cp, int) or tp < 1 or cp < 1 or world_size % (tp * cp):
             return out  # said by the parent
-        shard = cls._shard(options.get("shard_size"), devices, tp)
-        if isinstance(shard, int) and (shard < 1 or world_size % (shard * tp)):
-            groups = f" x strategy.tp={tp}" if tp > 1 else ""
+        shard = cls._shard(options.get("shard_size"), devices, tp * cp)
+        if isinstance(shard, int) and (shard < 1 or world_size % (shard * tp * cp)):
+            groups = "".join(f" x strategy.{k}={v}" for k, v in (("cp", cp), ("tp", tp)) if v > 1)
             out.append(
                 f"strategy.shard_size={shard}{groups} does not divide the world size {world_size} (trainer.devices x trainer.num_nodes): "
-                f"HSDP needs world size = replicas x shard_size{groups and ' x tp'}"
+                f"HSDP needs world size = replicas x shard_size{''.join(f' x {k}' for k, v in (('cp', cp), ('tp', tp)) if v > 1)}"
             )
         return out
 
     @staticmethod
-    def _shard(shard_size, devices, tp: int):
-        """Data-parallel ranks per shard group: ``shard_size``, else one node's (``trainer.devices`` over ``tp``)."""
+    def _shard(shard_size, devices, group: int):
+        """Data-parallel ranks per shard group: ``shard_size``, else one node's (``trainer.devices`` over the ranks of a
+        tensor- and context-parallel ``group``)."""
         if shard_size:
             return shard_size
-        return devices // tp if isinstance(devices, int) and devices > 0 and devices % tp == 0 else None
+        return devices // group if isinstance(devices, int) and devices > 0 and devices % group == 0 else None
 
     def __init__(
         self,
@@ -288,8 +287,6 @@ class HSDPStrategy(FSDP2Strategy):
         tp: int = 1,
         cp: int = 1,
     ) -> None:
-        if cp != 1:
-            raise StrategyError(f"strategy.cp={cp} under hsdp: context parallel runs under fsdp for now (strategy=fsdp)")
         super().__init__(  # by name: the parent's arguments are this one's, listed again so that config keys are checked
             mixed_precision=mixed_precision,
             activation_checkpointing=activation_checkpointing,
@@ -300,6 +297,7 @@ class HSDPStrategy(FSDP2Strategy):
             timeout_s=timeout_s,
             reduce_dtype=reduce_dtype,
             tp=tp,
+            cp=cp,
         )
         if shard_size is not None and shard_size < 1:
             raise StrategyError(f"strategy.shard_size={shard_size} must be a positive number of ranks")
@@ -308,17 +306,19 @@ class HSDPStrategy(FSDP2Strategy):
     @classmethod
     def layout_for(cls, options: dict, *, world: int, devices) -> Layout:
         """Groups of ``shard_size`` data-parallel ranks (else a node's) that shard, replicated across groups, each
-        data-parallel rank a group of ``tp`` ranks splitting each layer."""
-        tp = options.get("tp") or 1
-        shard = cls._shard(options.get("shard_size"), devices, tp) or world // tp if isinstance(tp, int) and tp > 0 else None
-        if not isinstance(shard, int) or shard < 1 or world % (shard * tp):  # said by config_problems
+        data-parallel rank a group of ``cp`` x ``tp`` ranks splitting each sequence and each layer."""
+        tp, cp = options.get("tp") or 1, options.get("cp") or 1
+        ok = isinstance(tp, int) and isinstance(cp, int) and tp > 0 and cp > 0
+        shard = cls._shard(options.get("shard_size"), devices, tp * cp) or world // (tp * cp) if ok else None
+        if not isinstance(shard, int) or shard < 1 or world % (shard * tp * cp):  # said by config_problems
             return Layout(shard=world)
-        return Layout(replicate=world // (shard * tp), shard=shard, tp=tp)
+        return Layout(replicate=world // (shard * tp * cp), shard=shard, tp=tp, cp=cp)
 
     @property
     def layout(self) -> Layout:
-        shard = self.shard_size or self.num_processes // self.tp
-        return Layout(replicate=self.world_size // (shard * self.tp), shard=shard, tp=self.tp)
+        group = self.tp * self.cp
+        shard = self.shard_size or self.num_processes // group
+        return Layout(replicate=self.world_size // (shard * group), shard=shard, tp=self.tp, cp=self.cp)
 
     def setup_environment(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -326,20 +326,26 @@ class HSDPStrategy(FSDP2Strategy):
         # set up devices and the process group as ModelParallelStrategy does, then our own 2-D (3-D with tp) mesh
         super(ModelParallelStrategy, self).setup_environment()
         self._setup_distributed()
-        world, tp = self.world_size, self.tp
-        shard = self.shard_size or self.num_processes // tp
-        if shard < 1 or world % (shard * tp):
+        world, tp, cp = self.world_size, self.tp, self.cp
+        shard = self.shard_size or self.num_processes // (tp * cp)
+        if shard < 1 or world % (shard * tp * cp):
             raise StrategyError(
                 f"strategy.shard_size={shard} does not divide the world size {world}: HSDP needs world = replicas x shard_size"
-                + (f" x tp ({tp})" if tp > 1 else "")
+                + "".join(f" x {k} ({v})" for k, v in (("cp", cp), ("tp", tp)) if v > 1)
             )
-        if tp == 1:
-            self._device_mesh = init_device_mesh(self.root_device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
-        else:
-            shape, names = (world // (shard * tp), shard, tp), ("replicate", "shard", "tensor_parallel")
-            self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
+        # (replicate, shard[, context_parallel][, tensor_parallel]): the layout's rank order, tp varying fastest
+        dims = [("replicate", world // (shard * tp * cp)), ("shard", shard), ("context_parallel", cp), ("tensor_parallel", tp)]
+        dims = [d for d in dims if d[1] > 1 or d[0] in ("replicate", "shard")]
+        names, shape = zip(*dims, strict=True)
+        self._device_mesh = init_device_mesh(self.root_device.type, tuple(shape), mesh_dim_names=tuple(names))
         compat.set_module_device_mesh(self.lightning_module, self._device_mesh)
 
     def shard_mesh(self):
-        # 2-D: fully_shard replicates over dim 0 and shards over dim 1 (under tp, of the 3-D mesh's outer two)
-        return self.device_mesh if self.tp == 1 else self.device_mesh["replicate", "shard"]
+        """2-D: fully_shard replicates over dim 0 and shards over dim 1; under tp the 4-D mesh's outer two, under cp the
+        shard and context-parallel ranks flattened into dim 1 (each holds its own share of the gradients)."""
+        if self.cp == 1:
+            return self.device_mesh if self.tp == 1 else self.device_mesh["replicate", "shard"]
+        if self._shard_mesh is None:
+            self.device_mesh["shard", "context_parallel"]._flatten("shard_context_parallel")
+            self._shard_mesh = self.device_mesh["replicate", "shard_context_parallel"]
+        return self._shard_mesh
