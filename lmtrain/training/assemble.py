@@ -66,8 +66,9 @@ class Plan:
         lmtrain.training.init_from.Loader read into it last (each rank its own rows)."""
         model = self._build(model)
         self._head(model)
+        plan = self._tensor_parallel_plan(model)  # made first: it unfuses qkv and gate_up, which float8 then converts
         self._float8(model)
-        self._tensor_parallel(model)
+        self._tensor_parallel(model, plan)
         self._context_parallel(model)
         self._checkpoint_activations(model)
         loss = self._compile(model, loss)
@@ -110,7 +111,7 @@ class Plan:
         fp8_module.convert(
             model,
             self.fp8.recipe,
-            sharded=self.sharding is not None,
+            sharded=self.sharding is not None and self.tp == 1,  # under tp FSDP gathers the split weights in bf16
             device=self.device,
             fast_accum=self.fp8.fast_accum,
             float8_head=self.head.kind == "float8",
@@ -127,21 +128,27 @@ class Plan:
             if warning and self.device.type == "cuda":
                 print(f"[lmtrain] warning: {warning}", flush=True)
 
-    def _tensor_parallel(self, model: nn.Module) -> None:
-        """Each layer split over the ``tp`` ranks of the tensor-parallel mesh, as the network's own plan says
-        (lmtrain.nn.model.Decoder.tensor_parallel_plan): its parameters become DTensors on that mesh, which FSDP2
-        then shards over the data-parallel one."""
+    def _tensor_parallel_plan(self, model: nn.Module) -> dict | None:
+        """The network's own plan for ``tp`` ranks (lmtrain.nn.model.Decoder.tensor_parallel_plan), made before float8
+        converts the blocks: making it splits the fused products into the ones it names, and float8 must convert
+        those. Applied after float8 by :meth:`_tensor_parallel` (a float8 layer is split as the linear one it is)."""
         if self.tp == 1:
-            return
-        from torch.distributed.tensor.parallel import parallelize_module
-
+            return None
         if not isinstance(model, LanguageModel):
             name = type(model).__name__
             raise InputError(f"strategy.tp={self.tp}: the model {name} offers no tensor-parallel plan (lmtrain.nn.model.Decoder does)")
         try:
-            plan = model.tensor_parallel_plan(self.tp)
+            return model.tensor_parallel_plan(self.tp)
         except ValueError as exc:
             raise InputError(f"strategy.tp={self.tp}: {exc}") from None
+
+    def _tensor_parallel(self, model: nn.Module, plan: dict | None) -> None:
+        """Each layer split over the ``tp`` ranks of the tensor-parallel mesh, as ``plan`` says: its parameters become
+        DTensors on that mesh, which FSDP2 then shards over the data-parallel one."""
+        if plan is None:
+            return
+        from torch.distributed.tensor.parallel import parallelize_module
+
         mesh = self.sharding.tensor_parallel_mesh()
         parallelize_module(model, mesh, plan)
         if self.rank0:  # a rank's share before sharding: what lmtrain.training.memory counts under tp

@@ -72,7 +72,7 @@ class Layout:
 def tensor_parallel_problems(tp: int, model_cfg, head_kind: str, fp8_recipe, fused_mlp: bool) -> list[str]:
     """What ``strategy.tp`` cannot split in this run, before any process starts: heads and MLP features it does not
     divide (lmtrain.nn.model.Decoder.tensor_parallel_plan says the same at assembly), and what does not run under
-    tensor parallelism yet (a fused or float8 output head, float8 blocks)."""
+    tensor parallelism yet (a fused or float8 output head, the fused float8 MLP)."""
     if tp == 1:
         return []
     out = []
@@ -80,8 +80,9 @@ def tensor_parallel_problems(tp: int, model_cfg, head_kind: str, fp8_recipe, fus
         out.append(f"strategy.tp={tp} splits heads and MLP features over {tp} ranks: it does not divide {undivided}")
     if head_kind != "plain":
         out.append(f"module.head.kind={head_kind} with strategy.tp={tp}: under tensor parallel the output head is the plain one for now")
-    if fp8_recipe is not None or fused_mlp:
-        out.append(f"module.fp8 with strategy.tp={tp}: float8 blocks under tensor parallel are not there yet (use speed=default)")
+    if fused_mlp:
+        out.append(f"module.fp8.fused_mlp=true with strategy.tp={tp}: the fused float8 MLP takes SwiGLU's gate and up products "
+                   "whole, which tensor parallel splits (use module.fp8.fused_mlp=false)")  # fmt: skip
     return out
 
 

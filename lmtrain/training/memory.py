@@ -222,7 +222,8 @@ def counted(cfg, gpus: int, node: int) -> dict:
     accum = gbs // (batch * dp) if gbs else int(cfg.trainer.accumulate_grad_batches)
     nums = model_numbers(mcfg, seq)
     # the blocks' weights fsdp/hsdp gather in float8 (counted only where parameters are gathered: not under ddp)
-    float8_gathered = nums["block_linear_params"] if fp8 and gathers_in_float8(fp8_cfg.recipe, sharded=True) else 0
+    # (under tensor parallel in bf16: lmtrain.training.assemble)
+    float8_gathered = nums["block_linear_params"] if fp8 and gathers_in_float8(fp8_cfg.recipe, sharded=True) and tp == 1 else 0
     muon = str((cfg.get("optimizer") or {}).get("_target_", "")) == "lmtrain.nn.optim.MuonWithAdamW"  # its matrices: the blocks'
     return {
         "tp": tp if dp != gpus or tp == 1 else 1,
