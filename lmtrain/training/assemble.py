@@ -5,7 +5,8 @@ before parallelising):
     build -> output head -> float8 -> tensor parallel -> context parallel -> activation checkpointing -> compile
           -> shard -> initialise or load the weights
 
-A step reads only the plan and what the network declares it offers (lmtrain.nn.model.LanguageModel: its blocks, its
+(the tensor-parallel plan is made before float8 and applied after it: making it splits the fused products, which
+float8 must convert). A step reads only the plan and what the network declares it offers (lmtrain.nn.model.LanguageModel: its blocks, its
 head's options, its final norm, its initialisation), never attributes probed by name. LMModule.configure_model calls
 :func:`Plan.assemble` once; the strategy (lmtrain.training.strategies) shards and nothing else; the process layout
 (data, tensor, context parallel sizes) is lmtrain.training.layout's.
