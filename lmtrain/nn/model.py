@@ -679,6 +679,12 @@ class Decoder(LanguageModel):
         if targets is not None and self.context_parallel is not None:
             hidden, mine = self._split_hidden_states(idx, doc)
             return self.head_loss(hidden, targets[:, mine])
+        if targets is None and isinstance(self.lm_head.weight, DTensor):  # tensor parallel: sequences split in equal parts
+            pad = -idx.shape[1] % self.lm_head.weight.device_mesh.size()
+            if pad:  # tokens after the last, which causal attention keeps from the others; a document of their own
+                idx = F.pad(idx, (0, pad))
+                doc = None if doc is None else torch.cat([doc, (doc[:, -1:] + 1).expand(-1, pad)], dim=1)
+                return self.forward(idx, None, doc)[:, :-pad]
         hidden = self.hidden_states(idx, doc)
         if targets is None:
             logits = self.lm_head(hidden)  # (B, T, V)

@@ -330,7 +330,8 @@ def validate_config(cfg: DictConfig) -> None:
             from lmtrain.training.layout import context_parallel_problems, tensor_parallel_problems
 
             layout = Layout.of_config(cfg)
-            problems += tensor_parallel_problems(layout.tp, model_cfg, head.kind, fp8.recipe, fp8.fused_mlp)
+            seq_len = (cfg.get("data") or {}).get("seq_len")
+            problems += tensor_parallel_problems(layout.tp, model_cfg, head.kind, fp8.recipe, fp8.fused_mlp, seq_len, layout.cp)
             problems += context_parallel_problems(layout.cp, (cfg.get("data") or {}).get("seq_len"))
 
     ckpt = cfg.get("ckpt_path")

@@ -69,7 +69,7 @@ class Layout:
         return cls(replicate=trainer.world_size)
 
 
-def tensor_parallel_problems(tp: int, model_cfg, head_kind: str, fp8_recipe, fused_mlp: bool) -> list[str]:
+def tensor_parallel_problems(tp: int, model_cfg, head_kind: str, fp8_recipe, fused_mlp: bool, seq_len=None, cp: int = 1) -> list[str]:
     """What ``strategy.tp`` cannot split in this run, before any process starts: heads and MLP features it does not
     divide (lmtrain.nn.model.Decoder.tensor_parallel_plan says the same at assembly), and what does not run under
     tensor parallelism yet (a fused or float8 output head, the fused float8 MLP)."""
@@ -83,6 +83,16 @@ def tensor_parallel_problems(tp: int, model_cfg, head_kind: str, fp8_recipe, fus
     if fused_mlp:
         out.append(f"module.fp8.fused_mlp=true with strategy.tp={tp}: the fused float8 MLP takes SwiGLU's gate and up products "
                    "whole, which tensor parallel splits (use module.fp8.fused_mlp=false)")  # fmt: skip
+    # between the branches each rank holds an equal part of every sequence (sequence parallelism): a training sequence
+    # (its context-parallel share) must divide by tp; shorter ones (evaluations, generation) are padded up to a multiple
+    # of tp within model.max_seq_len, so that must divide too
+    share = seq_len // cp if isinstance(seq_len, int) and seq_len % cp == 0 else seq_len
+    if isinstance(share, int) and share % tp:
+        what = f"data.seq_len={seq_len}" + (f" over strategy.cp={cp} ({share})" if cp > 1 else "")
+        out.append(f"strategy.tp={tp} splits each sequence between the blocks' branches into {tp} equal parts: {what} does not divide by {tp}")
+    max_len = getattr(model_cfg, "max_seq_len", None)
+    if isinstance(max_len, int) and max_len % tp:
+        out.append(f"strategy.tp={tp} pads shorter sequences to a multiple of {tp}: model.max_seq_len={max_len} does not divide by {tp}")
     return out
 
 
