@@ -29,12 +29,7 @@ class Replicated(ParallelStyle):
         self.shared = {} if shared is None else shared
 
     def _partition(self, name: str, module: nn.Module, mesh) -> None:
-        for pname, p in list(module.named_parameters(recurse=False)):
-            if isinstance(p, DTensor):
-                continue
-            if id(p) not in self.shared:
-                self.shared[id(p)] = nn.Parameter(distribute_tensor(p.data, mesh, [Replicate()]), requires_grad=p.requires_grad)
-            module.register_parameter(pname, self.shared[id(p)])
+        _share(self.shared, module, mesh, Replicate())
 
     def _inputs(self, module: nn.Module, inputs: tuple, mesh) -> tuple:
         plain = [isinstance(a, torch.Tensor) and not isinstance(a, DTensor) for a in inputs]
@@ -52,6 +47,8 @@ class Replicated(ParallelStyle):
 def _share(shared: dict, module: nn.Module, mesh, placement: Placement) -> None:
     """``module``'s own parameters as DTensors with ``placement``, the one already made for a parameter it shares."""
     for pname, p in list(module.named_parameters(recurse=False)):
+        if isinstance(p, DTensor):  # distributed already
+            continue
         if id(p) not in shared:
             shared[id(p)] = nn.Parameter(distribute_tensor(p.data, mesh, [placement]), requires_grad=p.requires_grad)
         module.register_parameter(pname, shared[id(p)])
