@@ -460,17 +460,25 @@ def test_the_peer_runs_train_one_model_on_one_recipe_and_a_misspelled_run_is_ref
         assert {k: flags[k] for k in ("--seq", "--batch", "--steps", "--lr", "--warmup")} == {
             "--seq": "2048", "--batch": "4", "--steps": "30", "--lr": "3e-4", "--warmup": "20"}  # fmt: skip
     assert "--fp8" in olmos[1] and "--fp8" not in olmos[0]
-    for argv, config in zip(titans, ("llama_1b", "llama_125m_fp8")):  # torchtitan's own entry point, our shapes' configs
-        assert argv[argv.index("-m") + 1 : argv.index("-m") + 6] == ["torchtitan.train", "--module", "bench.peers.titan_configs", "--config", config]
-        flags = dict(zip(argv[argv.index(config) + 1 :: 2], argv[argv.index(config) + 2 :: 2]))
-        assert {k: flags[k] for k in ("--training.local_batch_size", "--training.seq_len", "--training.steps")} == {
-            "--training.local_batch_size": "4", "--training.seq_len": "2048", "--training.steps": "30"}  # fmt: skip
-    titan = (PEERS / "titan_configs.py").read_text()  # the recipe, read from its source (torchtitan needs a GPU to build)
-    for want in ('"weight_decay": 0.0', '"weight_decay": 0.1', "betas=(0.9, 0.95)", 'decay_type="cosine", min_lr_factor=0.1',
-                 "warmup_steps=20", "max_norm=1.0", 'os.environ.get("PEER_LR", "3e-4")'):  # fmt: skip
-        assert want in titan, want
+    for argv, (flavor, fp8) in zip(titans, (("1b", False), ("125m", True))):  # torchtitan's own entry point and flags
+        assert argv[argv.index("-m") + 1] == "torchtitan.train"
+        rest, flags = argv[argv.index("-m") + 2 :], {}
+        for i, a in enumerate(rest):  # --key value, or a switch --key followed by the next --key
+            if a.startswith("--"):
+                flags[a] = rest[i + 1] if i + 1 < len(rest) and not rest[i + 1].startswith("--") else True
+        assert {k: flags.get(k) for k in ("--experimental.custom_import", "--model.name", "--model.flavor")} == {
+            "--experimental.custom_import": "bench.peers.titan_configs", "--model.name": "peers_llama3", "--model.flavor": flavor}  # fmt: skip
+        assert {k: flags[k] for k in ("--training.local_batch_size", "--training.seq_len", "--training.steps", "--training.max_norm",
+                                      "--optimizer.lr", "--optimizer.weight_decay", "--lr_scheduler.warmup_steps",
+                                      "--lr_scheduler.decay_type", "--lr_scheduler.min_lr_factor", "--compile.enable")} == {
+            "--training.local_batch_size": "4", "--training.seq_len": "2048", "--training.steps": "30", "--training.max_norm": "1.0",
+            "--optimizer.lr": "3e-4", "--optimizer.weight_decay": "0.1", "--lr_scheduler.warmup_steps": "20",
+            "--lr_scheduler.decay_type": "cosine", "--lr_scheduler.min_lr_factor": "0.1", "--compile.enable": True}  # fmt: skip
+        assert flags["--training.dataset_path"] == str(dataset_dir)
+        assert (flags.get("--model.converters") == "quantize.linear.float8") == fp8
+    titan = (PEERS / "titan_configs.py").read_text()  # the shapes, read from its source (torchtitan needs a GPU to import)
     for shape, want in _peers_module("rows").SHAPES.items():
-        got = re.search(rf'"{shape}": dict\(dim=(\d+), n_layers=(\d+), .*vocab=(\d+)\)', titan).groups()
+        got = re.search(rf'"{shape}": TransformerModelArgs\(dim=(\d+), n_layers=(\d+), .*vocab_size=(\d+)', titan).groups()
         assert tuple(map(int, got)) == (want["d"], want["layers"], want["vocab"]), shape
     bad = subprocess.run(["bash", str(PEERS / "run.sh"), "lmtrain-1b", "olmo-2b"], env={**os.environ, "DATA": str(dataset_dir),
                          "OUT": str(tmp_path / "bad")}, capture_output=True, text=True)  # fmt: skip

@@ -15,9 +15,10 @@
 #
 # lmtrain is run as a user types it (train.py, trainer=gpu: compiled, fused AdamW); OLMo-core by bench/peers/olmo_train.py
 # after its own Llama example (its model compiled, FSDP wrapper with bf16 parameters, fused AdamW; with -fp8 its
-# cookbook's torchao float8); torchtitan by its own `torchtitan.train` with bench/peers/titan_configs.py (its Llama 3
-# model and parallelize function: compiled, FSDP over one rank, fused AdamW, chunked loss; with -fp8 its float8
-# converter). A peer's packages come from OLMO_PATH or TITAN_PATH (put before PYTHONPATH for its runs only).
+# cookbook's torchao float8); torchtitan 0.2.2 by its own `torchtitan.train` with the shapes registered by
+# bench/peers/titan_configs.py (its Llama 3 model and parallelize function: compiled model and loss, bf16 autocast on
+# one GPU, fused AdamW, no activation checkpointing; with -fp8 its float8 converter, the output head left in bf16 as
+# its float8 docs do; its AdamW decays every parameter, embeddings included: it has no per-group setting). A peer's packages come from OLMO_PATH or TITAN_PATH (put before PYTHONPATH for its runs only).
 set -uo pipefail
 : "${DATA:?an lmtrain prepared dataset}"
 OUT=${OUT:-/tmp/peers}
@@ -66,9 +67,13 @@ for run in "$@"; do
     ;;
   titan)
     launch "$run" torchtitan "$(PYTHONPATH=${TITAN_PATH:-}:${PYTHONPATH:-} python3 -c 'import importlib.metadata as m; print(m.version("torchtitan"))' 2>/dev/null)" "$shape" "$f"
-    PEER_DATASET="$DATA" PEER_LR="$LR" PYTHONPATH=${TITAN_PATH:-}:$HERE:${PYTHONPATH:-} torchrun --standalone --nproc-per-node 1 \
-      -m torchtitan.train --module bench.peers.titan_configs --config "llama_$shape$([ "$f" = 1 ] && echo _fp8)" \
-      --training.local_batch_size "$B" --training.seq_len "$SEQ" --training.steps "$STEPS" --dump_folder "$OUT/runs/$run" > "$OUT/$run.log" 2>&1
+    PYTHONPATH=${TITAN_PATH:-}:$HERE:${PYTHONPATH:-} torchrun --standalone --nproc-per-node 1 -m torchtitan.train \
+      --experimental.custom_import bench.peers.titan_configs --model.name peers_llama3 --model.flavor "$shape" \
+      $([ "$f" = 1 ] && echo --model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output) \
+      --training.dataset_path "$DATA" --training.local_batch_size "$B" --training.seq_len "$SEQ" --training.steps "$STEPS" \
+      --training.max_norm 1.0 --optimizer.lr "$LR" --optimizer.weight_decay 0.1 --lr_scheduler.warmup_steps 20 \
+      --lr_scheduler.decay_type cosine --lr_scheduler.min_lr_factor 0.1 --compile.enable --activation_checkpoint.mode none \
+      --metrics.log_freq 1 --metrics.disable_color_printing --job.dump_folder "$OUT/runs/$run" > "$OUT/$run.log" 2>&1
     ;;
   esac
   rc=$?
