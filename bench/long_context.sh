@@ -7,12 +7,12 @@
 #   [DATA=DATASET] [SEQS="8192 16384"] [ACS="none full"] bash bench/long_context.sh
 #
 # DATA: an lmtrain prepared dataset (default: the preset's own data config); SEQS, ACS: the rows to run (default
-# 8192 16384 32768 65536 x none selective full); STEPS (12, of which the first 4 are not timed). Everything goes to
+# 8192 16384 32768 65536 x none selective full offload); STEPS (12, of which the first 4 are not timed). Everything goes to
 # $OUT (default /tmp/long_context); the rows are printed last and written to $OUT/rows.md. The longest context that
 # fits is the longest sequence with a row. Record them in docs/BENCHMARKS.md with the card and this command.
 set -o pipefail
 SEQS=${SEQS:-8192 16384 32768 65536}
-ACS=${ACS:-none selective full}
+ACS=${ACS:-none selective full offload}
 STEPS=${STEPS:-12}
 OUT=${OUT:-/tmp/long_context}
 mkdir -p "$OUT"

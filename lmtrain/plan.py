@@ -84,14 +84,20 @@ def suggest_layout(c: dict, gpus: int, node: int, mem_bytes: float, global_batch
     GPUs, at most one node's), with the least recomputation (activation checkpointing none, op, selective, full), then
     hsdp over more than one node (its parameter gathers stay in a node) or fsdp. Context parallel (cp divides
     the GPUs and the sequence into 2 cp chunks) counts with tensor parallel: of the same number of ranks splitting the
-    model's work, the one that sends the least. None when nothing fits."""
+    model's work, the one that sends the least. Activation offloading (``offload``: each block's input in host memory,
+    sent there and back every step) only where nothing else fits. None when nothing fits."""
+    recomputing = tuple(ac for ac in AC if ac != "offload")
+    return _fewest_splits(c, gpus, node, mem_bytes, global_batch, recomputing) or _fewest_splits(c, gpus, node, mem_bytes, global_batch, ("offload",))
+
+
+def _fewest_splits(c: dict, gpus: int, node: int, mem_bytes: float, global_batch: int | None, acs: tuple) -> dict | None:
     mcfg, seq = c["mcfg"], c["seq"]
     tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= node and gpus % t == 0 and node % t == 0 and not mcfg.undivided_by(t)]
     pairs = [(t, k) for t in tps for k in (1, 2, 4, 8, 16, 32, 64) if gpus % (t * k) == 0 and seq % (2 * k) == 0]
     for split in sorted({t * k for t, k in pairs}):
         fits = []
         for tp, cp in [(t, k) for t, k in pairs if t * k == split]:
-            for ac in AC:
+            for ac in acs:
                 found = None
                 for strategy in ("hsdp", "fsdp") if gpus > node else ("fsdp",):
                     dp = gpus // split
@@ -108,7 +114,7 @@ def suggest_layout(c: dict, gpus: int, node: int, mem_bytes: float, global_batch
                                  "communication_gb_per_step": {k: v / GB for k, v in sent.items()}}  # fmt: skip
                         break
                 if found:
-                    fits.append((AC.index(ac), sum(found["communication_gb_per_step"].values()), found))
+                    fits.append((acs.index(ac), sum(found["communication_gb_per_step"].values()), found))
                     break
         if fits:
             return min(fits, key=lambda f: f[:2])[2]

@@ -174,6 +174,7 @@ def test_on_two_gpus_sharded_saves_are_checked_and_a_rollback_passes_over_a_dama
         ),
         (["strategy=fsdp", "strategy.reduce_dtype=bfloat16"], "reduce_dtype=bfloat16 takes effect only with trainer.precision=bf16-mixed"),
         (["strategy=fsdp", "strategy.cpu_offload=true"], "cpu_offload=true needs GPUs"),
+        (["strategy=fsdp", "strategy.activation_checkpointing=offload"], r"activation_checkpointing=offload needs compiled blocks \(module.compile=true"),
         (["strategy.name=fsdp"], "Lightning's FSDPStrategy does not run on CPU: use strategy=fsdp"),
         (["strategy=fsdp", "strategy.activation_checkpointing=some"], None),
         (
@@ -201,8 +202,8 @@ def test_fsdp_options_activation_checkpointing_meta_init_and_compile(tmp_path, d
     the digit); meta-device init allocates and initialises each shard in place and trains; under bf16-mixed,
     gradients reduced in bf16 (strategy.reduce_dtype=bfloat16) train like the fp32 reduction to bf16 rounding, and
     not identically; module.compile=true compiles every block and the output head with the loss
-    (Decoder.head_loss under FSDP2) and computes one eager process's losses to float rounding (one rank; needs a C
-    compiler). Three launches of 2 ranks share the assertions: full, selective, and op-level with the bf16 reduction."""
+    (Decoder.head_loss under FSDP2) and, with the blocks' inputs offloaded to host memory, computes one eager process's
+    losses to float rounding (one rank; needs a C compiler). Three launches of 2 ranks share the assertions: full, selective, and op-level with the bf16 reduction."""
     common = ["strategy=fsdp", "trainer.devices=2", "data.batch_size=4", "trainer.max_steps=4", "scheduler.total_steps=4"]
     bf16 = [*common, "trainer.precision=bf16-mixed", "strategy.init_device=meta"]  # built on meta, then sharded
     # full recomputes every block, selective every other one: equal to the digit only if recomputing is exact
@@ -223,8 +224,10 @@ def test_fsdp_options_activation_checkpointing_meta_init_and_compile(tmp_path, d
     # compiled on one rank (one compilation, not two at once on two cores), against one eager process (fp32, the same
     # global batch of 8 and schedule): the module's one_process_losses
     # module.compile=true, the one compile switch: under fsdp it compiles the sharded way (each block)
-    res = _run(tmp_path, dataset_dir, "compiled", "strategy=fsdp", "trainer.devices=1", "data.batch_size=8", "module.compile=true")
-    assert "compile True" in res.stderr
+    # with the blocks' inputs offloaded (full checkpointing, each input held in host memory: lmtrain.training.offload)
+    res = _run(tmp_path, dataset_dir, "compiled", "strategy=fsdp", "trainer.devices=1", "data.batch_size=8", "module.compile=true",
+               "strategy.activation_checkpointing=offload")  # fmt: skip
+    assert "compile True" in res.stderr and "activation offloading: each block's input" in res.stderr
     compiled = {s: float(v) for s, v in _losses(tmp_path / "runs" / "compiled").items()}
     assert sorted(compiled) == list(range(1, 9)) and compiled == pytest.approx(one_process_losses, rel=1e-4)
 

@@ -469,7 +469,7 @@ class LanguageModel(nn.Module):
     """What a network offers lmtrain.training.assemble, which builds and prepares it in one order: declared here, so
     that the room asks for these instead of probing for attributes. ``blocks``: the repeated layers, each converted to
     float8, checkpointed, compiled and sharded on its own; ``final_norm``: the module whose input is the last block's
-    output (its RMS is a divergence signal); :meth:`configure_head`: how the output head computes its loss;
+    output (its RMS is a divergence signal); ``width``: the residual stream's (activation offloading moves it); :meth:`configure_head`: how the output head computes its loss;
     :meth:`head_loss`: that head and loss, compiled apart from the blocks under sharding; :meth:`init_weights`: the
     seeded initialisation, run again on shards built on the meta device; :meth:`tensor_parallel_plan` and
     :meth:`set_context_parallel`: how it splits over tensor- and context-parallel ranks. LMModule trains any
@@ -480,6 +480,11 @@ class LanguageModel(nn.Module):
 
     @property
     def final_norm(self) -> nn.Module:
+        raise NotImplementedError
+
+    @property
+    def width(self) -> int:
+        """The residual stream's width: the last dimension of every block's input and output."""
         raise NotImplementedError
 
     def configure_head(self, *, chunk_tokens: int | None = None, kernel=None, z_loss: float = 0.0) -> None:
@@ -542,6 +547,10 @@ class Decoder(LanguageModel):
     @property
     def final_norm(self) -> nn.Module:
         return self.norm
+
+    @property
+    def width(self) -> int:
+        return self.cfg.d_model
 
     def configure_head(self, *, chunk_tokens: int | None = None, kernel=None, z_loss: float = 0.0) -> None:
         self.loss_chunk_tokens, self.loss_kernel, self.z_loss = chunk_tokens, kernel, float(z_loss)

@@ -3,7 +3,7 @@ fixed order, from one :class:`Plan` made once (OLMo-core's ``parallelize_model``
 before parallelising):
 
     build -> output head -> float8 -> tensor parallel -> context parallel -> activation checkpointing -> compile
-          -> shard -> initialise or load the weights
+          -> activation offloading -> shard -> initialise or load the weights
 
 (the tensor-parallel plan is made before float8 and applied after it: making it splits the fused products, which
 float8 must convert). A step reads only the plan and what the network declares it offers (lmtrain.nn.model.LanguageModel: its blocks, its
@@ -25,6 +25,7 @@ from lmtrain.errors import InputError
 from lmtrain.nn.model import LanguageModel
 from lmtrain.training import compat, fastpaths
 from lmtrain.training import fp8 as fp8_module
+from lmtrain.training.offload import BlockInputsToHost
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Plan:
 
     @property
     def ac(self) -> str:
-        """``strategy.activation_checkpointing`` (none, selective, full, op): under fsdp/hsdp."""
+        """``strategy.activation_checkpointing`` (none, selective, full, op, offload): under fsdp/hsdp."""
         return self.sharding.activation_checkpointing if self.sharding is not None else "none"
 
     def assemble(self, model: nn.Module | Callable[[], nn.Module], loss: Callable, weights=None) -> tuple[nn.Module, Callable]:
@@ -73,6 +74,8 @@ class Plan:
         self._context_parallel(model)
         self._checkpoint_activations(model)
         loss = self._compile(model, loss)
+        if self.ac == "offload":  # the inputs full checkpointing keeps, held in host memory (lmtrain.training.offload)
+            loss = self._offload(model, loss)
         if self.sharding is not None:
             model = self.sharding.shard(model, compiled=self.compile)
         self._weights(model, weights)
@@ -182,8 +185,16 @@ class Plan:
             return
         blocks = model.blocks
         for i, block in enumerate(blocks):
-            if self.ac in ("full", "op") or (self.ac == "selective" and i % 2 == 0):
+            if self.ac in ("full", "op", "offload") or (self.ac == "selective" and i % 2 == 0):
                 blocks[i] = compat.checkpoint_wrapper(block, keep_products=self.ac == "op")
+
+    def _offload(self, model: nn.Module, loss: Callable) -> Callable:
+        if not self.compile:
+            raise InputError("strategy.activation_checkpointing=offload needs compiled blocks (module.compile=true, or auto on a GPU)")
+        if self.rank0:
+            print("[lmtrain] activation offloading: each block's input waits for the backward pass in host memory",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        return BlockInputsToHost(model.width, len(model.blocks))(loss)
 
     def _compile(self, model: nn.Module, loss: Callable) -> Callable:
         """Sharded: each block, and the output head with the loss (FSDP2's hooks run between the blocks); else the

@@ -320,6 +320,13 @@ def validate_config(cfg: DictConfig) -> None:
         device = device_type(trainer.get("accelerator", "auto")) if trainer is not None else None
         if module.get("compile", False) not in (True, False, "auto"):
             problems.append(f"module.compile={module.get('compile')!r} must be true, false or auto")
+        elif (cfg.get("strategy") or {}).get("activation_checkpointing") == "offload":
+            compiled = module.get("compile", False) is True or (module.get("compile") == "auto" and device == "cuda")
+            if not compiled:
+                problems.append(
+                    "strategy.activation_checkpointing=offload needs compiled blocks (module.compile=true, or auto on a GPU): "
+                    "eager checkpointing holds each block's input itself, where offloading cannot move it"
+                )
         from lmtrain.nn.loss import z_loss_problem
 
         if (problem := z_loss_problem(module.get("z_loss", 0.0))) is not None:

@@ -5,7 +5,8 @@ Memory per GPU, bf16 mixed precision with fp32 master weights and AdamW: weights
 optimizer state 8 B/param (``optimizer=muon``: 4 B for the blocks' matrices, Muon's one momentum buffer), each divided by the shard group (ddp: 1, fsdp: all GPUs, hsdp: one node); activations
 per micro-batch from Korthikanti et al. (2022) with flash attention: 34 x seq x batch x d_model bytes per layer
 without recomputation for an OPT block, 37.5 for llama-7b's gated MLP (:func:`block_activations`), 2 x seq x batch x d_model per layer (the saved block inputs) plus one layer's full set with
-full activation checkpointing, half of the layers each way with selective (every other block), and with ``op`` (every
+full activation checkpointing (with ``offload``, two layers' inputs: the rest wait in host memory), half of the layers
+each way with selective (every other block), and with ``op`` (every
 block keeps its products' and attention's outputs) 22 x seq x batch x d_model per layer (of the 34: the block input 2,
 q, k and v 6, attention's output 2, the output projection's 2, the MLP's first product 8 and second 2; the norms,
 activation and dropout masks recomputed) plus one layer's full set; with ``module.fp8.recipe`` the full set is 3 + f/d less
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import math
 
-AC = ("none", "op", "selective", "full")  # every strategy.activation_checkpointing (strategies.AC_MODES), most memory first
+AC = ("none", "op", "selective", "full", "offload")  # every strategy.activation_checkpointing (strategies.AC_MODES), most memory first
 GB = 1e9
 MARGIN = 0.9
 
@@ -148,6 +149,8 @@ def memory(
         act = L * per_layer_full
     elif ac == "full":
         act = L * per_layer_saved + per_layer_full
+    elif ac == "offload":  # full's saved inputs in host memory: on the card, one block's full set and two inputs in flight
+        act = 2 * per_layer_saved + per_layer_full
     elif ac == "op":  # the 22 the products keep, split over the tensor-parallel ranks
         act = L * (22 / tp * mine * batch * d + gathered) + per_layer_full
     else:

@@ -14,7 +14,9 @@ sharded checkpoints (PyTorch distributed checkpoint, one file per rank). Options
   reduce-scatter traffic; each rank's bf16 gradient is rounded before the sum);
 * ``activation_checkpointing``: ``none``, ``selective`` (every other block), ``full`` (every block) or ``op``
   (every block, by operator: the matrix products' and attention's outputs are kept and only the cheap rest, the
-  norms, activation functions, rotary embedding and dropout, is recomputed; torchtitan's op-level selective mode);
+  norms, activation functions, rotary embedding and dropout, is recomputed; torchtitan's op-level selective mode) or
+  ``offload`` (``full``, with the block inputs it keeps held in host memory until the backward pass: the least card
+  memory, for the longest contexts; lmtrain.training.offload);
 * compiled by ``module.compile``: ``torch.compile`` each block, and the output head with the loss;
 * ``tp``: tensor parallel, each block split over groups of ``tp`` ranks, the groups sharded (a 2-D mesh; 3-D under hsdp);
 * ``cp``: context parallel (fsdp), each sequence split over groups of ``cp`` ranks (lmtrain.nn.context), the data-parallel
@@ -44,7 +46,7 @@ from lmtrain.errors import InputError
 from lmtrain.training import compat
 from lmtrain.training.layout import Layout
 
-AC_MODES = ("none", "selective", "full", "op")
+AC_MODES = ("none", "selective", "full", "op", "offload")
 REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
