@@ -37,9 +37,14 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0
     ce = F.cross_entropy(x, t)
     if not z_loss:
         return ce
-    valid = t != IGNORE_INDEX
-    z = torch.where(valid, torch.logsumexp(x, dim=-1).square(), 0.0).sum() / valid.sum().clamp(min=1)
-    return with_z_loss(ce, z, z_loss)
+    return with_z_loss(ce, mean_z(torch.logsumexp(x, dim=-1), t), z_loss)
+
+
+def mean_z(lse: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The z term of :func:`with_z_loss`: the squared log-partition ``lse`` (one per token) averaged over the tokens
+    whose ``targets`` are counted."""
+    valid = targets != IGNORE_INDEX
+    return torch.where(valid, lse.square(), 0.0).sum() / valid.sum().clamp(min=1)
 
 
 def with_z_loss(ce: torch.Tensor, z: torch.Tensor, coef: float) -> torch.Tensor:

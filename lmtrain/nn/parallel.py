@@ -92,7 +92,7 @@ def vocab_parallel_cross_entropy(logits: DTensor, targets: torch.Tensor, z_loss:
     the negative log-likelihood of DTensors, which only this head computes)."""
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from lmtrain.nn.loss import IGNORE_INDEX, with_z_loss
+    from lmtrain.nn.loss import mean_z, with_z_loss
 
     if not _LOSS_PARALLEL:
         _LOSS_PARALLEL.append(loss_parallel())
@@ -103,6 +103,4 @@ def vocab_parallel_cross_entropy(logits: DTensor, targets: torch.Tensor, z_loss:
         return ce
     m = x.detach().amax(-1, keepdim=True)  # the maxima, all-reduced: a shift for a stable sum
     lse = ((x - m).exp().sum(-1).log() + m.squeeze(-1)).to_local()
-    valid = t != IGNORE_INDEX
-    z = torch.where(valid, lse.square(), 0.0).sum() / valid.sum().clamp(min=1)
-    return with_z_loss(ce, z, z_loss)
+    return with_z_loss(ce, mean_z(lse, t), z_loss)
