@@ -355,7 +355,8 @@ def test_tensor_parallel_splits_the_blocks_products_and_their_activations(capsys
     group but the embedding and the head, split by vocabulary, the groups sharded (fsdp over gpus / tp); activations as
     Korthikanti et al.'s 34/t per layer for an OPT block with sequence parallelism, and the logits split; the
     gathers and reduce-scatters of the blocks' branches counted as traffic inside the group (the bytes of four
-    all-reduces a block); ddp, which cannot split layers, has no row."""
+    all-reduces a block); ddp, which cannot split layers, has no row. A chunked head under tp holds one chunk of its
+    vocabulary's logits, compiled or not (the head runs eager there)."""
     from lmtrain.formats.presets import preset
 
     assert [block_activations(preset("opt-1.3b"), tp=t) for t in (1, 2, 4, 8)] == [34, 17, 8.5, 4.25]
@@ -369,6 +370,9 @@ def test_tensor_parallel_splits_the_blocks_products_and_their_activations(capsys
     assert m2["weights"] == pytest.approx(4 * local / 4 / GB) and m1["weights"] == pytest.approx(4 * nums["params"] / 8 / GB)
     assert m2["activations"] == pytest.approx(m1["activations"] * block_activations(preset("llama-7b"), tp=2) / 37.5)
     assert m2["logits"] == pytest.approx(m1["logits"] / 2)  # the output head split by vocabulary
+    # chunked under tp (eager, compiled or not): one chunk of this rank's vocabulary and the gathered hidden states
+    chunked = _plan(capsys, *args, "strategy=fsdp", "strategy.tp=2", "module.compile=true", "module.head.kind=chunked", "module.head.chunk_tokens=4096")
+    assert chunked["memory_gb_per_gpu"]["fsdp"]["none"]["logits"] == pytest.approx((6 * 4096 * 32000 / 2 + 2 * 2 * 4096 * 4096) / GB)
     comm = two["communication_gb_per_step"]["fsdp"]
     assert comm["tensor"] == pytest.approx(32 * 4 * 2 * (1 / 2) * 2 * 2 * 4096 * 4096 / GB)  # the bytes of 4 all-reduces a block
     assert comm["sharding"] == pytest.approx(3 / 4 * 8 * local / GB) and one["communication_gb_per_step"]["fsdp"]["tensor"] == 0

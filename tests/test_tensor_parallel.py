@@ -90,11 +90,15 @@ def test_data_parallel_2_x_tensor_parallel_2_trains_as_one_process_and_resumes_o
 def test_grouped_query_attention_and_qk_norm_split_over_two_ranks_train_as_one_process(tmp_path, dataset_dir):
     """The llama family with 2 key-value heads for 4 query heads and QK-norm (whose weights see each rank's own heads:
     their gradients summed over the ranks), an untied head split by vocabulary and a z-loss (its log-partition over
-    the split logits), split over 2 ranks: one process's losses."""
+    the split logits), split over 2 ranks: one process's losses. The same with the chunked head (chunks of 100 of the
+    512 tokens a step, the last one short), which computes each chunk's split logits twice and keeps none."""
     z = "module.z_loss=1e-3"
     want = _one_process(tmp_path / "one", dataset_dir, *LLAMA, z)
     _run(tmp_path, dataset_dir, "tp", "strategy=fsdp", "strategy.tp=2", "trainer.devices=2", "data.batch_size=8", *LLAMA, z)
     _close(_floats(tmp_path / "runs" / "tp"), want)
+    chunked = ["module.head.kind=chunked", "module.head.chunk_tokens=100"]
+    _run(tmp_path, dataset_dir, "chunked", "strategy=fsdp", "strategy.tp=2", "trainer.devices=2", "data.batch_size=8", *LLAMA, z, *chunked)
+    _close(_floats(tmp_path / "runs" / "chunked"), want)
 
 
 @pytest.mark.slow
@@ -208,7 +212,7 @@ def test_hsdp_on_a_three_dimensional_mesh_trains_as_one_process(tmp_path, datase
         (["strategy=fsdp", "strategy.tp=0"], "strategy.tp=0 must be a positive number of ranks"),
         (["strategy=fsdp", "strategy.tp=8", "trainer.devices=8"], "over 8 ranks: it does not divide model.n_heads=4"),
         (["strategy=hsdp", "strategy.tp=2", "trainer.devices=4", "strategy.shard_size=3"], "shard_size=3 x strategy.tp=2 does not divide the world size 4"),
-        (["strategy=fsdp", "strategy.tp=2", "trainer.devices=2", "module.head.kind=chunked"], "module.head.kind=chunked with strategy.tp=2"),
+        (["strategy=fsdp", "strategy.tp=2", "trainer.devices=2", "module.head.kind=float8"], "module.head.kind=float8 with strategy.tp=2"),
         (["strategy=fsdp", "strategy.tp=2", "trainer.devices=2", "data.seq_len=63"], "data.seq_len=63 does not divide by 2"),
         (["strategy=fsdp", "strategy.tp=4", "strategy.cp=2", "trainer.devices=8", "data.seq_len=36"],
          "data.seq_len=36 over strategy.cp=2 (18) does not divide by 4"),

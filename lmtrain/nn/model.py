@@ -708,10 +708,12 @@ class Decoder(LanguageModel):
         ``loss_float8``; with ``loss_kernel`` set to a
         function (``module.loss_kernel``: lmtrain.training.kernels), by that fused kernel. With ``z_loss`` set, each
         returns :func:`lmtrain.nn.loss.with_z_loss`'s (objective, cross-entropy, z) instead of the mean. Under tensor
-        parallel (:meth:`tensor_parallel_plan`) the head is split by vocabulary and so is the loss."""
+        parallel (:meth:`tensor_parallel_plan`) the head is split by vocabulary and so is the loss, chunked or whole."""
         if isinstance(self.lm_head.weight, DTensor):
-            from lmtrain.nn.parallel import vocab_parallel_cross_entropy
+            from lmtrain.nn.parallel import chunked_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy
 
+            if self.loss_chunk_tokens:
+                return chunked_vocab_parallel_cross_entropy(hidden, self.lm_head.weight, targets, self.loss_chunk_tokens, self.z_loss)
             return vocab_parallel_cross_entropy(self.lm_head(hidden), targets, self.z_loss)
         if self.loss_kernel is not None:
             if self.z_loss:

@@ -90,13 +90,9 @@ def vocab_parallel_cross_entropy(logits: DTensor, targets: torch.Tensor, z_loss:
     ``loss_parallel``'s operators must also be there when the backward pass runs, which the trainer starts outside
     any model code: they are registered once for the process, here, and stay (they apply only to the log-softmax and
     the negative log-likelihood of DTensors, which only this head computes)."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
     from lmtrain.nn.loss import mean_z, with_z_loss
 
-    if not _LOSS_PARALLEL:
-        _LOSS_PARALLEL.append(loss_parallel())
-        _LOSS_PARALLEL[0].__enter__()
+    _enter_loss_parallel()
     x, t = logits.flatten(0, -2).float(), targets.flatten()
     ce = F.cross_entropy(x, t).to_local()
     if not z_loss:
@@ -104,3 +100,48 @@ def vocab_parallel_cross_entropy(logits: DTensor, targets: torch.Tensor, z_loss:
     m = x.detach().amax(-1, keepdim=True)  # the maxima, all-reduced: a shift for a stable sum
     lse = ((x - m).exp().sum(-1).log() + m.squeeze(-1)).to_local()
     return with_z_loss(ce, mean_z(lse, t), z_loss)
+
+
+def _enter_loss_parallel() -> None:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    if not _LOSS_PARALLEL:
+        _LOSS_PARALLEL.append(loss_parallel())
+        _LOSS_PARALLEL[0].__enter__()
+
+
+def chunked_vocab_parallel_cross_entropy(hidden: torch.Tensor, weight: DTensor, targets: torch.Tensor, chunk_tokens: int, z_loss: float = 0.0):
+    """:func:`vocab_parallel_cross_entropy` of the output head ``weight`` (split by vocabulary) applied to ``hidden``
+    (this rank's part of each sequence, as the final norm gives it under sequence parallelism), ``chunk_tokens`` tokens
+    at a time (``module.head.kind=chunked`` under tensor parallel): the hidden states are gathered once (batch x
+    sequence x width, small beside the logits), then each chunk's logits (its tokens x this rank's vocabulary) are
+    computed, reduced to sums of cross-entropy and squared log-partition, and dropped; the backward pass computes
+    each chunk's again (activation checkpointing), so no more than one chunk's logits exist at a time. The mean over
+    the counted tokens equals the unchunked head's to float rounding."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lmtrain.nn.loss import IGNORE_INDEX, with_z_loss
+
+    _enter_loss_parallel()
+    mesh = weight.device_mesh
+    whole = DTensor.from_local(hidden, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
+    h, t = whole.flatten(0, 1), targets.flatten()
+    ce = z = 0.0
+    for at in range(0, t.numel(), chunk_tokens):
+        part = checkpoint(_vocab_parallel_sums, h[at : at + chunk_tokens], weight, t[at : at + chunk_tokens], bool(z_loss), use_reentrant=False)
+        ce, z = ce + part[0], z + part[1]
+    counted = (t != IGNORE_INDEX).sum().clamp(min=1)
+    return with_z_loss(ce / counted, z / counted, z_loss) if z_loss else ce / counted
+
+
+def _vocab_parallel_sums(h: DTensor, weight: DTensor, t: torch.Tensor, with_z: bool) -> torch.Tensor:
+    """(cross-entropy summed over the counted tokens, squared log-partition summed likewise or 0) of one chunk."""
+    from lmtrain.nn.loss import IGNORE_INDEX
+
+    x = F.linear(h, weight).float()  # this chunk's tokens x this rank's vocabulary
+    ce = F.cross_entropy(x, t, reduction="sum").full_tensor()
+    if not with_z:
+        return torch.stack([ce, torch.zeros_like(ce)])
+    m = x.detach().amax(-1, keepdim=True)
+    lse = ((x - m).exp().sum(-1).log() + m.squeeze(-1)).to_local()
+    return torch.stack([ce, torch.where(t != IGNORE_INDEX, lse.square(), 0.0).sum()])

@@ -78,8 +78,9 @@ def tensor_parallel_problems(tp: int, model_cfg, head_kind: str, fp8_recipe, fus
     out = []
     if model_cfg is not None and (undivided := model_cfg.undivided_by(tp)):
         out.append(f"strategy.tp={tp} splits heads and MLP features over {tp} ranks: it does not divide {undivided}")
-    if head_kind != "plain":
-        out.append(f"module.head.kind={head_kind} with strategy.tp={tp}: under tensor parallel the output head is the plain one for now")
+    if head_kind not in ("plain", "chunked"):
+        out.append(f"module.head.kind={head_kind} with strategy.tp={tp}: under tensor parallel the output head is the plain or "
+                   "the chunked one (split by vocabulary) for now")  # fmt: skip
     if fused_mlp:
         out.append(f"module.fp8.fused_mlp=true with strategy.tp={tp}: the fused float8 MLP takes SwiGLU's gate and up products "
                    "whole, which tensor parallel splits (use module.fp8.fused_mlp=false)")  # fmt: skip

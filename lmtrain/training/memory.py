@@ -16,7 +16,8 @@ counted); against llama-7b's ten measured peaks (bf16 and fp8, every checkpointi
 batch x seq x vocab x 6 bytes (bf16 and the fp32 copy the loss takes); with a chunked head (``module.head.kind=chunked``
 or ``float8``, ``module.head.chunk_tokens=C``), C x vocab x 6 bytes plus the gradients the chunked head keeps: hidden
 states and head weight in fp32; with ``module.compile`` the bf16 chunked head is counted as whole-batch logits, since
-under compile it saved a tenth to a seventh of that, the float8 one as chunked; under ddp on more than one GPU, DDP's
+under compile it saved a tenth to a seventh of that, the float8 one as chunked (under tensor parallel the head runs
+eager and holds a chunk's logits of its vocabulary, C x vocab / tp x 6 bytes, and the gathered hidden states); under ddp on more than one GPU, DDP's
 gradient buckets, 4 B/param. The total is the larger of two peaks: at the end of the forward pass (weights,
 optimizer state, activations, logits; gradients only when ``trainer.accumulate_grad_batches`` or
 ``global_batch_size`` makes several micro-batches per step, since the trainer frees them after each optimizer step)
@@ -162,7 +163,7 @@ def memory(
         "gradients": 4 * local / shard,
         "optimizer": (8 * params - 4 * muon_params) * split / shard,
         "activations": act,
-        "logits": 6 * batch * mine * V / tp if not loss_chunk else 6 * min(loss_chunk, batch * mine) * V + 4 * (batch * mine + V) * cfg.emb_dim,
+        "logits": 6 * batch * mine * V / tp if not loss_chunk else _chunked_head(loss_chunk, batch * mine, V, cfg.emb_dim, tp),
     }
     always = out["weights"] + out["optimizer"]
     if strategy != "ddp":  # parameters gathered for compute: one block and the prefetched next one, or, with
@@ -209,11 +210,12 @@ def counted(cfg, gpus: int, node: int) -> dict:
     # no saving there. The float8 head holds one chunk's: counted.
     fp8 = fp8_cfg.recipe is not None
     fp8_head = head_cfg.kind == "float8"
-    chunk_uncounted = bool(chunk) and bool(module_cfg.get("compile")) and not fp8_head
-    chunk = None if chunk_uncounted else chunk
     reshard = strategy_cfg.get("reshard_after_forward", True) is not False
     gbs = cfg.get("global_batch_size")
     tp = strategy_cfg.get("tp") or 1  # the ranks of a tensor- and a context-parallel group read the same samples
+    # (under tensor parallel the head runs eager: its chunks are what it holds)
+    chunk_uncounted = bool(chunk) and bool(module_cfg.get("compile")) and not fp8_head and tp == 1
+    chunk = None if chunk_uncounted else chunk
     cp = strategy_cfg.get("cp") or 1
     group = tp * cp if isinstance(tp, int) and isinstance(cp, int) and tp > 0 and cp > 0 else 1
     dp = gpus // group if gpus % group == 0 else gpus
@@ -235,6 +237,16 @@ def counted(cfg, gpus: int, node: int) -> dict:
         "mcfg": mcfg, "nums": nums, "seq": seq, "batch": batch, "chunk": chunk, "accum": accum, "fp8": fp8, "reshard": reshard,
         "float8_gathered": float8_gathered, "chunk_uncounted": chunk_uncounted, "fp8_recipe": fp8_cfg.recipe, "head": head_cfg.kind,
     }  # fmt: skip
+
+
+def _chunked_head(chunk: int, tokens: float, vocab: int, width: int, tp: int) -> float:
+    """The chunked head's memory: one chunk's logits (bf16 and fp32), and the gradients it keeps (lmtrain.nn.loss: the
+    hidden states' and the head weight's, fp32); under tensor parallel a chunk's logits of this rank's vocabulary and
+    the gathered hidden states (bf16), each chunk's logits computed again in the backward pass instead of gradients
+    kept (lmtrain.nn.parallel.chunked_vocab_parallel_cross_entropy)."""
+    if tp > 1:
+        return 6 * min(chunk, tokens) * vocab / tp + 2 * tokens * width
+    return 6 * min(chunk, tokens) * vocab + 4 * (tokens + vocab) * width
 
 
 def breakdown(c: dict, strategy: str, gpus: int, node: int, ac: str) -> dict:
