@@ -393,7 +393,7 @@ def param_shapes(module) -> dict[str, list[int]]:
 
 
 # model fields lmtrain added after checkpoints existed, with their defaults: an older checkpoint's config lacks them
-ADDED_MODEL_FIELDS = {"rope_scaling": None, "qk_norm": False}
+ADDED_MODEL_FIELDS = {"rope_scaling": None, "qk_norm": False, "moe": None}
 
 
 def check_compatible(saved: dict, current: dict, what: str) -> None:

@@ -30,6 +30,9 @@ def config(model_cfg, eos: int, dtype: str, bos: int | None = None) -> dict:
     """``config.json`` for ``transformers`` (refuses what its class cannot express); ``bos``: the tokenizer's own
     beginning-of-sequence id (None: the separator, as with our own tokenizers)."""
     c = model_cfg
+    if getattr(c, "moe", None) is not None:
+        raise InputError("--format hf: this model is a mixture of experts (model.moe); its export to transformers "
+                         "(OlmoeForCausalLM, Qwen3MoeForCausalLM) is not written yet: export --format lmtrain keeps it whole")  # fmt: skip
     bos = eos if bos is None else bos
     common = {
         "vocab_size": c.vocab_size, "hidden_size": c.d_model, "num_hidden_layers": c.n_layers,

@@ -29,6 +29,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from lmtrain.nn.context import ContextParallel, ContextSplit
 from lmtrain.nn.loss import chunked_linear_cross_entropy, cross_entropy
+from lmtrain.nn.moe import MoE, unused_params
 
 FAMILIES = ("opt", "llama")
 # per family, its MLP activations (the first is the default): opt/GPT-2 MLP, or llama's gated SwiGLU
@@ -58,10 +59,13 @@ class ModelConfig:
     init_std: float = 0.02
     activation: str | None = None  # None: the family's (opt: gelu, llama: silu); opt also: gelu_tanh, relu
     qk_norm: bool = False  # each head's queries and keys normalised before attention (Qwen 3's; the family's norm)
+    moe: dict | None = None  # mixture of experts: lmtrain.nn.moe.MoEConfig's keys; None: every block's MLP dense
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, Mapping):  # a DictConfig from Hydra
             self.rope_scaling = {str(k): v for k, v in self.rope_scaling.items()}
+        if isinstance(self.moe, Mapping):
+            self.moe = {str(k): v for k, v in self.moe.items()}
         errors = self.problems()
         if errors:
             raise ValueError(f"invalid model config '{self.name}': " + "; ".join(errors))
@@ -86,6 +90,16 @@ class ModelConfig:
     @property
     def emb_dim(self) -> int:
         return self.embed_dim or self.d_model
+
+    @property
+    def moe_config(self):
+        """``moe`` as lmtrain.nn.moe.MoEConfig, or None for a dense model."""
+        from lmtrain.nn.moe import MoEConfig
+
+        return MoEConfig.of(self.moe) if self.moe is not None else None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer >= self.moe_config.dense_layers
 
     def undivided_by(self, tp: int) -> str:
         """The sizes tensor parallel over ``tp`` ranks would split and ``tp`` does not divide (heads, key-value heads,
@@ -120,6 +134,10 @@ class ModelConfig:
             out += rope_scaling_problems(self.rope_scaling, self.family)
         if not isinstance(self.qk_norm, bool):
             out.append(f"model.qk_norm={self.qk_norm!r} must be true or false")
+        if self.moe is not None:
+            from lmtrain.nn.moe import moe_problems
+
+            out += moe_problems(self.moe, self.n_layers)
         for key in ("dropout", "attention_dropout"):
             val = getattr(self, key)
             if not isinstance(val, (int, float)) or not 0.0 <= val < 1.0:
@@ -448,14 +466,15 @@ def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); the mlp a mixture of experts in a
+    ``model.moe`` model's blocks from ``dense_layers`` on."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)  # (lmtrain.nn.moe)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(
@@ -487,10 +506,12 @@ class LanguageModel(nn.Module):
         """The residual stream's width: the last dimension of every block's input and output."""
         raise NotImplementedError
 
-    def configure_head(self, *, chunk_tokens: int | None = None, kernel=None, z_loss: float = 0.0) -> None:
+    def configure_head(self, *, chunk_tokens: int | None = None, kernel=None, z_loss: float = 0.0, loss_scale: float = 1.0) -> None:
         """``chunk_tokens``: the loss computed that many tokens at a time (lmtrain.nn.loss); ``kernel``: a fused
         ``(hidden, weight, targets[, z_loss]) -> loss`` function (lmtrain.training.kernels); ``z_loss``: the coefficient
-        of the log-partition penalty (lmtrain.nn.loss.with_z_loss). Called once, before compiling."""
+        of the log-partition penalty (lmtrain.nn.loss.with_z_loss); ``loss_scale``: the factor the trainer applies to the
+        returned loss before its backward pass (1 over the micro-batches a step accumulates), which losses added inside
+        the blocks (a mixture of experts' balancing losses, lmtrain.nn.moe) take too. Called once, before compiling."""
         raise NotImplementedError
 
     def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -524,7 +545,7 @@ class Decoder(LanguageModel):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.family == "opt" else None
         self.proj_in = nn.Linear(cfg.emb_dim, cfg.d_model, bias=False) if cfg.emb_dim != cfg.d_model else None
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = make_norm(cfg)
         self.proj_out = nn.Linear(cfg.d_model, cfg.emb_dim, bias=False) if cfg.emb_dim != cfg.d_model else None
         self.lm_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
@@ -552,8 +573,11 @@ class Decoder(LanguageModel):
     def width(self) -> int:
         return self.cfg.d_model
 
-    def configure_head(self, *, chunk_tokens: int | None = None, kernel=None, z_loss: float = 0.0) -> None:
+    def configure_head(self, *, chunk_tokens: int | None = None, kernel=None, z_loss: float = 0.0, loss_scale: float = 1.0) -> None:
         self.loss_chunk_tokens, self.loss_kernel, self.z_loss = chunk_tokens, kernel, float(z_loss)
+        for block in self.blocks:
+            if isinstance(block.mlp, MoE):  # its losses join the objective as the trainer scales it (lmtrain.nn.moe)
+                block.mlp.loss_scale = float(loss_scale)
 
     def tensor_parallel_plan(self, tp: int) -> dict:
         """Megatron's split with sequence parallelism (torchtitan's plan): in each block the query, key and value
@@ -609,6 +633,8 @@ class Decoder(LanguageModel):
                 nn.init.normal_(module.weight, 0.0, std)
             elif isinstance(module, (nn.LayerNorm, RMSNorm)):
                 module.reset_parameters()
+            elif isinstance(module, MoE):
+                module.reset_parameters(std, resid_std)
         if self.cfg.family == "llama":
             cos, sin = rope_cache(self.cfg.max_seq_len, self.cfg.head_dim, self.cfg.rope_theta, self.rope_cos.device, self.cfg.rope_scaling)
             self.rope_cos.copy_(cos)
@@ -794,11 +820,12 @@ def num_params(model: nn.Module) -> int:
 
 
 def matmul_params(model: Decoder) -> int:
-    """Parameters that take part in a matmul per token: all but lookup tables.
+    """Parameters that take part in a matmul per token: all but lookup tables, and of a mixture of experts' routed
+    experts only the ``top_k`` a token is sent to (its active parameters; lmtrain.nn.moe.unused_params).
 
     Position embeddings are a lookup; the token embedding is a lookup unless tied to the output head.
     """
-    n = num_params(model)
+    n = num_params(model) - unused_params(model.cfg)  # a mixture of experts: the experts a token is computed by
     if model.pos_emb is not None:
         n -= model.pos_emb.weight.numel()
     if not model.cfg.tie_embeddings:

@@ -34,7 +34,8 @@ class Plan:
     lmtrain.training.fastpaths), ``z_loss``, ``compile`` (resolved: ``auto`` is a GPU), ``sharding`` (the fsdp/hsdp
     strategy, or None: single device or DDP, the model whole on each rank), ``device`` (where it trains), ``rank0``
     (this process says what it did), ``tp`` (``strategy.tp``: the ranks each layer is split over) and ``cp``
-    (``strategy.cp``: the ranks each sequence is split over)."""
+    (``strategy.cp``: the ranks each sequence is split over), ``loss_scale`` (what the trainer multiplies each
+    micro-batch's loss by: 1 over the micro-batches a step accumulates)."""
 
     head: fastpaths.Head
     fp8: fastpaths.Float8
@@ -45,6 +46,7 @@ class Plan:
     rank0: bool = True
     tp: int = 1  # ranks each layer is split over (strategy.tp, under fsdp)
     cp: int = 1  # ranks each sequence is split over (strategy.cp, under fsdp)
+    loss_scale: float = 1.0  # the trainer's factor on each micro-batch's loss: 1 / trainer.accumulate_grad_batches
 
     @classmethod
     def of(cls, module, strategy) -> Plan:
@@ -55,7 +57,8 @@ class Plan:
         device = strategy.root_device if strategy is not None else module.device
         compile_ = module.compile if module.compile != "auto" else device.type == "cuda"  # built without the config
         tp, cp = (sharding.tp, sharding.cp) if sharding is not None else (1, 1)
-        return cls(module.head, module.fp8, module.z_loss, bool(compile_), sharding, device, module.global_rank == 0, tp, cp)
+        accumulate = module._trainer.accumulate_grad_batches if module._trainer is not None else 1  # Lightning divides the loss
+        return cls(module.head, module.fp8, module.z_loss, bool(compile_), sharding, device, module.global_rank == 0, tp, cp, 1.0 / accumulate)
 
     @property
     def ac(self) -> str:
@@ -107,7 +110,7 @@ class Plan:
                 if asked:
                     raise InputError(f"{key}: the model {type(model).__name__} has no {lacks} (lmtrain.nn.model.Decoder has)")
             return
-        model.configure_head(chunk_tokens=self.head.chunk, kernel=kernel, z_loss=self.z_loss)
+        model.configure_head(chunk_tokens=self.head.chunk, kernel=kernel, z_loss=self.z_loss, loss_scale=self.loss_scale)
 
     def _float8(self, model: nn.Module) -> None:
         if not fastpaths.uses_float8(self.head, self.fp8):

@@ -143,7 +143,8 @@ def convert(
         config = float8_config(recipe, sharded=sharded, device=device, fast_accum=fast_accum)
         marked = {name for name, m in blocks.named_modules() if getattr(m, "residual_out", False)}
         fused = {id(m) for mlp in mlps for m in (mlp.first, mlp.down)}
-        convert_to_float8_training(blocks, module_filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and id(m) not in fused, config=config)
+        convert_to_float8_training(blocks, module_filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and id(m) not in fused
+                                   and not getattr(m, "moe_router", False), config=config)  # a router's scores stay fp32
         for name, m in blocks.named_modules():
             if name in marked:
                 m.residual_out = True

@@ -76,6 +76,8 @@ def tensor_parallel_problems(tp: int, model_cfg, head_kind: str, fp8_recipe, fus
     if tp == 1:
         return []
     out = []
+    if model_cfg is not None and getattr(model_cfg, "moe", None) is not None:
+        out.append(f"model.moe with strategy.tp={tp}: tensor parallel does not split experts yet (train a mixture of experts under fsdp)")
     if model_cfg is not None and (undivided := model_cfg.undivided_by(tp)):
         out.append(f"strategy.tp={tp} splits heads and MLP features over {tp} ranks: it does not divide {undivided}")
     if head_kind not in ("plain", "chunked"):

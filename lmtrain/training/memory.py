@@ -52,15 +52,16 @@ _NUMBERS: dict[tuple[str, int], dict] = {}
 
 def _build_numbers(model_cfg, seq_len: int) -> dict:
     """Every figure is linear in the number of blocks (each block the same): built on the meta device with one block
-    and with two, the rest extrapolated, so that a count of ``n_layers: 1000000`` takes no time and no memory."""
+    and with two, the rest extrapolated, so that a count of ``n_layers: 1000000`` takes no time and no memory. (A
+    mixture of experts' first ``dense_layers`` blocks are built in both, the blocks after them extrapolated.)"""
     import dataclasses
 
-    depth = int(model_cfg.n_layers)
-    one = _numbers_of(dataclasses.replace(model_cfg, n_layers=1), seq_len)
-    if depth <= 1:
+    depth, dense = int(model_cfg.n_layers), model_cfg.moe_config.dense_layers if model_cfg.moe is not None else 0
+    one = _numbers_of(dataclasses.replace(model_cfg, n_layers=dense + 1), seq_len)
+    if depth <= dense + 1:
         return one
-    two = _numbers_of(dataclasses.replace(model_cfg, n_layers=2), seq_len)
-    return {k: type(one[k])(one[k] + (depth - 1) * (two[k] - one[k])) for k in one}
+    two = _numbers_of(dataclasses.replace(model_cfg, n_layers=dense + 2), seq_len)
+    return {k: type(one[k])(one[k] + (depth - dense - 1) * (two[k] - one[k])) for k in one}
 
 
 def _numbers_of(model_cfg, seq_len: int) -> dict:

@@ -24,6 +24,7 @@ from lmtrain.training.contracts import StepChecker
 from lmtrain.training.health import every_rank
 from lmtrain.training.layout import Layout
 from lmtrain.training.logs import log_direct
+from lmtrain.training.routing import RoutingStats
 
 
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
@@ -180,6 +181,7 @@ class LMModule(L.LightningModule):
         self._act_hook = None
         self._qk_bounds: list[torch.Tensor] = []
         self._qk_hooks: list = []
+        self._routing: RoutingStats | None = None
         self._pending_stats: list[_StepStats] = []
         self._step_batches: list[_MicroBatch] = []  # this optimizer step's, while a checker reruns suspect steps
         self._step_loss: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # (global, local) loss, as forward ended
@@ -206,6 +208,8 @@ class LMModule(L.LightningModule):
             self._act_hook = self.model.final_norm.register_forward_pre_hook(self._record_activation, prepend=True)
         if not self._qk_hooks:  # lmtrain.nn.model.Decoder's attention layers (another network may have none)
             self._qk_hooks = [m.register_forward_pre_hook(self._record_qk) for m in self.model.modules() if isinstance(m, QKProbe)]
+        if self._routing is None:  # a mixture of experts' routers (lmtrain.training.routing)
+            self._routing = RoutingStats(self.model)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
@@ -375,6 +379,8 @@ class LMModule(L.LightningModule):
                 qk,
             ]
         )
+        if self._routing:  # a mixture of experts' routing this step, every rank's tokens
+            values = torch.cat([values, self._routing.step_values(self.trainer.strategy, self.device).to(values)])
         # Only what the device has finished is read: the statistics of this step are judged at the next one (or at a
         # save, or at the end), so the host never waits for the device mid-step. A checker that must act on this very
         # update (a `skip` action) asks for it now: one device sync per step.
@@ -390,6 +396,8 @@ class LMModule(L.LightningModule):
             drop |= self._judge_stats(checkers)
         if drop:
             self.drop_update(optimizer)
+        elif self._routing:
+            self._routing.balance()  # the experts' selection biases, as the step's update (lmtrain.nn.moe)
 
     def _checkers(self) -> list[StepChecker]:
         return [c for c in self.trainer.callbacks if isinstance(c, StepChecker)]
@@ -408,8 +416,10 @@ class LMModule(L.LightningModule):
         todo, self._pending_stats = self._pending_stats, []
         drop = False
         for rec in todo:
-            loss, norm, act_rms, scale, overflow, z, qk = rec.read()
+            loss, norm, act_rms, scale, overflow, z, qk, *routing = rec.read()
             extra = {"train/loss": loss, "train/lr": rec.lr, "train/grad_norm": norm}
+            if self._routing:
+                extra.update(zip(self._routing.names(), routing, strict=True))
             if self._act_hook is not None:
                 extra["train/act_rms"] = act_rms
             if self._qk_hooks:

@@ -1,0 +1,244 @@
+"""Mixture of experts: the feed-forward layer of a block as many experts, each token sent to ``top_k`` of them.
+
+``model.moe`` (a mapping, null for a dense model) switches a model's blocks to it; its keys are :class:`MoEConfig`'s.
+Token-choice routing as OLMoE, Qwen3-MoE and DeepSeek-V3 route:
+
+* the router, a linear layer from the width to ``experts`` scores, computed in fp32; ``score: softmax`` (OLMoE,
+  Qwen3-MoE) or ``sigmoid`` (DeepSeek-V3) turns them into each token's affinities;
+* each token goes to the ``top_k`` experts of highest affinity plus a per-expert selection bias (DeepSeek-V3's
+  auxiliary-loss-free balancing: the bias takes part in choosing, never in weighting; lmtrain.training.module moves
+  it after each optimizer step by ``bias_rate`` towards the experts that received fewer tokens than the mean);
+* the expert outputs are summed weighted by the chosen affinities, renormalised to sum to one with ``norm_topk``
+  (Qwen3-MoE; always for sigmoid scores, as DeepSeek-V3);
+* dropless: every token is computed by every expert it chose, however unbalanced the load (no capacity factor);
+* the experts' products are PyTorch's grouped matrix product (``grouped_mm``: one kernel for all experts on Hopper),
+  the tokens sorted by expert with each expert's group padded to a multiple of 8 rows (its alignment on the GPU),
+  static shapes throughout, so a compiled block does not recompile as the load moves;
+* an optional shared expert (``shared_ffn_dim``) every token passes through (Qwen2-MoE's, DeepSeek's);
+* the load-balancing loss (Switch Transformer's, OLMoE's 0.01): ``experts`` x the sum over experts of the fraction of
+  routed tokens times the mean affinity, and the router z-loss (ST-MoE's, OLMoE's 0.001): the mean squared
+  log-sum-exp of the router's scores. Both join the training objective through the block's output
+  (:class:`_AddToObjective`: the output unchanged, their gradients added in the backward pass), so the block keeps its
+  one input and one output for checkpointing, compiling and sharding, and the cross-entropy logged stays the
+  cross-entropy.
+
+The first ``dense_layers`` blocks keep a dense MLP (DeepSeek-V3's first 3). Each layer passes its routing
+(tokens per expert, mean affinity, the mean entropy of the tokens' affinities) to a :class:`RouterProbe`, where
+lmtrain.training.module reads it for the metrics and the bias update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SCORES = ("softmax", "sigmoid")
+ALIGN = 8  # rows each expert's group of tokens is padded to (grouped_mm's alignment for bf16 on the GPU)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """``model.moe``: the experts of every block from the ``dense_layers``-th on."""
+
+    experts: int = 8  # routed experts per layer
+    top_k: int = 2  # experts each token is computed by
+    expert_ffn_dim: int = 0  # each expert's hidden features (SwiGLU for llama, the activation MLP for opt)
+    shared_ffn_dim: int = 0  # a shared expert's hidden features, every token through it; 0: none
+    score: str = "softmax"  # softmax | sigmoid: the router's affinities
+    norm_topk: bool = False  # renormalise the chosen affinities to sum 1 (sigmoid: always)
+    aux_loss: float = 0.01  # load-balancing loss coefficient; 0: none
+    z_loss: float = 0.001  # router z-loss coefficient; 0: none
+    bias_rate: float = 0.0  # auxiliary-loss-free balancing: the selection bias's step a training step; 0: off
+    dense_layers: int = 0  # the first blocks keep a dense MLP
+
+    @classmethod
+    def of(cls, fields) -> MoEConfig:
+        return cls(**{str(k): v for k, v in dict(fields).items()})
+
+    def problems(self, n_layers: int) -> list[str]:
+        out = []
+        for key in ("experts", "top_k", "expert_ffn_dim"):
+            if not _whole(getattr(self, key), 1):
+                out.append(f"model.moe.{key}={getattr(self, key)!r} must be a positive integer")
+        if not _whole(self.shared_ffn_dim, 0):
+            out.append(f"model.moe.shared_ffn_dim={self.shared_ffn_dim!r} must be a whole number (0: no shared expert)")
+        if not _whole(self.dense_layers, 0) or (isinstance(self.dense_layers, int) and self.dense_layers >= n_layers):
+            out.append(f"model.moe.dense_layers={self.dense_layers!r} must be a whole number below model.n_layers={n_layers}")
+        if not out and self.top_k > self.experts:
+            out.append(f"model.moe.top_k={self.top_k} exceeds model.moe.experts={self.experts}")
+        if self.score not in SCORES:
+            out.append(f"model.moe.score={self.score!r}: use one of {list(SCORES)}")
+        if not isinstance(self.norm_topk, bool):
+            out.append(f"model.moe.norm_topk={self.norm_topk!r} must be true or false")
+        for key in ("aux_loss", "z_loss", "bias_rate"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                out.append(f"model.moe.{key}={v!r} must be a finite number >= 0")
+        return out
+
+
+def _whole(v, least: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def moe_problems(fields, n_layers: int) -> list[str]:
+    """Why ``model.moe`` cannot build, naming each key; empty when it can."""
+    if not hasattr(fields, "items"):
+        return [f"model.moe={fields!r} must be a mapping of {[f.name for f in dataclasses.fields(MoEConfig)]} or null"]
+    known = {f.name for f in dataclasses.fields(MoEConfig)}
+    unknown = sorted(str(k) for k in fields if str(k) not in known)
+    if unknown:
+        return [f"model.moe has no key {k!r} (its keys: {sorted(known)})" for k in unknown]
+    return MoEConfig.of(fields).problems(n_layers)
+
+
+class RouterProbe(nn.Module):
+    """Returns what it is given: each MoE layer's routing in a training forward pass (tokens per expert, the mean
+    affinity per expert, the mean entropy of the tokens' affinities), the place lmtrain.training.module's hook reads
+    it. Holds no state."""
+
+    def forward(self, load: torch.Tensor, affinity: torch.Tensor, entropy: torch.Tensor):
+        return load, affinity, entropy
+
+
+class _AddToObjective(torch.autograd.Function):
+    """``out`` unchanged; in the backward pass ``aux`` receives the gradient ``scale``, as if ``scale * aux`` had been
+    added to the loss the backward pass started from (``scale``: the factor the trainer applied to that loss, 1 over
+    the micro-batches a step accumulates; Megatron-LM's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.save_for_backward(aux)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows ``offsets[e-1]:offsets[e]`` of ``x`` (M, K) times ``w[e]`` (K, N), for every expert e: PyTorch's grouped
+    matrix product, in the autocast dtype when autocast is on (it is not an autocast operator). Its GPU kernel takes
+    bf16 only: in fp32 on a GPU (``trainer.precision=32-true``) a loop over the experts computes it instead (one host
+    read of the offsets a layer); on the meta device only the shape is made."""
+    kind = x.device.type
+    dtype = torch.get_autocast_dtype(kind) if kind in ("cuda", "cpu") and torch.is_autocast_enabled(kind) else x.dtype
+    x, w = x.to(dtype), w.to(dtype)
+    if kind == "meta":
+        return x.new_empty(x.shape[0], w.shape[-1])
+    if kind == "cpu" or dtype == torch.bfloat16:
+        fn = getattr(F, "grouped_mm", None) or torch._grouped_mm
+        return fn(x, w, offs=offsets)
+    out, start = x.new_zeros(x.shape[0], w.shape[-1]), 0
+    for e, end in enumerate(offsets.tolist()):
+        out[start:end] = x[start:end] @ w[e]
+        start = end
+    return out
+
+
+class MoE(nn.Module):
+    """The mixture-of-experts feed-forward layer of one block (see the module docstring)."""
+
+    def __init__(self, cfg) -> None:
+        """``cfg``: the model's ModelConfig (lmtrain.nn.model), whose ``moe`` is set."""
+        super().__init__()
+        from lmtrain.nn.model import MLP, mlp_activation
+
+        moe = cfg.moe_config
+        self.cfg, self.act, self._activation = moe, cfg.act, mlp_activation
+        E, F_, d = moe.experts, moe.expert_ffn_dim, cfg.d_model
+        self.swiglu = cfg.family == "llama"
+        self.router = nn.Linear(d, E, bias=False)
+        self.router.moe_router = True  # float8 leaves it alone (lmtrain.training.fp8)
+        first = 2 * F_ if self.swiglu else F_
+        self.w_in = nn.Parameter(torch.empty(E, first, d))  # each expert's first product, stored as nn.Linear stores it
+        self.w_out = nn.Parameter(torch.empty(E, d, F_))
+        self.b_in = nn.Parameter(torch.empty(E, first)) if not self.swiglu else None  # the opt family's biases
+        self.b_out = nn.Parameter(torch.empty(E, d)) if not self.swiglu else None
+        self.shared = MLP(dataclasses.replace(cfg, ffn_dim=moe.shared_ffn_dim, moe=None)) if moe.shared_ffn_dim else None
+        self.register_buffer("expert_bias", torch.zeros(E))  # auxiliary-loss-free balancing; in checkpoints
+        self.probe = RouterProbe()
+        self.loss_scale = 1.0  # the trainer's factor on the loss (lmtrain.nn.model.Decoder.configure_head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg, E, k = self.cfg, self.cfg.experts, self.cfg.top_k
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])  # (N, d)
+        N = h.shape[0]
+        logits = F.linear(h.float(), self.router.weight.float())  # (N, E), fp32 whatever autocast says
+        scores = logits.softmax(-1) if cfg.score == "softmax" else logits.sigmoid()
+        chosen = torch.topk(scores.detach() + self.expert_bias, k, dim=-1).indices  # (N, k): the bias chooses only
+        weights = scores.gather(1, chosen)
+        if cfg.norm_topk or cfg.score == "sigmoid":
+            weights = weights / weights.sum(-1, keepdim=True)
+
+        # dispatch: the N x k choices sorted by expert, each expert's group padded to a multiple of ALIGN rows
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)  # choice index, grouped by expert
+        load = torch.zeros(E, dtype=torch.long, device=h.device).scatter_add_(0, flat, torch.ones_like(flat))  # tokens per expert (static shape)
+        padded = (load + ALIGN - 1) // ALIGN * ALIGN
+        ends = padded.cumsum(0)
+        starts, sorted_expert = ends - padded, flat[order]
+        rank = torch.arange(N * k, device=h.device) - (load.cumsum(0) - load)[sorted_expert]  # place within its group
+        rows = starts[sorted_expert] + rank  # its row in the padded groups
+        xs = h.new_zeros(N * k + E * (ALIGN - 1), shape[-1]).index_copy(0, rows, h[order // k])
+        offsets = ends.to(torch.int32)
+        mid = grouped_mm(xs, self.w_in.transpose(-2, -1), offsets)
+        if self.b_in is not None:  # each row's expert's biases (the rows after the last group: the last expert's, unread)
+            row_expert = torch.searchsorted(ends, torch.arange(xs.shape[0], device=h.device), right=True).clamp(max=E - 1)
+            mid = mid + self.b_in.to(mid.dtype)[row_expert]
+        ys = grouped_mm(self._activation(mid, self.act), self.w_out.transpose(-2, -1), offsets)
+        if self.b_out is not None:
+            ys = ys + self.b_out.to(ys.dtype)[row_expert]
+        ys = ys[rows] * weights.flatten()[order, None].to(ys.dtype)
+        out = torch.zeros_like(h, dtype=ys.dtype).index_add(0, order // k, ys).to(x.dtype)
+        if self.shared is not None:
+            out = out + self.shared(h)
+
+        routed = load.float() / (N * k)  # the fraction of the choices each expert got
+        p = scores if cfg.score == "softmax" else scores / scores.sum(-1, keepdim=True)  # each token's affinities, summing to 1
+        mean_affinity = p.mean(0)
+        entropy = -(p * p.clamp_min(1e-20).log()).sum(-1).mean()
+        self.probe(load.detach(), mean_affinity.detach(), entropy.detach())
+        if self.training and (cfg.aux_loss or cfg.z_loss):
+            aux = cfg.aux_loss * E * (routed * mean_affinity).sum() if cfg.aux_loss else 0.0
+            if cfg.z_loss:
+                aux = aux + cfg.z_loss * torch.logsumexp(logits, -1).square().mean()
+            out = _AddToObjective.apply(out, aux, self.loss_scale)
+        return out.reshape(shape)
+
+    @torch.no_grad()
+    def balance(self, load: torch.Tensor) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing, after a training step: each expert's selection bias raised by
+        ``bias_rate`` if it received fewer tokens than the mean (``load``: tokens per expert over the step, every rank's),
+        lowered if more."""
+        if self.cfg.bias_rate:
+            self.expert_bias += self.cfg.bias_rate * torch.sign(load.mean() - load).to(self.expert_bias)
+
+    def reset_parameters(self, std: float, residual_std: float) -> None:
+        """The experts as the dense MLP's products are initialised (the router is a linear layer: the model's loop)."""
+        nn.init.normal_(self.w_in, 0.0, std)
+        nn.init.normal_(self.w_out, 0.0, residual_std)
+        for b in (self.b_in, self.b_out):
+            if b is not None:
+                nn.init.zeros_(b)
+        self.expert_bias.zero_()
+
+
+def unused_params(cfg) -> int:
+    """The routed experts' parameters one token does not use: (experts - top_k) experts in every MoE block (0 for a
+    dense model): the model's parameters less these are its active ones."""
+    moe = cfg.moe_config
+    if moe is None:
+        return 0
+    per_expert = (3 if cfg.family == "llama" else 2) * cfg.d_model * moe.expert_ffn_dim
+    if cfg.family != "llama":
+        per_expert += moe.expert_ffn_dim + cfg.d_model  # the biases
+    return (moe.experts - moe.top_k) * per_expert * (cfg.n_layers - moe.dense_layers)

@@ -1,0 +1,189 @@
+"""Mixture of experts (lmtrain.nn.moe, lmtrain.training.routing): the dispatch against a token-by-token reference, the
+balancing losses' gradients, the selection bias, the counts, and the tiny preset trained and resumed through train.py."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmtrain.formats.presets import preset
+from lmtrain.nn.model import Decoder, ModelConfig, matmul_params, num_params
+from lmtrain.nn.moe import MoE, unused_params
+from lmtrain.training import compat
+from lmtrain.training.routing import RoutingStats
+from tests.conftest import TINY, make_cfg, run_train_cli
+
+
+def _moe(family: str = "llama", **moe) -> MoE:
+    torch.manual_seed(0)
+    fields = {"experts": 4, "top_k": 2, "expert_ffn_dim": 24, "aux_loss": 0.0, "z_loss": 0.0, **moe}
+    cfg = ModelConfig(family=family, vocab_size=96, d_model=32, n_layers=2, n_heads=4, max_seq_len=32, moe=fields)
+    model = Decoder(cfg)
+    return model.blocks[0].mlp
+
+
+def _by_token(moe: MoE, h: torch.Tensor) -> torch.Tensor:
+    """The layer computed one token and one chosen expert at a time, from the module's own weights."""
+    cfg, flat = moe.cfg, h.reshape(-1, h.shape[-1])
+    logits = flat @ moe.router.weight.T
+    scores = logits.softmax(-1) if cfg.score == "softmax" else logits.sigmoid()
+    chosen = (scores + moe.expert_bias).topk(cfg.top_k, -1).indices
+    out = torch.zeros_like(flat)
+    for n in range(flat.shape[0]):
+        w = scores[n, chosen[n]]
+        if cfg.norm_topk or cfg.score == "sigmoid":
+            w = w / w.sum()
+        for e, weight in zip(chosen[n].tolist(), w, strict=True):
+            mid = flat[n] @ moe.w_in[e].T
+            if moe.swiglu:
+                gate, up = mid.chunk(2)
+                act = F.silu(gate) * up
+            else:
+                act = F.gelu(mid + moe.b_in[e])
+            y = act @ moe.w_out[e].T + (moe.b_out[e] if moe.b_out is not None else 0)
+            out[n] += weight * y
+    if moe.shared is not None:
+        out = out + moe.shared(flat)
+    return out.reshape(h.shape)
+
+
+@pytest.mark.parametrize(
+    "family, moe",
+    [
+        ("llama", {}),
+        ("llama", {"shared_ffn_dim": 16, "norm_topk": True}),
+        ("llama", {"score": "sigmoid", "top_k": 3}),
+        ("opt", {"shared_ffn_dim": 8}),
+    ],
+)
+def test_the_grouped_dispatch_computes_what_each_token_s_experts_compute(family, moe):
+    """Sorted by expert, padded to groups of 8 rows, two grouped products, weighted and summed back: the same as
+    computing each token's chosen experts one by one (SwiGLU and the opt family's biased GELU experts, a shared expert,
+    sigmoid scores renormalised), with a selection bias that changes which experts are chosen."""
+    layer = _moe(family, **moe)
+    with torch.no_grad():
+        layer.expert_bias.copy_(torch.tensor([0.0, 0.3, -0.2, 0.1]))
+    h = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(h), _by_token(layer, h), atol=1e-5, rtol=1e-5)
+
+
+def test_the_balancing_losses_reach_the_router_as_if_added_to_the_objective_scaled_as_the_trainer_scales_it():
+    """The load-balancing loss (experts x sum of routed fraction x mean affinity) and the router z-loss (mean squared
+    log-sum-exp), written out here, added to an objective and scaled by 0.5 (two micro-batches a step): the router's
+    gradient equals the layer's, whose output is unchanged and whose losses join the backward pass only."""
+    layer = _moe(aux_loss=0.01, z_loss=0.001)
+    layer.loss_scale = 0.5
+    h = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(2))
+    (0.5 * layer(h).square().sum()).backward()
+    got = layer.router.weight.grad.clone()
+    layer.zero_grad()
+    layer.eval()  # its own losses off: the objective below adds them
+    out = layer(h)
+    logits = h.reshape(-1, 32) @ layer.router.weight.T
+    scores = logits.softmax(-1)
+    load = torch.bincount(scores.detach().topk(2, -1).indices.flatten(), minlength=4).float()
+    balance = 4 * (load / load.sum() * scores.mean(0)).sum()
+    z = torch.logsumexp(logits, -1).square().mean()
+    (0.5 * (out.square().sum() + 0.01 * balance + 0.001 * z)).backward()
+    torch.testing.assert_close(got, layer.router.weight.grad, atol=1e-7, rtol=1e-5)
+
+
+def test_the_selection_bias_moves_towards_the_experts_that_received_fewer_tokens():
+    layer = _moe(bias_rate=0.001)
+    layer.balance(torch.tensor([10.0, 0.0, 5.0, 5.0]))
+    assert layer.expert_bias.tolist() == pytest.approx([-0.001, 0.001, 0.0, 0.0])
+    _moe(bias_rate=0.0).balance(torch.tensor([10.0, 0.0, 5.0, 5.0]))  # off: nothing moves (no error either)
+
+
+def test_routing_is_counted_once_per_forward_pass_even_when_checkpointing_computes_it_again():
+    """Full activation checkpointing computes each block again in the backward pass, router included: the step's
+    tokens per expert are still each token's top_k choices once."""
+    cfg = preset("tiny-moe")
+    torch.manual_seed(0)
+    model = Decoder(cfg)
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = compat.checkpoint_wrapper(block)
+    stats = RoutingStats(model)
+    assert stats.layers == [1]  # the first block is dense (dense_layers: 1)
+    idx = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(1))
+    model(idx, idx).backward()
+
+    class One:
+        def reduce(self, t, reduce_op):
+            return t
+
+    values = dict(zip(stats.names(), stats.step_values(One(), "cpu").tolist(), strict=True))
+    assert stats._global.sum().item() == 2 * 16 * 2  # 32 tokens, 2 experts each
+    assert values["moe/load_max_over_mean"] >= 1.0 >= values["moe/load_min_over_mean"] >= 0.0
+    assert 0.0 < values["moe/router_entropy"] <= torch.log(torch.tensor(4.0)).item() + 1e-6
+
+
+def test_the_presets_count_their_total_and_active_parameters():
+    """OLMoE-1B-7B: 6.9B parameters, 1.3B active (its paper's figures); active is what MFU counts (matmul_params)."""
+    cfg = preset("olmoe-1b-7b")
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    total, active = num_params(model), num_params(model) - unused_params(cfg)
+    assert round(total / 1e9, 1) == 6.9 and round(active / 1e9, 1) == 1.3, (total, active)
+    assert matmul_params(model) == active - model.tok_emb.weight.numel()  # untied: the embedding is a lookup
+
+
+@pytest.mark.parametrize(
+    "moe, extra, says",
+    [
+        ("{experts: 4, top_k: 8, expert_ffn_dim: 16}", [], "model.moe.top_k=8 exceeds model.moe.experts=4"),
+        ("{experts: 4, top_k: 2, expert_ffn_dim: 16, score: tanh}", [], "model.moe.score='tanh': use one of ['softmax', 'sigmoid']"),
+        ("{experts: 4, top_k: 2, expert_ffn_dim: 16, experts_per_token: 2}", [], "model.moe has no key 'experts_per_token'"),
+        ("{experts: 4, top_k: 2, expert_ffn_dim: 16, dense_layers: 2}", [], "model.moe.dense_layers=2 must be a whole number below model.n_layers=2"),
+        ("{experts: 4, top_k: 2, expert_ffn_dim: 16, aux_loss: -1}", [], "model.moe.aux_loss=-1 must be a finite number >= 0"),
+        ("{experts: 4, top_k: 2, expert_ffn_dim: 16}", ["strategy=fsdp", "strategy.tp=2", "trainer.devices=2"],
+         "model.moe with strategy.tp=2: tensor parallel does not split experts yet"),
+    ],
+)
+def test_an_impossible_mixture_is_refused_naming_the_key(tmp_path, monkeypatch, moe, extra, says):
+    """Before any process starts (train.py exits 2 on this error, writing nothing: tests/test_bad_input.py)."""
+    from lmtrain.training.config import ConfigError, validate_config
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        validate_config(make_cfg(["model=tiny-llama", f"model.moe={moe}", *extra], tmp_path))
+
+
+@pytest.mark.slow
+def test_the_tiny_mixture_trains_logs_its_routing_and_resumes_exactly(tmp_path, dataset_dir):
+    """``model=tiny-moe`` through train.py: the loss falls, the routing is logged every step, the selection biases
+    move and are in the checkpoint, and a run resumed from step 6 repeats the uninterrupted run's losses exactly."""
+    from lmtrain.formats import untrusted
+    from tests.test_checkpoint import _losses
+
+    common = [*(a for a in TINY if not a.startswith(("model=", "trainer.max_steps"))), "model=tiny-moe", "logger=csv",
+              f"data.path={dataset_dir}", "data.prepare=null", "trainer.max_steps=12", "scheduler.total_steps=12",
+              "callbacks=checkpoint", "callbacks.checkpoint.every_n_steps=6", "callbacks.disk_guard.margin_gb=0"]  # fmt: skip
+    full = run_train_cli([*common, f"run_dir={tmp_path / 'full'}"], tmp_path)
+    assert full.returncode == 0, full.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    train = {r["step"]: r["m"] for r in rows if "m" in r and "train/loss" in r["m"]}
+    assert sorted(train) == list(range(1, 13)) and train[12]["train/loss"] < train[1]["train/loss"]
+    assert all({"moe/load_max_over_mean", "moe/router_entropy", "moe/layer1/load_max_over_mean"} <= set(m) for m in train.values())
+    saved = untrusted.torch_load(tmp_path / "full" / "checkpoints" / "step-0000012" / "checkpoint.pt", map_location="cpu")
+    bias = next(v for k, v in saved["state_dict"].items() if k.endswith("mlp.expert_bias"))
+    assert bias.abs().sum() > 0  # tiny-moe balances with bias_rate 0.001
+    ckpt = tmp_path / "full" / "checkpoints" / "step-0000006"
+    again = run_train_cli([*common, f"run_dir={tmp_path / 'again'}", f"ckpt_path={ckpt}"], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    uninterrupted = _losses(tmp_path / "full")
+    assert _losses(tmp_path / "again") == {s: v for s, v in uninterrupted.items() if s > 6}
+
+
+def test_a_mixture_is_not_exported_to_transformers_as_a_dense_model(tmp_path):
+    """--format hf has no MoE class written yet: refused before anything is written, naming what keeps it whole."""
+    from lmtrain.errors import InputError
+    from lmtrain.formats import hf
+
+    with pytest.raises(InputError, match=r"--format hf: this model is a mixture of experts \(model.moe\).*--format lmtrain"):
+        hf.config(preset("tiny-moe"), eos=4095, dtype="float32")
