@@ -32,6 +32,16 @@ def _saved(tmp_path, kind: str):
                                      max_position_embeddings=64, word_embed_proj_dim=16, activation_function="relu",
                                      dropout=0.0)  # fmt: skip
         model = transformers.OPTForCausalLM(cfg)
+    elif kind == "qwen3-moe":  # Qwen 3's layers, the first dense, the second 4 experts with 2 a token, renormalised
+        cfg = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                          num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
+                                          max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+        with torch.no_grad():  # transformers starts the router at zero and the norms at one: random, so that both act
+            for name, param in model.named_parameters():
+                if name.endswith(("mlp.gate.weight", "norm.weight")):
+                    param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
     else:  # grouped-query attention, an untied head, Llama 3's or YaRN's rope scaling (from 16 positions: every band in use at 24)
         cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -41,7 +51,7 @@ def _saved(tmp_path, kind: str):
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["opt", "llama", "llama-yarn"])
+@pytest.mark.parametrize("kind", ["opt", "llama", "llama-yarn", "qwen3-moe"])
 def test_a_transformers_model_read_into_lmtrain_gives_its_logits_and_writes_back_every_tensor(tmp_path, kind):
     from safetensors.torch import load_file
 
@@ -140,14 +150,20 @@ def folders(tmp_path_factory, dataset_dir, corpus_jsonl):
         "qwen3": transformers.Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
                                           tie_word_embeddings=False),
+        "qwen3-moe": transformers.Qwen3MoeConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                                 num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
+                                                 max_position_embeddings=64, tie_word_embeddings=False),
     }  # fmt: skip
     for kind, cfg in configs.items():
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(cfg)
-        with torch.no_grad():  # QK-norm weights other than their initial ones, so that reading them is seen
-            for name, p in model.named_parameters():
+        with torch.no_grad():  # QK-norm weights other than their initial ones, so that reading them is seen; a router
+            for name, p in model.named_parameters():  # that is not all zeros (transformers' start), so that it chooses
                 if "q_norm" in name or "k_norm" in name:
                     p.uniform_(0.5, 1.5)
+                if name.endswith("mlp.gate.weight"):
+                    p.normal_(0.0, 0.5)
         model.save_pretrained(root / kind)
         (root / kind / "tokenizer.json").write_text(hf.tokenizer_json(ranks, GPT2_PATTERN, {EOS_TEXT: len(ranks)}))
     prepare([corpus_jsonl], root / "ds", tokenizer=str(root / "opt" / "tokenizer.json"), val_fraction=0.1, workers=1, progress=False)
@@ -182,11 +198,13 @@ INIT_RUN = ["data=prepared", "data.prepare=null", "data.seq_len=64", "data.num_w
         ("opt", ["data.batch_size=4"]),
         ("llama", ["data.batch_size=2", "strategy=fsdp", "trainer.devices=2"]),
         ("qwen3", ["data.batch_size=4", "module.z_loss=0.001"]),
+        ("qwen3-moe", ["data.batch_size=2", "strategy=fsdp", "trainer.devices=2"]),
     ],
 )
 def test_init_from_trains_from_the_folder_and_exports_it_back_tensor_for_tensor(tmp_path, folders, kind, layout):
     """``lmtrain train init_from=DIR`` (OPT on one process; Llama with Llama 3's rope scaling under fsdp on 2 ranks, each
-    reading its own rows; Qwen 3's QK-norm with a z-loss): the first step's loss is transformers' on the same batch
+    reading its own rows; Qwen 3's QK-norm with a z-loss; Qwen3-MoE under fsdp on 2 ranks, each reading its own experts'
+    rows of the folder's expert-by-expert tensors): the first step's loss is transformers' on the same batch
     (and ``train/z_loss`` the penalty added, 0.001 x the mean squared log-partition of transformers' logits), and after 2 steps at learning rate
     0, ``export --format hf`` gives back every tensor the folder holds, equal (OPT's unread offset rows included)."""
     from safetensors.torch import load_file
@@ -198,7 +216,7 @@ def test_init_from_trains_from_the_folder_and_exports_it_back_tensor_for_tensor(
     folder, run = folders / kind, tmp_path / "run"
     res = run_train_cli([f"init_from={folder}", f"data.path={folders / 'ds'}", f"run_dir={run}", *INIT_RUN, *layout], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
-    their_class = {"opt": "OPTForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]
+    their_class = {"opt": "OPTForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3-moe": "Qwen3MoeForCausalLM"}[kind]
     assert f"weights: {folder} ({their_class}" in res.stderr + res.stdout
     share = float(re.search(r"weights read on this rank: [\d.,]+ MiB, ([\d.]+)% of the model's", res.stderr + res.stdout).group(1))
     assert 45 < share < 55 if "strategy=fsdp" in layout else share > 95  # under fsdp: rank 0's rows only

@@ -180,10 +180,11 @@ def test_the_tiny_mixture_trains_logs_its_routing_and_resumes_exactly(tmp_path, 
     assert _losses(tmp_path / "again") == {s: v for s, v in uninterrupted.items() if s > 6}
 
 
-def test_a_mixture_is_not_exported_to_transformers_as_a_dense_model(tmp_path):
-    """--format hf has no MoE class written yet: refused before anything is written, naming what keeps it whole."""
+def test_a_mixture_transformers_cannot_express_is_not_exported(tmp_path):
+    """--format hf writes Qwen3MoeForCausalLM (tests/test_export.py: its logits are ours); what that class lacks (a
+    shared expert, a selection bias, sigmoid scores, heads without QK-norm) is refused before anything is written."""
     from lmtrain.errors import InputError
     from lmtrain.formats import hf
 
-    with pytest.raises(InputError, match=r"--format hf: this model is a mixture of experts \(model.moe\).*--format lmtrain"):
+    with pytest.raises(InputError, match=r"Qwen3MoeForCausalLM.*needs model.qk_norm=true .*no shared expert .*no selection bias"):
         hf.config(preset("tiny-moe"), eos=4095, dtype="float32")

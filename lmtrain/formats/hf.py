@@ -30,9 +30,6 @@ def config(model_cfg, eos: int, dtype: str, bos: int | None = None) -> dict:
     """``config.json`` for ``transformers`` (refuses what its class cannot express); ``bos``: the tokenizer's own
     beginning-of-sequence id (None: the separator, as with our own tokenizers)."""
     c = model_cfg
-    if getattr(c, "moe", None) is not None:
-        raise InputError("--format hf: this model is a mixture of experts (model.moe); its export to transformers "
-                         "(OlmoeForCausalLM, Qwen3MoeForCausalLM) is not written yet: export --format lmtrain keeps it whole")  # fmt: skip
     bos = eos if bos is None else bos
     common = {
         "vocab_size": c.vocab_size, "hidden_size": c.d_model, "num_hidden_layers": c.n_layers,
@@ -67,6 +64,8 @@ def config(model_cfg, eos: int, dtype: str, bos: int | None = None) -> dict:
             "rope_theta": c.rope_theta, "rope_parameters": _rope_parameters(c),
             "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
         }  # fmt: skip
+        if c.moe is not None:
+            return _qwen3_moe(c, llama)
         if not c.qk_norm:
             return llama
         # Qwen 3: Llama's layers with an RMSNorm on each head's queries and keys before the rotary positions, as ours
@@ -74,6 +73,24 @@ def config(model_cfg, eos: int, dtype: str, bos: int | None = None) -> dict:
         return {**llama, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False,
                 "sliding_window": None, "max_window_layers": c.n_layers, "layer_types": ["full_attention"] * c.n_layers}  # fmt: skip
     raise InputError(f"--format hf: no transformers class for model family {c.family!r}")
+
+
+def _qwen3_moe(c, llama: dict) -> dict:
+    """``Qwen3MoeForCausalLM``'s config of a llama-family mixture of experts: Qwen 3's layers (QK-norm) with routed
+    SwiGLU experts, softmax scores, dense MLPs in its ``mlp_only_layers``; what it cannot express is refused."""
+    m = c.moe_config
+    lacks = [(not c.qk_norm, "model.qk_norm=true (its layers normalise each head's queries and keys)"),
+             (m.score != "softmax", f"model.moe.score=softmax (not {m.score})"),
+             (bool(m.shared_ffn_dim), "no shared expert (model.moe.shared_ffn_dim=0)"),
+             (bool(m.bias_rate), "no selection bias (model.moe.bias_rate=0: it chooses experts by their scores alone)")]  # fmt: skip
+    needed = [why for bad, why in lacks if bad]
+    if needed:
+        raise InputError(f"--format hf: Qwen3MoeForCausalLM, transformers' class for this mixture of experts, needs {'; '.join(needed)}")
+    del llama["mlp_bias"]
+    return {**llama, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "use_sliding_window": False,
+            "sliding_window": None, "num_experts": m.experts, "num_experts_per_tok": m.top_k,
+            "moe_intermediate_size": m.expert_ffn_dim, "norm_topk_prob": m.norm_topk, "decoder_sparse_step": 1,
+            "mlp_only_layers": list(range(m.dense_layers)), "router_aux_loss_coef": m.aux_loss, "output_router_logits": False}  # fmt: skip
 
 
 def _rope_parameters(c) -> dict:
@@ -131,6 +148,12 @@ def state_dict(state: dict[str, torch.Tensor], model_cfg, offset_rows: torch.Ten
             for ours, theirs in (("up", "fc1"), ("down", "fc2")):
                 for kind in ("weight", "bias"):
                     out[f"{h}{theirs}.{kind}"] = state[f"{b}mlp.{ours}.{kind}"]
+        elif c.is_moe_layer(i):  # Qwen3MoeForCausalLM's router ("gate") and its experts one by one, as it saves them
+            out[f"{h}mlp.gate.weight"] = state[f"{b}mlp.router.weight"]
+            for e, (w_in, w_out) in enumerate(zip(state[f"{b}mlp.w_in"], state[f"{b}mlp.w_out"], strict=True)):
+                gate, up = w_in.chunk(2, dim=0)
+                out[f"{h}mlp.experts.{e}.gate_proj.weight"], out[f"{h}mlp.experts.{e}.up_proj.weight"] = gate, up
+                out[f"{h}mlp.experts.{e}.down_proj.weight"] = w_out
         else:
             gate, up = state[f"{b}mlp.gate_up.weight"].chunk(2, dim=0)
             out[f"{h}mlp.gate_proj.weight"], out[f"{h}mlp.up_proj.weight"] = gate, up
@@ -213,10 +236,10 @@ def model_fields(cfg: dict, where: str = "config.json") -> dict:
     missing = [k for k, v in (("vocab_size", common["vocab_size"]), ("hidden_size", common["d_model"]),
                               ("num_hidden_layers", common["n_layers"]), ("num_attention_heads", common["n_heads"]),
                               ("max_position_embeddings", common["max_seq_len"])) if v is None]  # fmt: skip
-    if kind not in ("opt", "llama", "qwen3"):
+    if kind not in ("opt", "llama", "qwen3", "qwen3_moe"):
         raise InputError(
-            f"{where}: model_type={json.dumps(kind)}: lmtrain reads OPTForCausalLM (opt), LlamaForCausalLM (llama) and "
-            "Qwen3ForCausalLM (qwen3)"
+            f"{where}: model_type={json.dumps(kind)}: lmtrain reads OPTForCausalLM (opt), LlamaForCausalLM (llama), "
+            "Qwen3ForCausalLM (qwen3) and Qwen3MoeForCausalLM (qwen3_moe)"
         )
     if missing:
         raise InputError(f"{where}: {', '.join(missing)} missing")
@@ -238,9 +261,10 @@ def model_fields(cfg: dict, where: str = "config.json") -> dict:
     need("hidden_act", "silu", "silu")
     need("attention_bias", False, False)
     need("mlp_bias", False, False)
-    qk_norm = kind == "qwen3"  # Qwen3ForCausalLM: Llama's layers with model.qk_norm
+    qk_norm = kind in ("qwen3", "qwen3_moe")  # Qwen3ForCausalLM: Llama's layers with model.qk_norm
     if qk_norm:
         need("use_sliding_window", False, False)
+    moe = _qwen3_moe_fields(cfg, common["n_layers"], where, need) if kind == "qwen3_moe" else None
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "llama3", "yarn"):
@@ -268,8 +292,25 @@ def model_fields(cfg: dict, where: str = "config.json") -> dict:
         "embed_dim": None, "tie_embeddings": cfg.get("tie_word_embeddings", False), "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
         "rope_theta": float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))), "rope_scaling": scaling, "dropout": 0.0,
         "attention_dropout": float(cfg.get("attention_dropout", 0.0)), "init_std": float(cfg.get("initializer_range", 0.02)),
-        "activation": None, "qk_norm": qk_norm,
+        "activation": None, "qk_norm": qk_norm, "moe": moe,
     }  # fmt: skip
+
+
+def _qwen3_moe_fields(cfg: dict, n_layers: int, where: str, need) -> dict:
+    """``model.moe`` of a ``Qwen3MoeForCausalLM`` config: its experts, softmax scores, the dense MLPs of
+    ``mlp_only_layers`` (the first ones: lmtrain's ``dense_layers``), every other layer sparse."""
+    need("decoder_sparse_step", 1, 1)
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    dense = list(cfg.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))):
+        raise InputError(f"{where}: mlp_only_layers={json.dumps(dense)}: lmtrain's dense layers are the first ones (0, 1, ...)")
+    missing = [k for k, v in (("num_experts", experts), ("num_experts_per_tok", cfg.get("num_experts_per_tok")),
+                              ("moe_intermediate_size", cfg.get("moe_intermediate_size"))) if v is None]  # fmt: skip
+    if missing:
+        raise InputError(f"{where}: {', '.join(missing)} missing")
+    return {"experts": experts, "top_k": cfg["num_experts_per_tok"], "expert_ffn_dim": cfg["moe_intermediate_size"],
+            "shared_ffn_dim": 0, "score": "softmax", "norm_topk": bool(cfg.get("norm_topk_prob", False)),
+            "aux_loss": float(cfg.get("router_aux_loss_coef", 0.001)), "z_loss": 0.0, "bias_rate": 0.0, "dense_layers": len(dense)}  # fmt: skip
 
 
 def _yarn_scaling(rope: dict, cfg: dict, where: str) -> dict:
@@ -342,6 +383,11 @@ def our_layout(names, model_cfg) -> dict[str, list[tuple[str, int]]]:
             for ours, theirs_name in (("up", "fc1"), ("down", "fc2")):
                 for kind in kinds:
                     out[f"{b}mlp.{ours}.{kind}"] = [take(f"{h}{theirs_name}.{kind}")]
+        elif c.is_moe_layer(i):  # the experts' 3-D tensors, their rows flattened over experts (read_ours)
+            experts = range(c.moe_config.experts)
+            out[f"{b}mlp.router.weight"] = [take(f"{h}mlp.gate.weight")]
+            out[f"{b}mlp.w_in"] = [take(f"{h}mlp.experts.{e}.{p}.weight") for e in experts for p in ("gate_proj", "up_proj")]
+            out[f"{b}mlp.w_out"] = [take(f"{h}mlp.experts.{e}.down_proj.weight") for e in experts]
         else:
             out[f"{b}mlp.gate_up.weight"] = [take(f"{h}mlp.gate_proj.weight"), take(f"{h}mlp.up_proj.weight")]
             out[f"{b}mlp.down.weight"] = [take(f"{h}mlp.down_proj.weight")]
@@ -383,10 +429,25 @@ class _InMemory:
         return self.tensors[name].shape[0]
 
 
+def read_ours(parts, shape, first: int, last: int, get) -> torch.Tensor:
+    """Rows ``first:last`` (along its first dimension) of our tensor of ``shape`` laid out as ``parts``: a 3-D tensor's
+    layout (a mixture of experts' stacked experts) counts the rows of its first two dimensions flattened."""
+    if len(shape) != 3:
+        return read_rows(parts, first, last, get)
+    return read_rows(parts, first * shape[1], last * shape[1], get).reshape(last - first, shape[1], shape[2])
+
+
 def our_state_dict(theirs: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
     """``transformers``' tensors -> ours, read whole (:func:`our_layout`)."""
     get = _InMemory(theirs)
-    return {ours: read_rows(parts, 0, 1 << 62, get) for ours, parts in our_layout(set(theirs), model_cfg).items()}
+    out = {ours: read_rows(parts, 0, 1 << 62, get) for ours, parts in our_layout(set(theirs), model_cfg).items()}
+    if model_cfg.moe is not None:  # the stacked experts, (experts, rows, features)
+        n = model_cfg.moe_config.experts
+        out = {k: v.reshape(n, -1, v.shape[-1]) if k.endswith((".mlp.w_in", ".mlp.w_out")) else v for k, v in out.items()}
+        for i in range(model_cfg.n_layers):  # the selection bias, which transformers' class does not have: zero
+            if model_cfg.is_moe_layer(i):
+                out[f"blocks.{i}.mlp.expert_bias"] = torch.zeros(n)
+    return out
 
 
 # -- a transformers directory's weights, read where they are needed ----------------------------------------------------
