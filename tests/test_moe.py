@@ -143,6 +143,12 @@ def test_the_presets_count_their_total_and_active_parameters():
         ("{experts: 4, top_k: 2, expert_ffn_dim: 16, aux_loss: -1}", [], "model.moe.aux_loss=-1 must be a finite number >= 0"),
         ("{experts: 4, top_k: 2, expert_ffn_dim: 16}", ["strategy=fsdp", "strategy.tp=2", "trainer.devices=2"],
          "model.moe with strategy.tp=2: tensor parallel does not split experts yet"),
+        ("{experts: 3, top_k: 2, expert_ffn_dim: 16}", ["strategy=fsdp", "strategy.ep=2", "trainer.devices=2"],
+         "strategy.ep=2 does not divide model.moe.experts=3"),
+        ("{experts: 4, top_k: 2, expert_ffn_dim: 16}", ["strategy=fsdp", "strategy.ep=2", "trainer.devices=4"],
+         "strategy.ep=2: expert parallel splits the experts over every rank of strategy=fsdp for now"),
+        ("{experts: 4, top_k: 2, expert_ffn_dim: 16}", ["strategy=hsdp", "strategy.ep=2", "trainer.devices=2"],
+         "strategy.ep=2: expert parallel splits the experts over every rank of strategy=fsdp for now"),
     ],
 )
 def test_an_impossible_mixture_is_refused_naming_the_key(tmp_path, monkeypatch, moe, extra, says):
@@ -188,3 +194,24 @@ def test_a_mixture_transformers_cannot_express_is_not_exported(tmp_path):
 
     with pytest.raises(InputError, match=r"Qwen3MoeForCausalLM.*needs model.qk_norm=true .*no shared expert .*no selection bias"):
         hf.config(preset("tiny-moe"), eos=4095, dtype="float32")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_experts_split_over_two_ranks_train_as_one_process_and_resume_in_one(tmp_path, dataset_dir):
+    """fsdp x 2 with strategy.ep=2 (tiny-moe: 2 of its 4 experts a rank, the tokens sent to their experts' ranks and
+    back): one process's losses at the same global batch to 1e-5, the selection biases moved alike (the loads summed
+    over the ranks); its step-3 checkpoint (experts split) continues in one process exactly. The load-balancing loss
+    is off here: it is each rank's own batch's, as in every data-parallel trainer, so it differs from one process's."""
+    from tests.test_fsdp import _losses, _one_process, _run
+
+    moe = ["model=tiny-moe", "model.moe.aux_loss=0"]
+    want = {s: v for s, v in _one_process(tmp_path / "one", dataset_dir, *moe).items()}
+    res = _run(tmp_path, dataset_dir, "ep", *moe, "strategy=fsdp", "strategy.ep=2", "trainer.devices=2", "data.batch_size=4")
+    assert "expert parallel: 2 of 4 experts a rank in 1 layers" in res.stderr, res.stderr[-2000:]
+    got = {s: float(v) for s, v in _losses(tmp_path / "runs" / "ep").items()}
+    assert sorted(got) == sorted(want) and all(abs(got[s] - want[s]) < 1e-5 for s in want), (got, want)
+    ckpt = tmp_path / "runs" / "ep" / "checkpoints" / "step-0000003"
+    _run(tmp_path, dataset_dir, "one-again", *moe, "trainer.devices=1", "data.batch_size=8", f"ckpt_path={ckpt}")
+    again = {s: float(v) for s, v in _losses(tmp_path / "runs" / "one-again").items()}
+    assert sorted(again) == [s for s in sorted(want) if s > 3] and all(abs(again[s] - want[s]) < 1e-5 for s in again), (again, want)

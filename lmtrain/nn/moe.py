@@ -123,6 +123,29 @@ class _AddToObjective(torch.autograd.Function):
         return grad, torch.full_like(aux, ctx.scale), None
 
 
+@dataclass(frozen=True)
+class ExpertParallel:
+    """The ranks a layer's experts are split over (``strategy.ep``): the 1-D device ``mesh``, its process ``group``,
+    its ``size``."""
+
+    mesh: object
+    group: object
+    size: int
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """``w`` unchanged; its gradient times ``factor``."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows ``offsets[e-1]:offsets[e]`` of ``x`` (M, K) times ``w[e]`` (K, N), for every expert e: PyTorch's grouped
     matrix product, in the autocast dtype when autocast is on (it is not an autocast operator). Its GPU kernel takes
@@ -166,6 +189,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(E))  # auxiliary-loss-free balancing; in checkpoints
         self.probe = RouterProbe()
         self.loss_scale = 1.0  # the trainer's factor on the loss (lmtrain.nn.model.Decoder.configure_head)
+        self.ep: ExpertParallel | None = None  # strategy.ep: the experts split over ranks (set_expert_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg, E, k = self.cfg, self.cfg.experts, self.cfg.top_k
@@ -179,25 +203,13 @@ class MoE(nn.Module):
         if cfg.norm_topk or cfg.score == "sigmoid":
             weights = weights / weights.sum(-1, keepdim=True)
 
-        # dispatch: the N x k choices sorted by expert, each expert's group padded to a multiple of ALIGN rows
+        # dispatch: the N x k choices sorted by expert (their experts' groups one after the other)
         flat = chosen.flatten()
         order = flat.argsort(stable=True)  # choice index, grouped by expert
         load = torch.zeros(E, dtype=torch.long, device=h.device).scatter_add_(0, flat, torch.ones_like(flat))  # tokens per expert (static shape)
-        padded = (load + ALIGN - 1) // ALIGN * ALIGN
-        ends = padded.cumsum(0)
-        starts, sorted_expert = ends - padded, flat[order]
-        rank = torch.arange(N * k, device=h.device) - (load.cumsum(0) - load)[sorted_expert]  # place within its group
-        rows = starts[sorted_expert] + rank  # its row in the padded groups
-        xs = h.new_zeros(N * k + E * (ALIGN - 1), shape[-1]).index_copy(0, rows, h[order // k])
-        offsets = ends.to(torch.int32)
-        mid = grouped_mm(xs, self.w_in.transpose(-2, -1), offsets)
-        if self.b_in is not None:  # each row's expert's biases (the rows after the last group: the last expert's, unread)
-            row_expert = torch.searchsorted(ends, torch.arange(xs.shape[0], device=h.device), right=True).clamp(max=E - 1)
-            mid = mid + self.b_in.to(mid.dtype)[row_expert]
-        ys = grouped_mm(self._activation(mid, self.act), self.w_out.transpose(-2, -1), offsets)
-        if self.b_out is not None:
-            ys = ys + self.b_out.to(ys.dtype)[row_expert]
-        ys = ys[rows] * weights.flatten()[order, None].to(ys.dtype)
+        xs = h[order // k]
+        ys = self._experts(xs, load) if self.ep is None else self._experts_elsewhere(xs, load)
+        ys = ys * weights.flatten()[order, None].to(ys.dtype)
         out = torch.zeros_like(h, dtype=ys.dtype).index_add(0, order // k, ys).to(x.dtype)
         if self.shared is not None:
             out = out + self.shared(h)
@@ -213,6 +225,71 @@ class MoE(nn.Module):
                 aux = aux + cfg.z_loss * torch.logsumexp(logits, -1).square().mean()
             out = _AddToObjective.apply(out, aux, self.loss_scale)
         return out.reshape(shape)
+
+    def _weights(self) -> tuple:
+        """The experts' weights as this rank computes with them: all of them, or under expert parallel its own experts'
+        (the local shard), their gradients divided by the group's size, as FSDP averages every other gradient over it
+        (each rank's loss is its own tokens' mean; an expert's gradient arrives summed over every rank's tokens)."""
+        ws = (self.w_in, self.w_out, self.b_in, self.b_out)
+        if self.ep is None:
+            return ws
+        return tuple(None if w is None else _ScaleGrad.apply(w.to_local(), 1.0 / self.ep.size) for w in ws)
+
+    def _experts(self, xs: torch.Tensor, load: torch.Tensor) -> torch.Tensor:
+        """Rows ``xs`` sorted by expert, ``load[e]`` of them expert e's (the experts this rank holds): each row through
+        its expert. Each group is padded to a multiple of ALIGN rows, in a buffer of the most rows that can take (a static
+        shape), for the grouped products; the rows come back in ``xs``'s order."""
+        w_in, w_out, b_in, b_out = self._weights()
+        G, M = load.shape[0], xs.shape[0]
+        padded = (load + ALIGN - 1) // ALIGN * ALIGN
+        ends = padded.cumsum(0)
+        group = torch.repeat_interleave(torch.arange(G, device=xs.device), load, output_size=M)
+        rows = (ends - padded)[group] + torch.arange(M, device=xs.device) - (load.cumsum(0) - load)[group]
+        buf = xs.new_zeros(M + G * (ALIGN - 1), xs.shape[-1]).index_copy(0, rows, xs)
+        offsets = ends.to(torch.int32)
+        mid = grouped_mm(buf, w_in.transpose(-2, -1), offsets)
+        if b_in is not None:  # each row's expert's biases (the rows after the last group: the last expert's, unread)
+            row_group = torch.searchsorted(ends, torch.arange(buf.shape[0], device=xs.device), right=True).clamp(max=G - 1)
+            mid = mid + b_in.to(mid.dtype)[row_group]
+        ys = grouped_mm(self._activation(mid, self.act), w_out.transpose(-2, -1), offsets)
+        if b_out is not None:
+            ys = ys + b_out.to(ys.dtype)[row_group]
+        return ys[rows]
+
+    def _experts_elsewhere(self, xs: torch.Tensor, load: torch.Tensor) -> torch.Tensor:
+        """Expert parallel: each rank holds ``experts / ep`` experts. The rows go to the ranks of their experts (one
+        all-to-all: the counts, then the rows), are sorted there by expert, computed, and come back (the reverse
+        all-to-all), in ``xs``'s order. The split sizes are read on the host (one sync a layer, as torchtitan's)."""
+        from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+
+        ep, local = self.ep.size, self.cfg.experts // self.ep.size
+        send = load.view(ep, local)  # rows to each rank, by its experts
+        recv = all_to_all_single(send.flatten(), [local] * ep, [local] * ep, self.ep.group).view(ep, local)  # from each rank
+        sizes_in, sizes_out = send.sum(1).tolist(), recv.sum(1).tolist()
+        got = all_to_all_single_autograd(xs, sizes_out, sizes_in, self.ep.group)  # by (source rank, expert)
+        # by (expert, source rank): each block of rows moved whole
+        blocks = recv.flatten()
+        src_start = blocks.cumsum(0) - blocks
+        by_expert = recv.t().flatten()
+        dst_start = (by_expert.cumsum(0) - by_expert).view(local, ep).t().flatten()  # block (s, j)'s start in expert order
+        block = torch.repeat_interleave(torch.arange(ep * local, device=xs.device), blocks, output_size=got.shape[0])
+        dest = dst_start[block] + torch.arange(got.shape[0], device=xs.device) - src_start[block]
+        mine = torch.empty_like(got).index_copy(0, dest, got)
+        done = self._experts(mine, recv.sum(0))[dest]  # computed, back in arrival order
+        return all_to_all_single_autograd(done, sizes_in, sizes_out, self.ep.group)
+
+    def set_expert_parallel(self, ep) -> None:
+        """Hold only this rank's ``experts / ep.size`` experts (their weights DTensors split by expert over ``ep``'s
+        mesh) and send each token's rows to the ranks of its experts (:meth:`_experts_elsewhere`)."""
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        if self.cfg.experts % ep.size:
+            raise ValueError(f"model.moe.experts={self.cfg.experts} does not divide over strategy.ep={ep.size} ranks")
+        for name in ("w_in", "w_out", "b_in", "b_out"):
+            w = getattr(self, name)
+            if w is not None:
+                setattr(self, name, nn.Parameter(distribute_tensor(w.data, ep.mesh, [Shard(0)])))
+        self.ep = ep
 
     @torch.no_grad()
     def balance(self, load: torch.Tensor) -> None:

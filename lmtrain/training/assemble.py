@@ -2,8 +2,8 @@
 fixed order, from one :class:`Plan` made once (OLMo-core's ``parallelize_model``, torchtitan's converters applied
 before parallelising):
 
-    build -> output head -> float8 -> tensor parallel -> context parallel -> activation checkpointing -> compile
-          -> activation offloading -> shard -> initialise or load the weights
+    build -> output head -> float8 -> tensor parallel -> context parallel -> expert parallel -> activation checkpointing
+          -> compile -> activation offloading -> shard -> initialise or load the weights
 
 (the tensor-parallel plan is made before float8 and applied after it: making it splits the fused products, which
 float8 must convert). A step reads only the plan and what the network declares it offers (lmtrain.nn.model.LanguageModel: its blocks, its
@@ -75,12 +75,13 @@ class Plan:
         self._float8(model)
         self._tensor_parallel(model, plan)
         self._context_parallel(model)
+        kept = self._expert_parallel(model)
         self._checkpoint_activations(model)
         loss = self._compile(model, loss)
         if self.ac == "offload":  # the inputs full checkpointing keeps, held in host memory (lmtrain.training.offload)
             loss = self._offload(model, loss)
         if self.sharding is not None:
-            model = self.sharding.shard(model, compiled=self.compile)
+            model = self.sharding.shard(model, compiled=self.compile, kept=kept)
         self._weights(model, weights)
         return model, loss
 
@@ -180,6 +181,31 @@ class Plan:
         if self.rank0:
             print(f"[lmtrain] context parallel: each sequence split over {self.cp} ranks (mesh {mesh.mesh_dim_names}), "
                   "keys and values gathered", file=sys.stderr, flush=True)  # fmt: skip
+
+    def _expert_parallel(self, model: nn.Module) -> set:
+        """``strategy.ep``: each MoE layer's experts split over the shard mesh's ranks; returns their parameters, which
+        FSDP then leaves alone (lmtrain.nn.moe.MoE.set_expert_parallel)."""
+        ep = self.sharding.ep if self.sharding is not None else 1
+        if ep == 1:
+            return set()
+        from lmtrain.nn.moe import ExpertParallel, MoE
+
+        moes = [b.mlp for b in getattr(model, "blocks", []) if isinstance(getattr(b, "mlp", None), MoE)]
+        if not moes:
+            raise InputError(f"strategy.ep={ep}: the model has no mixture of experts to split (model.moe)")
+        mesh = self.sharding.shard_mesh()
+        if mesh.ndim != 1 or mesh.size() != ep:
+            raise InputError(f"strategy.ep={ep}: the experts split over the {mesh.size()} ranks of a 1-D fsdp mesh only, for now")
+        group = ExpertParallel(mesh, mesh.get_group(), ep)
+        for moe in moes:
+            try:
+                moe.set_expert_parallel(group)
+            except ValueError as exc:
+                raise InputError(str(exc)) from None
+        if self.rank0:
+            print(f"[lmtrain] expert parallel: {moes[0].cfg.experts // ep} of {moes[0].cfg.experts} experts a rank in "
+                  f"{len(moes)} layers, tokens sent to their experts' ranks (all-to-all)", file=sys.stderr, flush=True)  # fmt: skip
+        return {p for moe in moes for p in (moe.w_in, moe.w_out, moe.b_in, moe.b_out) if p is not None}
 
     def _checkpoint_activations(self, model: nn.Module) -> None:
         if self.sharding is not None and not isinstance(model, LanguageModel):

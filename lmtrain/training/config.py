@@ -340,6 +340,12 @@ def validate_config(cfg: DictConfig) -> None:
             seq_len = (cfg.get("data") or {}).get("seq_len")
             problems += tensor_parallel_problems(layout.tp, model_cfg, head.kind, fp8.recipe, fp8.fused_mlp, seq_len, layout.cp)
             problems += context_parallel_problems(layout.cp, (cfg.get("data") or {}).get("seq_len"))
+            ep = (cfg.get("strategy") or {}).get("ep", 1)
+            if isinstance(ep, int) and not isinstance(ep, bool) and ep > 1 and model_cfg is not None:
+                if model_cfg.moe is None:
+                    problems.append(f"strategy.ep={ep} splits a mixture of experts' experts: this model has none (model.moe)")
+                elif model_cfg.moe_config.experts % ep:
+                    problems.append(f"strategy.ep={ep} does not divide model.moe.experts={model_cfg.moe_config.experts}")
 
     ckpt = cfg.get("ckpt_path")
     if ckpt is not None and not os.path.exists(str(ckpt)):

@@ -21,6 +21,8 @@ sharded checkpoints (PyTorch distributed checkpoint, one file per rank). Options
 * ``tp``: tensor parallel, each block split over groups of ``tp`` ranks, the groups sharded (a 2-D mesh; 3-D under hsdp);
 * ``cp``: context parallel (fsdp), each sequence split over groups of ``cp`` ranks (lmtrain.nn.context), the data-parallel
   and context-parallel ranks sharding together (a 3-D mesh: data, context, tensor parallel);
+* ``ep``: expert parallel (fsdp, a mixture of experts: lmtrain.nn.moe), each layer's experts split over the ``ep``
+  ranks (for now every rank), each token's rows sent to its experts' ranks and back (all-to-all);
 * ``cpu_offload``: keep sharded parameters, gradients and optimizer state in host memory;
 * ``reshard_after_forward``: free gathered parameters after forward (less memory, one more all-gather); the
   last block keeps them either way, as its backward comes right after;
@@ -78,6 +80,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         elif isinstance(tp, int) and tp >= 1 and world_size % (tp * cp):
             world = f"the world size {world_size} (trainer.devices x trainer.num_nodes)"
             out.append(f"strategy.cp={cp} x strategy.tp={tp} does not divide {world}")
+        ep = options.get("ep", 1)
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+            out.append(f"strategy.ep={ep!r} must be a positive number of ranks")
+        elif ep > 1 and (cls is not FSDP2Strategy or ep != world_size or tp != 1 or cp != 1):
+            out.append(f"strategy.ep={ep}: expert parallel splits the experts over every rank of strategy=fsdp for now "
+                       f"(strategy.ep=world size {world_size}, no tp or cp)")  # fmt: skip
         if on_cpu and options.get("cpu_offload"):
             out.append("strategy.cpu_offload=true needs GPUs: on CPU the parameters already live in host memory")
         mixed = str(precision) == "bf16-mixed" and options.get("mixed_precision", True)
@@ -100,8 +108,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         reduce_dtype: str = "float32",
         tp: int = 1,
         cp: int = 1,
+        ep: int = 1,
     ) -> None:
-        for key, value in (("tp", tp), ("cp", cp)):
+        for key, value in (("tp", tp), ("cp", cp), ("ep", ep)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise StrategyError(f"strategy.{key}={value!r} must be a positive number of ranks")
         if reduce_dtype not in REDUCE_DTYPES:
@@ -121,7 +130,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.cpu_offload = cpu_offload
         self.reshard_after_forward, self.init_device = reshard_after_forward, init_device
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
-        self.tp, self.cp = tp, cp
+        self.tp, self.cp, self.ep = tp, cp, ep
         self._shard_mesh = None
 
     @classmethod
@@ -176,12 +185,15 @@ class FSDP2Strategy(ModelParallelStrategy):
         return self._shard_mesh
 
     # -- applied by lmtrain.training.assemble -----------------------------------------------------
-    def shard(self, model: nn.Module, compiled: bool) -> nn.Module:
+    def shard(self, model: nn.Module, compiled: bool, kept: set | None = None) -> nn.Module:
         """``fully_shard`` each of ``model.blocks`` (as they are: checkpointed and compiled already), then the root, on
-        :meth:`shard_mesh`; ``compiled`` is said in the line printed."""
+        :meth:`shard_mesh`; ``compiled`` is said in the line printed; ``kept``: parameters split already (expert
+        parallel's experts), which FSDP leaves as they are: never gathered, their gradients not reduced."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         kwargs = {"mesh": self.shard_mesh(), "reshard_after_forward": self.reshard_after_forward}
+        if kept:
+            kwargs["ignored_params"] = set(kept)
         precision = str(getattr(self.precision_plugin, "precision", ""))
         if self.mixed_precision and precision == "bf16-mixed":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=self.reduce_dtype)
@@ -288,6 +300,7 @@ class HSDPStrategy(FSDP2Strategy):
         reduce_dtype: str = "float32",
         tp: int = 1,
         cp: int = 1,
+        ep: int = 1,
     ) -> None:
         super().__init__(  # by name: the parent's arguments are this one's, listed again so that config keys are checked
             mixed_precision=mixed_precision,
@@ -300,6 +313,7 @@ class HSDPStrategy(FSDP2Strategy):
             reduce_dtype=reduce_dtype,
             tp=tp,
             cp=cp,
+            ep=ep,
         )
         if shard_size is not None and shard_size < 1:
             raise StrategyError(f"strategy.shard_size={shard_size} must be a positive number of ranks")
