@@ -215,3 +215,8 @@ def test_experts_split_over_two_ranks_train_as_one_process_and_resume_in_one(tmp
     _run(tmp_path, dataset_dir, "one-again", *moe, "trainer.devices=1", "data.batch_size=8", f"ckpt_path={ckpt}")
     again = {s: float(v) for s, v in _losses(tmp_path / "runs" / "one-again").items()}
     assert sorted(again) == [s for s in sorted(want) if s > 3] and all(abs(again[s] - want[s]) < 1e-5 for s in again), (again, want)
+    # and one process's single-file checkpoint continues with the experts split
+    one_ckpt = next((tmp_path / "one").rglob("step-0000003"))
+    _run(tmp_path, dataset_dir, "ep-again", *moe, "strategy=fsdp", "strategy.ep=2", "trainer.devices=2", "data.batch_size=4", f"ckpt_path={one_ckpt}")
+    split = {s: float(v) for s, v in _losses(tmp_path / "runs" / "ep-again").items()}
+    assert sorted(split) == sorted(again) and all(abs(split[s] - want[s]) < 1e-5 for s in split), (split, want)
