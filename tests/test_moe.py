@@ -220,3 +220,17 @@ def test_experts_split_over_two_ranks_train_as_one_process_and_resume_in_one(tmp
     _run(tmp_path, dataset_dir, "ep-again", *moe, "strategy=fsdp", "strategy.ep=2", "trainer.devices=2", "data.batch_size=4", f"ckpt_path={one_ckpt}")
     split = {s: float(v) for s, v in _losses(tmp_path / "runs" / "ep-again").items()}
     assert sorted(split) == sorted(again) and all(abs(split[s] - want[s]) < 1e-5 for s in split), (split, want)
+
+
+def test_the_planner_counts_a_mixtures_activations_per_chosen_expert():
+    """lmtrain.training.memory.block_activations for OLMoE-1B-7B (all 16 blocks MoE): attention's 16, the router's
+    fp32 logits and affinities 8 x 64 / 2048, and for each of the 8 chosen experts 6 (the row gathered, padded, computed,
+    weighted) plus SwiGLU's 8 x 1024 / 2048: twice the dense model of the same active width (48), since every token's
+    rows are copied per expert. A dense first block is averaged in (tiny-moe)."""
+    from lmtrain.training.memory import block_activations
+
+    assert block_activations(preset("olmoe-1b-7b")) == pytest.approx(16 + 8 * 64 / 2048 + 8 * (6 + 8 * 1024 / 2048))
+    dense = ModelConfig(family="llama", vocab_size=4096, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176)
+    tiny = preset("tiny-moe")
+    sparse = 16 + 8 * 4 / 64 + 2 * (6 + 8 * 64 / 64) + 8 * 64 / 64  # 4 experts, 2 chosen, a shared expert of 64
+    assert block_activations(tiny) == pytest.approx((block_activations(dense) + sparse) / 2)

@@ -102,11 +102,25 @@ def block_activations(cfg, fp8: bool = False, tp: int = 1) -> float:
     ``tp``: split over that many tensor-parallel ranks with sequence parallelism (Korthikanti et al.'s 34/t for an
     OPT block): q, k, v, attention's output and the MLP's inner activations split by heads and features, the norms'
     inputs, the products' gathered inputs (kept as each rank's part of the sequence) and the dropout masks by
-    sequence."""
+    sequence. A mixture of experts (``model.moe``, never under tp): the mean over the blocks, the MoE ones counted below
+    (not yet measured against a GPU's peak)."""
     f = cfg.hidden_dim / cfg.d_model
     whole = 8 + (0 if cfg.family == "llama" else 2) - (2 if fp8 else 0)  # the norms' inputs 4, the two inputs 2 + 2 (masks 2)
     split = 8 + (8 * f if cfg.family == "llama" else 4 * f) - (1 + f if fp8 else 0)  # q, k, v, output 8; the MLP's inside
-    return (whole + split) / tp
+    dense = (whole + split) / tp
+    moe = getattr(cfg, "moe_config", None)
+    if moe is None:
+        return dense
+    # A mixture of experts' block (lmtrain.nn.moe): attention as above; the router's fp32 logits and affinities 8 E / d;
+    # each of the top_k copies of the token, its expert's input 2 (gathered, then padded), inside 8 f_e or 4 f_e, output 2
+    # and weighted output 2; a shared expert's inside as a dense MLP's. The experts stay bf16 under float8 (only
+    # attention's products and the shared expert's are float8). Averaged over the blocks, the first dense_layers dense.
+    fe, fs = moe.expert_ffn_dim / cfg.d_model, moe.shared_ffn_dim / cfg.d_model
+    inside = (lambda g: 8 * g) if cfg.family == "llama" else (lambda g: 4 * g)
+    routed = 8 + inside(0) + 8 * moe.experts / cfg.d_model + moe.top_k * (6 + inside(fe)) + (inside(fs) if fs else 0)
+    sparse = whole + routed - (1 if fp8 else 0) - ((1 + fs) if fp8 and fs else 0)
+    n_dense = moe.dense_layers
+    return (n_dense * dense + (cfg.n_layers - n_dense) * sparse) / cfg.n_layers
 
 
 def memory(
