@@ -123,11 +123,12 @@ def test_a_run_whose_config_is_damaged_is_one_message_for_export_and_generate(tm
 
 @pytest.mark.parametrize(
     "model, their_class",
-    [("tiny", "OPTForCausalLM"), ("tiny-llama", "LlamaForCausalLM"), ("tiny-llama-qk", "Qwen3ForCausalLM"), ("tiny-moe", "Qwen3MoeForCausalLM")],
+    [("tiny", "OPTForCausalLM"), ("tiny-llama", "LlamaForCausalLM"), ("tiny-llama-qk", "Qwen3ForCausalLM"), ("tiny-moe", "Qwen3MoeForCausalLM"),
+     ("tiny-olmoe", "OlmoeForCausalLM")],
 )
 def test_hf_export_loads_in_transformers_with_the_same_logits_and_token_ids(tmp_path, dataset_dir, corpus_jsonl, model, their_class):
     """``--format hf``: transformers' AutoModelForCausalLM (OPTForCausalLM / LlamaForCausalLM, Qwen3ForCausalLM for
-    a llama-family model with model.qk_norm, Qwen3MoeForCausalLM for a mixture of experts as Qwen3-MoE) gives our logits to 1e-4 on real tokens, and AutoTokenizer our ids on every
+    a llama-family model with model.qk_norm, Qwen3MoeForCausalLM and OlmoeForCausalLM for mixtures of experts as theirs) gives our logits to 1e-4 on real tokens, and AutoTokenizer our ids on every
     document of the corpus the run was prepared from."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -137,7 +138,10 @@ def test_hf_export_loads_in_transformers_with_the_same_logits_and_token_ids(tmp_
     extra = ["model.tie_embeddings=false"] if model != "tiny" else []  # both head layouts: OPT tied, Llama untied
     if model == "tiny-llama-qk":  # trained a few steps with the norms' weights learning, so they are not all ones
         model, extra = "tiny-llama", [*extra, "model.qk_norm=true", "optimizer.lr=0.01"]
-    if model == "tiny-moe":  # as Qwen3-MoE routes: QK-norm, no shared expert, no selection bias (norm_topk, a dense first layer)
+    if model == "tiny-olmoe":  # as OLMoE: the whole projections' QK-norm, every MLP routed, no shared expert, no bias
+        model, extra = "tiny-moe", [*extra, "model.qk_norm=projection", "model.moe.shared_ffn_dim=0", "model.moe.bias_rate=0",
+                                    "model.moe.dense_layers=0", "optimizer.lr=0.01"]  # fmt: skip
+    elif model == "tiny-moe":  # as Qwen3-MoE routes: QK-norm, no shared expert, no selection bias (norm_topk, a dense first layer)
         extra = [*extra, "model.qk_norm=true", "model.moe.shared_ffn_dim=0", "model.moe.bias_rate=0", "model.moe.norm_topk=true", "optimizer.lr=0.01"]
     train(make_cfg(TINY + [f"model={model}", *extra, "callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0", "trainer.max_steps=3"],
                    tmp_path, dataset_dir))  # fmt: skip

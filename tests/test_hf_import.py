@@ -42,6 +42,15 @@ def _saved(tmp_path, kind: str):
             for name, param in model.named_parameters():
                 if name.endswith(("mlp.gate.weight", "norm.weight")):
                     param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
+    elif kind == "olmoe":  # the whole projections' QK-norm, every MLP 4 experts with 2 a token, not renormalised
+        cfg = transformers.OlmoeConfig(vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                       max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)  # fmt: skip
+        model = transformers.OlmoeForCausalLM(cfg)
+        with torch.no_grad():  # norms and router random, so that reading them is seen
+            for name, param in model.named_parameters():
+                if name.endswith(("mlp.gate.weight", "norm.weight")):
+                    param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
     else:  # grouped-query attention, an untied head, Llama 3's or YaRN's rope scaling (from 16 positions: every band in use at 24)
         cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -51,7 +60,7 @@ def _saved(tmp_path, kind: str):
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["opt", "llama", "llama-yarn", "qwen3-moe"])
+@pytest.mark.parametrize("kind", ["opt", "llama", "llama-yarn", "qwen3-moe", "olmoe"])
 def test_a_transformers_model_read_into_lmtrain_gives_its_logits_and_writes_back_every_tensor(tmp_path, kind):
     from safetensors.torch import load_file
 

@@ -194,6 +194,12 @@ def test_a_mixture_transformers_cannot_express_is_not_exported(tmp_path):
 
     with pytest.raises(InputError, match=r"Qwen3MoeForCausalLM.*needs model.qk_norm=true .*no shared expert .*no selection bias"):
         hf.config(preset("tiny-moe"), eos=4095, dtype="float32")
+    olmoe = ModelConfig.from_dict({**preset("tiny-moe").to_dict(), "qk_norm": "projection"})
+    with pytest.raises(InputError, match=r"OlmoeForCausalLM.*needs no shared expert .*every block's MLP routed"):
+        hf.config(olmoe, eos=4095, dtype="float32")
+    dense = ModelConfig.from_dict({**preset("tiny-llama").to_dict(), "qk_norm": "projection"})
+    with pytest.raises(InputError, match=r"model.qk_norm=projection on a dense model: OLMo 2"):
+        hf.config(dense, eos=4095, dtype="float32")
 
 
 @pytest.mark.slow

@@ -3,6 +3,8 @@ starts, and Muon (issue 46)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -79,7 +81,7 @@ def test_qk_norm_normalises_each_heads_queries_and_keys():
         assert not torch.allclose(model(x), before)
     plain = Decoder(ModelConfig(vocab_size=64, max_seq_len=16, d_model=32, n_layers=1, n_heads=4))
     assert plain.blocks[0].attn.q_norm is None and not any("q_norm" in n for n, _ in plain.named_parameters())
-    with pytest.raises(ValueError, match="model.qk_norm='yes' must be true or false"):
+    with pytest.raises(ValueError, match=re.escape("model.qk_norm='yes' must be true (each head's), projection (the whole projections') or false")):
         ModelConfig(qk_norm="yes")
 
 
@@ -435,7 +437,7 @@ def test_muon_runs_resume_exactly_and_across_world_sizes_follow_the_uninterrupte
     [
         (["module.z_loss=-1"], "module.z_loss=-1 must be a finite number >= 0"),
         (["module.z_loss=nan"], "module.z_loss=nan must be a finite number >= 0"),
-        (["model.qk_norm=maybe"], "model.qk_norm='maybe' must be true or false"),
+        (["model.qk_norm=maybe"], "model.qk_norm='maybe' must be true (each head's), projection (the whole projections') or false"),
         (["scheduler=wsd", "scheduler.decay=exp"], "scheduler.decay='exp' is not one of ['linear', 'cosine', '1-sqrt']"),
         (["scheduler=wsd", "scheduler.decay_steps=500"], "scheduler.decay_steps=500 must be in 1..scheduler.total_steps=4"),
         (["optimizer=muon", "optimizer.ns_steps=0"], "optimizer.ns_steps=0 must be a whole number of Newton-Schulz steps"),

@@ -65,7 +65,10 @@ def config(model_cfg, eos: int, dtype: str, bos: int | None = None) -> dict:
             "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
         }  # fmt: skip
         if c.moe is not None:
-            return _qwen3_moe(c, llama)
+            return _olmoe(c, llama) if c.qk_norm == "projection" else _qwen3_moe(c, llama)
+        if c.qk_norm == "projection":
+            raise InputError("--format hf: model.qk_norm=projection on a dense model: OLMo 2, the dense model with it, puts its "
+                             "norms after each branch, which lmtrain's blocks do not (a mixture of experts exports as OLMoE)")  # fmt: skip
         if not c.qk_norm:
             return llama
         # Qwen 3: Llama's layers with an RMSNorm on each head's queries and keys before the rotary positions, as ours
@@ -91,6 +94,23 @@ def _qwen3_moe(c, llama: dict) -> dict:
             "sliding_window": None, "num_experts": m.experts, "num_experts_per_tok": m.top_k,
             "moe_intermediate_size": m.expert_ffn_dim, "norm_topk_prob": m.norm_topk, "decoder_sparse_step": 1,
             "mlp_only_layers": list(range(m.dense_layers)), "router_aux_loss_coef": m.aux_loss, "output_router_logits": False}  # fmt: skip
+
+
+def _olmoe(c, llama: dict) -> dict:
+    """``OlmoeForCausalLM``'s config: Llama's layers with the whole query and key projections normalised
+    (``model.qk_norm=projection``) and every MLP routed SwiGLU experts, softmax scores."""
+    m = c.moe_config
+    lacks = [(m.score != "softmax", f"model.moe.score=softmax (not {m.score})"),
+             (bool(m.shared_ffn_dim), "no shared expert (model.moe.shared_ffn_dim=0)"),
+             (bool(m.bias_rate), "no selection bias (model.moe.bias_rate=0: it chooses experts by their scores alone)"),
+             (bool(m.dense_layers), "every block's MLP routed (model.moe.dense_layers=0)")]  # fmt: skip
+    needed = [why for bad, why in lacks if bad]
+    if needed:
+        raise InputError(f"--format hf: OlmoeForCausalLM, transformers' class for this mixture of experts, needs {'; '.join(needed)}")
+    del llama["mlp_bias"]
+    return {**llama, "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "intermediate_size": m.expert_ffn_dim,
+            "num_experts": m.experts, "num_experts_per_tok": m.top_k, "norm_topk_prob": m.norm_topk, "clip_qkv": None,
+            "router_aux_loss_coef": m.aux_loss, "output_router_logits": False}  # fmt: skip
 
 
 def _rope_parameters(c) -> dict:
@@ -236,10 +256,10 @@ def model_fields(cfg: dict, where: str = "config.json") -> dict:
     missing = [k for k, v in (("vocab_size", common["vocab_size"]), ("hidden_size", common["d_model"]),
                               ("num_hidden_layers", common["n_layers"]), ("num_attention_heads", common["n_heads"]),
                               ("max_position_embeddings", common["max_seq_len"])) if v is None]  # fmt: skip
-    if kind not in ("opt", "llama", "qwen3", "qwen3_moe"):
+    if kind not in ("opt", "llama", "qwen3", "qwen3_moe", "olmoe"):
         raise InputError(
             f"{where}: model_type={json.dumps(kind)}: lmtrain reads OPTForCausalLM (opt), LlamaForCausalLM (llama), "
-            "Qwen3ForCausalLM (qwen3) and Qwen3MoeForCausalLM (qwen3_moe)"
+            "Qwen3ForCausalLM (qwen3), Qwen3MoeForCausalLM (qwen3_moe) and OlmoeForCausalLM (olmoe)"
         )
     if missing:
         raise InputError(f"{where}: {', '.join(missing)} missing")
@@ -265,6 +285,12 @@ def model_fields(cfg: dict, where: str = "config.json") -> dict:
     if qk_norm:
         need("use_sliding_window", False, False)
     moe = _qwen3_moe_fields(cfg, common["n_layers"], where, need) if kind == "qwen3_moe" else None
+    if kind == "olmoe":  # OLMoE: the whole projections' QK-norm, every MLP routed experts of intermediate_size
+        need("clip_qkv", None, None)
+        qk_norm = "projection"
+        moe = {"experts": cfg.get("num_experts", 64), "top_k": cfg.get("num_experts_per_tok", 8), "expert_ffn_dim": cfg.get("intermediate_size"),
+               "shared_ffn_dim": 0, "score": "softmax", "norm_topk": bool(cfg.get("norm_topk_prob", False)),
+               "aux_loss": float(cfg.get("router_aux_loss_coef", 0.01)), "z_loss": 0.0, "bias_rate": 0.0, "dense_layers": 0}  # fmt: skip
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "llama3", "yarn"):

@@ -58,7 +58,7 @@ class ModelConfig:
     attention_dropout: float = 0.0  # on the attention probabilities (OPT's `attention_dropout`: 0.0 in its released configs)
     init_std: float = 0.02
     activation: str | None = None  # None: the family's (opt: gelu, llama: silu); opt also: gelu_tanh, relu
-    qk_norm: bool = False  # each head's queries and keys normalised before attention (Qwen 3's; the family's norm)
+    qk_norm: bool | str = False  # queries and keys normalised before attention: true each head's (Qwen 3's), projection the whole projections' (OLMoE's, OLMo 2's)
     moe: dict | None = None  # mixture of experts: lmtrain.nn.moe.MoEConfig's keys; None: every block's MLP dense
 
     def __post_init__(self) -> None:
@@ -132,8 +132,8 @@ class ModelConfig:
             out.append(f"model.activation={self.activation!r} is not one of {list(ACTIVATIONS[self.family])} for the {self.family} family")
         if self.rope_scaling is not None:
             out += rope_scaling_problems(self.rope_scaling, self.family)
-        if not isinstance(self.qk_norm, bool):
-            out.append(f"model.qk_norm={self.qk_norm!r} must be true or false")
+        if not isinstance(self.qk_norm, bool) and self.qk_norm != "projection":
+            out.append(f"model.qk_norm={self.qk_norm!r} must be true (each head's), projection (the whole projections') or false")
         if self.moe is not None:
             from lmtrain.nn.moe import moe_problems
 
@@ -335,11 +335,13 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=bias)
         self.proj.residual_out = True  # scaled init
         self.dropout = cfg.attention_dropout
-        # model.qk_norm: the family's norm over each head's features, on queries and keys before the rotary positions
-        # (Qwen 3's per-head RMSNorm; OLMo 2 normalises the whole projection instead), which bounds the attention
-        # logits' growth, one cause of the loss spikes of large runs
-        self.q_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
-        self.k_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        # model.qk_norm: the family's norm on queries and keys before the rotary positions, over each head's features
+        # (true: Qwen 3's per-head RMSNorm) or over the whole projection (projection: OLMoE's and OLMo 2's), which bounds
+        # the attention logits' growth, one cause of the loss spikes of large runs
+        self.qk_whole = cfg.qk_norm == "projection"
+        q_dim, k_dim = (cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim) if self.qk_whole else (cfg.head_dim, cfg.head_dim)
+        self.q_norm = make_norm(cfg, q_dim) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, k_dim) if cfg.qk_norm else None
         self.qk_probe = QKProbe()
 
     def forward(
@@ -354,10 +356,12 @@ class Attention(nn.Module):
             q, k, v = self.qkv(x).split([self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
         else:  # split for tensor parallelism (unfuse): this rank's heads
             q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.qk_whole:
+            q, k = self.q_norm(q), self.k_norm(k)  # over the whole projections (every head's features together)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
         v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_whole:
             q, k = self.q_norm(q), self.k_norm(k)  # over each head's features (the last dimension)
         if rope is not None:
             cos, sin = rope

@@ -76,6 +76,9 @@ def tensor_parallel_problems(tp: int, model_cfg, head_kind: str, fp8_recipe, fus
     if tp == 1:
         return []
     out = []
+    if model_cfg is not None and getattr(model_cfg, "qk_norm", False) == "projection":
+        out.append(f"model.qk_norm=projection with strategy.tp={tp}: a norm over the whole projection spans every rank's heads "
+                   "(use model.qk_norm=true, each head's, under tensor parallel)")  # fmt: skip
     if model_cfg is not None and getattr(model_cfg, "moe", None) is not None:
         out.append(f"model.moe with strategy.tp={tp}: tensor parallel does not split experts yet (train a mixture of experts under fsdp)")
     if model_cfg is not None and (undivided := model_cfg.undivided_by(tp)):
