@@ -99,7 +99,8 @@ def test_a_transformers_model_read_into_lmtrain_gives_its_logits_and_writes_back
     [
         (
             {"model_type": "gpt2"},
-            'model_type="gpt2": lmtrain reads OPTForCausalLM (opt), LlamaForCausalLM (llama) and Qwen3ForCausalLM (qwen3)',
+            'model_type="gpt2": lmtrain reads OPTForCausalLM (opt), LlamaForCausalLM (llama), Qwen3ForCausalLM (qwen3), '
+            "Qwen3MoeForCausalLM (qwen3_moe) and OlmoeForCausalLM (olmoe)",
         ),
         ({"do_layer_norm_before": False}, "do_layer_norm_before=false is not something lmtrain's decoder can express"),
         ({"activation_function": "silu"}, 'activation_function="silu" is not one of'),
