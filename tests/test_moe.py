@@ -240,3 +240,14 @@ def test_the_planner_counts_a_mixtures_activations_per_chosen_expert():
     tiny = preset("tiny-moe")
     sparse = 16 + 8 * 4 / 64 + 2 * (6 + 8 * 64 / 64) + 8 * 64 / 64  # 4 experts, 2 chosen, a shared expert of 64
     assert block_activations(tiny) == pytest.approx((block_activations(dense) + sparse) / 2)
+
+
+def test_the_router_scores_in_fp32_under_bf16_autocast():
+    """A linear layer under bf16 autocast rounds its output to bf16; the router's logits stay fp32, as the layer's
+    routing is computed from them."""
+    layer = _moe()
+    h = torch.randn(4, 32, generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = layer._router_logits(h)
+        assert layer.router(h).dtype == torch.bfloat16  # what a plain linear layer would give
+    assert logits.dtype == torch.float32 and torch.equal(logits, h @ layer.router.weight.T)

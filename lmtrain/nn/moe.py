@@ -196,7 +196,7 @@ class MoE(nn.Module):
         shape = x.shape
         h = x.reshape(-1, shape[-1])  # (N, d)
         N = h.shape[0]
-        logits = F.linear(h.float(), self.router.weight.float())  # (N, E), fp32 whatever autocast says
+        logits = self._router_logits(h)  # (N, E), fp32
         scores = logits.softmax(-1) if cfg.score == "softmax" else logits.sigmoid()
         chosen = torch.topk(scores.detach() + self.expert_bias, k, dim=-1).indices  # (N, k): the bias chooses only
         weights = scores.gather(1, chosen)
@@ -225,6 +225,15 @@ class MoE(nn.Module):
                 aux = aux + cfg.z_loss * torch.logsumexp(logits, -1).square().mean()
             out = _AddToObjective.apply(out, aux, self.loss_scale)
         return out.reshape(shape)
+
+    def _router_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The router's scores in fp32 whatever autocast says (under bf16 autocast a linear layer would round them to
+        bf16, and near-equal scores would choose experts by rounding)."""
+        kind = h.device.type
+        if kind in ("cuda", "cpu") and torch.is_autocast_enabled(kind):
+            with torch.autocast(kind, enabled=False):
+                return F.linear(h.float(), self.router.weight.float())
+        return F.linear(h.float(), self.router.weight.float())
 
     def _weights(self) -> tuple:
         """The experts' weights as this rank computes with them: all of them, or under expert parallel its own experts'
