@@ -81,14 +81,7 @@ def config(model_cfg, eos: int, dtype: str, bos: int | None = None) -> dict:
 def _qwen3_moe(c, llama: dict) -> dict:
     """``Qwen3MoeForCausalLM``'s config of a llama-family mixture of experts: Qwen 3's layers (QK-norm) with routed
     SwiGLU experts, softmax scores, dense MLPs in its ``mlp_only_layers``; what it cannot express is refused."""
-    m = c.moe_config
-    lacks = [(not c.qk_norm, "model.qk_norm=true (its layers normalise each head's queries and keys)"),
-             (m.score != "softmax", f"model.moe.score=softmax (not {m.score})"),
-             (bool(m.shared_ffn_dim), "no shared expert (model.moe.shared_ffn_dim=0)"),
-             (bool(m.bias_rate), "no selection bias (model.moe.bias_rate=0: it chooses experts by their scores alone)")]  # fmt: skip
-    needed = [why for bad, why in lacks if bad]
-    if needed:
-        raise InputError(f"--format hf: Qwen3MoeForCausalLM, transformers' class for this mixture of experts, needs {'; '.join(needed)}")
+    m = _routed_as_transformers(c, "Qwen3MoeForCausalLM", first=[(not c.qk_norm, "model.qk_norm=true (its layers normalise each head's queries and keys)")])
     del llama["mlp_bias"]
     return {**llama, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "use_sliding_window": False,
             "sliding_window": None, "num_experts": m.experts, "num_experts_per_tok": m.top_k,
@@ -99,18 +92,25 @@ def _qwen3_moe(c, llama: dict) -> dict:
 def _olmoe(c, llama: dict) -> dict:
     """``OlmoeForCausalLM``'s config: Llama's layers with the whole query and key projections normalised
     (``model.qk_norm=projection``) and every MLP routed SwiGLU experts, softmax scores."""
-    m = c.moe_config
-    lacks = [(m.score != "softmax", f"model.moe.score=softmax (not {m.score})"),
-             (bool(m.shared_ffn_dim), "no shared expert (model.moe.shared_ffn_dim=0)"),
-             (bool(m.bias_rate), "no selection bias (model.moe.bias_rate=0: it chooses experts by their scores alone)"),
-             (bool(m.dense_layers), "every block's MLP routed (model.moe.dense_layers=0)")]  # fmt: skip
-    needed = [why for bad, why in lacks if bad]
-    if needed:
-        raise InputError(f"--format hf: OlmoeForCausalLM, transformers' class for this mixture of experts, needs {'; '.join(needed)}")
+    m = _routed_as_transformers(c, "OlmoeForCausalLM", last=[(bool(c.moe_config.dense_layers), "every block's MLP routed (model.moe.dense_layers=0)")])
     del llama["mlp_bias"]
     return {**llama, "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "intermediate_size": m.expert_ffn_dim,
             "num_experts": m.experts, "num_experts_per_tok": m.top_k, "norm_topk_prob": m.norm_topk, "clip_qkv": None,
             "router_aux_loss_coef": m.aux_loss, "output_router_logits": False}  # fmt: skip
+
+
+def _routed_as_transformers(c, their_class: str, first: list[tuple[bool, str]] = (), last: list[tuple[bool, str]] = ()):
+    """``c``'s MoEConfig, refused in one line naming each thing ``their_class`` lacks: what both MoE classes compute
+    (softmax scores, no shared expert, no selection bias) between the class's own ``first`` and ``last`` needs
+    ((lacking?, what it needs) each)."""
+    m = c.moe_config
+    lacks = [*first, (m.score != "softmax", f"model.moe.score=softmax (not {m.score})"),
+             (bool(m.shared_ffn_dim), "no shared expert (model.moe.shared_ffn_dim=0)"),
+             (bool(m.bias_rate), "no selection bias (model.moe.bias_rate=0: it chooses experts by their scores alone)"), *last]  # fmt: skip
+    needed = [why for bad, why in lacks if bad]
+    if needed:
+        raise InputError(f"--format hf: {their_class}, transformers' class for this mixture of experts, needs {'; '.join(needed)}")
+    return m
 
 
 def _rope_parameters(c) -> dict:
@@ -288,9 +288,7 @@ def model_fields(cfg: dict, where: str = "config.json") -> dict:
     if kind == "olmoe":  # OLMoE: the whole projections' QK-norm, every MLP routed experts of intermediate_size
         need("clip_qkv", None, None)
         qk_norm = "projection"
-        moe = {"experts": cfg.get("num_experts", 64), "top_k": cfg.get("num_experts_per_tok", 8), "expert_ffn_dim": cfg.get("intermediate_size"),
-               "shared_ffn_dim": 0, "score": "softmax", "norm_topk": bool(cfg.get("norm_topk_prob", False)),
-               "aux_loss": float(cfg.get("router_aux_loss_coef", 0.01)), "z_loss": 0.0, "bias_rate": 0.0, "dense_layers": 0}  # fmt: skip
+        moe = _routed_fields(cfg, cfg.get("num_experts", 64), cfg.get("num_experts_per_tok", 8), cfg.get("intermediate_size"), 0.01, 0)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "llama3", "yarn"):
@@ -334,9 +332,15 @@ def _qwen3_moe_fields(cfg: dict, n_layers: int, where: str, need) -> dict:
                               ("moe_intermediate_size", cfg.get("moe_intermediate_size"))) if v is None]  # fmt: skip
     if missing:
         raise InputError(f"{where}: {', '.join(missing)} missing")
-    return {"experts": experts, "top_k": cfg["num_experts_per_tok"], "expert_ffn_dim": cfg["moe_intermediate_size"],
-            "shared_ffn_dim": 0, "score": "softmax", "norm_topk": bool(cfg.get("norm_topk_prob", False)),
-            "aux_loss": float(cfg.get("router_aux_loss_coef", 0.001)), "z_loss": 0.0, "bias_rate": 0.0, "dense_layers": len(dense)}  # fmt: skip
+    return _routed_fields(cfg, experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"], 0.001, len(dense))
+
+
+def _routed_fields(cfg: dict, experts: int, top_k: int, ffn: int, aux_default: float, dense_layers: int) -> dict:
+    """``model.moe`` of a transformers MoE class: softmax scores renormalised as ``norm_topk_prob`` says, no shared
+    expert, no selection bias, no router z-loss, its ``router_aux_loss_coef`` (``aux_default`` where not given)."""
+    return {"experts": experts, "top_k": top_k, "expert_ffn_dim": ffn, "shared_ffn_dim": 0, "score": "softmax",
+            "norm_topk": bool(cfg.get("norm_topk_prob", False)), "aux_loss": float(cfg.get("router_aux_loss_coef", aux_default)),
+            "z_loss": 0.0, "bias_rate": 0.0, "dense_layers": dense_layers}  # fmt: skip
 
 
 def _yarn_scaling(rope: dict, cfg: dict, where: str) -> dict:

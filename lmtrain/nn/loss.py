@@ -43,8 +43,12 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0
 def mean_z(lse: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The z term of :func:`with_z_loss`: the squared log-partition ``lse`` (one per token) averaged over the tokens
     whose ``targets`` are counted."""
-    valid = targets != IGNORE_INDEX
-    return torch.where(valid, lse.square(), 0.0).sum() / valid.sum().clamp(min=1)
+    return summed_z(lse, targets) / (targets != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def summed_z(lse: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The squared log-partition summed over the tokens whose ``targets`` are counted (a chunk's share of :func:`mean_z`)."""
+    return torch.where(targets != IGNORE_INDEX, lse.square(), 0.0).sum()
 
 
 def with_z_loss(ce: torch.Tensor, z: torch.Tensor, coef: float) -> torch.Tensor:

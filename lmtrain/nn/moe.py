@@ -146,13 +146,18 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
+def _autocast_on(kind: str) -> bool:
+    """Autocast on for device type ``kind`` (the meta device has none)."""
+    return kind in ("cuda", "cpu") and torch.is_autocast_enabled(kind)
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows ``offsets[e-1]:offsets[e]`` of ``x`` (M, K) times ``w[e]`` (K, N), for every expert e: PyTorch's grouped
     matrix product, in the autocast dtype when autocast is on (it is not an autocast operator). Its GPU kernel takes
     bf16 only: in fp32 on a GPU (``trainer.precision=32-true``) a loop over the experts computes it instead (one host
     read of the offsets a layer); on the meta device only the shape is made."""
     kind = x.device.type
-    dtype = torch.get_autocast_dtype(kind) if kind in ("cuda", "cpu") and torch.is_autocast_enabled(kind) else x.dtype
+    dtype = torch.get_autocast_dtype(kind) if _autocast_on(kind) else x.dtype
     x, w = x.to(dtype), w.to(dtype)
     if kind == "meta":
         return x.new_empty(x.shape[0], w.shape[-1])
@@ -230,7 +235,7 @@ class MoE(nn.Module):
         """The router's scores in fp32 whatever autocast says (under bf16 autocast a linear layer would round them to
         bf16, and near-equal scores would choose experts by rounding)."""
         kind = h.device.type
-        if kind in ("cuda", "cpu") and torch.is_autocast_enabled(kind):
+        if _autocast_on(kind):
             with torch.autocast(kind, enabled=False):
                 return F.linear(h.float(), self.router.weight.float())
         return F.linear(h.float(), self.router.weight.float())

@@ -97,9 +97,13 @@ def vocab_parallel_cross_entropy(logits: DTensor, targets: torch.Tensor, z_loss:
     ce = F.cross_entropy(x, t).to_local()
     if not z_loss:
         return ce
+    return with_z_loss(ce, mean_z(_log_partition(x), t), z_loss)
+
+
+def _log_partition(x: DTensor) -> torch.Tensor:
+    """Each row's log-sum-exp of logits split by vocabulary, as a plain tensor (the same on every rank)."""
     m = x.detach().amax(-1, keepdim=True)  # the maxima, all-reduced: a shift for a stable sum
-    lse = ((x - m).exp().sum(-1).log() + m.squeeze(-1)).to_local()
-    return with_z_loss(ce, mean_z(lse, t), z_loss)
+    return ((x - m).exp().sum(-1).log() + m.squeeze(-1)).to_local()
 
 
 def _enter_loss_parallel() -> None:
@@ -136,12 +140,8 @@ def chunked_vocab_parallel_cross_entropy(hidden: torch.Tensor, weight: DTensor, 
 
 def _vocab_parallel_sums(h: DTensor, weight: DTensor, t: torch.Tensor, with_z: bool) -> torch.Tensor:
     """(cross-entropy summed over the counted tokens, squared log-partition summed likewise or 0) of one chunk."""
-    from lmtrain.nn.loss import IGNORE_INDEX
+    from lmtrain.nn.loss import summed_z
 
     x = F.linear(h, weight).float()  # this chunk's tokens x this rank's vocabulary
     ce = F.cross_entropy(x, t, reduction="sum").full_tensor()
-    if not with_z:
-        return torch.stack([ce, torch.zeros_like(ce)])
-    m = x.detach().amax(-1, keepdim=True)
-    lse = ((x - m).exp().sum(-1).log() + m.squeeze(-1)).to_local()
-    return torch.stack([ce, torch.where(t != IGNORE_INDEX, lse.square(), 0.0).sum()])
+    return torch.stack([ce, summed_z(_log_partition(x), t) if with_z else torch.zeros_like(ce)])

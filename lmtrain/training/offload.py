@@ -82,5 +82,4 @@ class BlockInputsToHost:
             finally:
                 self._packed.clear()  # the graph holds what it needs
 
-        offloaded.offload = self  # type: ignore[attr-defined]
         return offloaded

@@ -24,8 +24,7 @@ class RoutingStats:
         self.moes: list[MoE] = []
         self.layers: list[int] = []
         for i, block in enumerate(getattr(model, "blocks", [])):
-            mlp = getattr(block, "mlp", None)
-            mlp = getattr(mlp, "_checkpoint_wrapped_module", mlp)
+            mlp = getattr(block, "mlp", None)  # (a checkpointed block passes attributes through to the one it wraps)
             if isinstance(mlp, MoE):
                 self.moes.append(mlp)
                 self.layers.append(i)
