@@ -13,6 +13,7 @@ exactly the batches an uninterrupted one would, with or without loader workers.
 from __future__ import annotations
 
 import fcntl
+import gc
 from pathlib import Path
 
 import lightning as L
@@ -478,7 +479,7 @@ class TokenDataModule(L.LightningDataModule):
         return loaders[0] if len(loaders) == 1 else loaders
 
     def _loader(self, dataset, sampler, batch_size: int, drop_last: bool, stateful: bool = False) -> DataLoader:
-        cls = ResumableLoader if stateful else DataLoader
+        cls = ResumableLoader if stateful else HeldOutLoader
         return cls(
             dataset,
             batch_size=batch_size,
@@ -491,7 +492,34 @@ class TokenDataModule(L.LightningDataModule):
         )
 
 
-class ResumableLoader(StatefulDataLoader):
+class _FrozenFork:
+    """A loader whose worker processes are forked with this process's objects frozen (``gc.freeze``), so that a
+    worker's garbage collections never visit what it inherited.
+
+    A forked worker holds a copy of every object of the training process, garbage not yet collected included. A
+    collection in the worker that frees such an object runs its destructor there, in a process where none of the
+    threads it may own exist: a gloo process group left to the collector after ``destroy_process_group`` waits in
+    its destructor for threads that were not forked, and the worker never answers (reproduced: a forked child's
+    ``gc.collect()`` hung on such a group; tests/test_mixture.py checks a loader's workers through it). Frozen,
+    those objects stay out of every collection in the worker, and the worker's collections cost nothing for them
+    (nor copy their pages: CPython's advice for fork without exec). The freeze is lifted here as soon as the
+    workers are started."""
+
+    def _get_iterator(self):
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        gc.freeze()
+        try:
+            return super()._get_iterator()
+        finally:
+            gc.unfreeze()
+
+
+class HeldOutLoader(_FrozenFork, DataLoader):
+    """PyTorch's ``DataLoader`` with its workers forked frozen (:class:`_FrozenFork`): the validation sets'."""
+
+
+class ResumableLoader(_FrozenFork, StatefulDataLoader):
     """torchdata's ``StatefulDataLoader``, restored from the :class:`BlockSampler` position alone.
 
     The sampler's saved state says everything about where the stream stands (epoch, global position), so a

@@ -185,6 +185,20 @@ def run_train_cli(
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn)
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_outlives_its_test():
+    """A test that trained in this process (``train(cfg)``, which leaves the process group to its caller: train.py
+    closes it) or made a group itself leaves no group, and no gloo thread, behind: a later test would be refused a
+    group of its own ("initialize the default process group twice", seen with one worker), and loader workers forked
+    later would inherit the group's state (data.datamodule._FrozenFork)."""
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from lmtrain.train import _close_process_group
+
+        _close_process_group()
+
+
 @pytest.fixture(scope="session")
 def corpus_jsonl(tmp_path_factory) -> Path:
     """About 40 real documents (standard-library modules) plus edge cases, as jsonl."""

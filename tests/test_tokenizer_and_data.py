@@ -191,6 +191,41 @@ def test_sampler_is_disjoint_complete_and_deterministic():
     assert list(s) != list(BlockSampler(103, 1, 0, seed=5))
 
 
+_INHERITED_GROUP = """
+import gc, sys
+import torch.distributed as dist
+from lmtrain.data import datamodule
+
+class Collecting(datamodule.PackedBlocks):  # a worker that runs a collection, as any of its allocations may
+    def __getitem__(self, i):
+        gc.collect()
+        return super().__getitem__(i)
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+cycle = [dist.new_group([0])]
+cycle.append(cycle)
+gc.disable()  # the group stays garbage, not yet collected, when the workers are forked
+dist.destroy_process_group()
+del cycle
+loader = getattr(datamodule, sys.argv[3])(Collecting(sys.argv[1], "train", 16), batch_size=2, num_workers=2)
+print(sum(len(x) for x, _ in zip(loader, range(4))))
+"""
+
+
+@pytest.mark.parametrize("loader", ["ResumableLoader", "HeldOutLoader"])
+def test_loader_workers_never_collect_what_they_inherited(dataset_dir, tmp_path, loader):
+    """A gloo process group left to the collector (destroyed, held in a reference cycle) when a loader forks its
+    workers: a worker's collection would run its destructor, which waits for threads the fork did not copy, and the
+    worker would never answer (torch's own DataLoader hangs here). Forked frozen (data.datamodule._FrozenFork), the
+    workers answer."""
+    from tests.conftest import ROOT, user_env
+
+    env = {**user_env(), "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-c", _INHERITED_GROUP, str(dataset_dir), str(tmp_path / "store"), loader]
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["8"], out.stderr[-2000:]
+
+
 _PEAK_RSS = """
 import resource, sys
 from lmtrain.data.prepare import prepare
