@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from recipe import base, corpus  # noqa: E402
 
 WARN = [f"callbacks.divergence.{s}.action=warn" for s in
-        ("nonfinite", "loss_spike", "grad_spike", "act_growth", "loss_level", "loss_trend", "stall", "loss_scale", "skipped_steps")]  # fmt: skip
+        ("nonfinite", "loss_spike", "grad_spike", "act_growth", "loss_level", "loss_trend", "stall", "loss_scale", "skipped_steps", "routing_collapse")]  # fmt: skip
 CONSTANT = ["scheduler=constant", "optimizer.weight_decay=0", "scheduler.warmup_steps=100"]
 OPT = ["scheduler=cosine", "scheduler.warmup_steps=100", "optimizer.lr=6e-4"]  # the OPT recipe's rate at 125M
 GUARDED = ["model.qk_norm=true", "module.z_loss=1e-4"]

@@ -23,7 +23,9 @@ module all-reduces them), so every rank takes the same decision:
   steps trained, if more), the learning rate not near zero (above a tenth of the run's highest): a warning; after
   twice as long, the signal's action (``stop``: exit status 6, not 3: the run stopped learning, it did not diverge);
 * ``loss_scale``: fp16 only, the gradient scaler's scale below ``floor``;
-* ``skipped_steps``: fp16 only, more than ``max_consecutive`` optimizer steps in a row skipped by the scaler.
+* ``skipped_steps``: fp16 only, more than ``max_consecutive`` optimizer steps in a row skipped by the scaler;
+* ``routing_collapse``: a mixture of experts only, its routing (``moe/collapse``) at or past ``level`` of the way from
+  every expert equally loaded to every token on the same experts, ``persist`` steps in a row: said once a stretch.
 
 Under fp16 an overflow (non-finite gradients) is the gradient scaler's business, not divergence: the scaler skips
 that update and halves the scale; the step is counted (``train/skipped_steps``, with ``train/loss_scale``, logged
@@ -89,6 +91,7 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
         stall: dict | None = None,
         loss_scale: dict | None = None,
         skipped_steps: dict | None = None,
+        routing_collapse: dict | None = None,
         rollback_lr_scale: float = 0.5,
         skip_data: bool = True,
         max_rollbacks: int = 3,
@@ -98,7 +101,7 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
         super().__init__(
             warmup_steps=warmup_steps, ema_beta=ema_beta, healthy_after=healthy_after, nonfinite=nonfinite, loss_spike=loss_spike,
             grad_spike=grad_spike, act_growth=act_growth, loss_level=loss_level, loss_trend=loss_trend, stall=stall, loss_scale=loss_scale,
-            skipped_steps=skipped_steps,
+            skipped_steps=skipped_steps, routing_collapse=routing_collapse,
         )  # fmt: skip
         if not 0 < rollback_lr_scale <= 1 or max_rollbacks < 0:
             raise InputError(

@@ -121,6 +121,9 @@ def test_routing_is_counted_once_per_forward_pass_even_when_checkpointing_comput
     assert stats._global.sum().item() == 2 * 16 * 2  # 32 tokens, 2 experts each
     assert values["moe/load_max_over_mean"] >= 1.0 >= values["moe/load_min_over_mean"] >= 0.0
     assert 0.0 < values["moe/router_entropy"] <= torch.log(torch.tensor(4.0)).item() + 1e-6
+    share = stats._global[0] / stats._global[0].sum()  # moe/collapse: (E - n) / (E - top_k), n = exp(entropy of the shares)
+    n = torch.exp(-(share * share.log()).nan_to_num().sum()).item()
+    assert values["moe/collapse"] == pytest.approx((4 - n) / (4 - 2), abs=1e-6) and 0.0 <= values["moe/collapse"] <= 1.0
 
 
 def test_the_presets_count_their_total_and_active_parameters():
@@ -251,3 +254,45 @@ def test_the_router_scores_in_fp32_under_bf16_autocast():
         logits = layer._router_logits(h)
         assert layer.router(h).dtype == torch.bfloat16  # what a plain linear layer would give
     assert logits.dtype == torch.float32 and torch.equal(logits, h @ layer.router.weight.T)
+
+
+def test_routing_collapse_is_said_on_the_real_runs_whose_routing_collapsed_and_only_there():
+    """tests/data/stability/cpu_tiny_moe_2026-12-07.jsonl.gz: four real tiny-moe runs (4 experts, top 2; 300 steps on
+    CPU), labelled from their ``moe/collapse`` curves (10-step means): the preset's balancing at its rate (healthy:
+    its means stay under 0.3), the same at a rate of 1e-2 (collapsed over steps 10-40, then brought back by the
+    balancing), and no balancing at all at 1e-2 and 3e-3 (collapsed from step 10, partly for the rest of the run).
+    Replayed with the shipped settings, the signal is said within 20 steps of each collapse's onset, as a warning
+    (once a stretch), and never on the healthy run."""
+    from lmtrain.training.stability import read_traces, replay
+    from tests.conftest import ROOT
+
+    traces = read_traces(ROOT / "tests" / "data" / "stability" / "cpu_tiny_moe_2026-12-07.jsonl.gz")
+    onsets = {"balanced-lr0.001": None, "balanced-lr0.01-seed2": 10, "unbalanced-lr0.01": 10, "unbalanced-lr0.003-seed2": 10}
+    assert set(traces) == set(onsets)
+    for run, onset in onsets.items():
+        said = [e for e in replay(traces[run]) if "routing_collapse" in e["signals"]]
+        assert all(e["action"] == "warn" for e in said), (run, said)
+        if onset is None:
+            assert not said, (run, said)
+        else:
+            assert said and onset <= said[0]["step"] <= onset + 20 and len(said) <= 3, (run, said)
+
+
+def test_a_collapsing_router_is_said_in_the_logbook_and_the_run_goes_on(tmp_path, dataset_dir):
+    """A real collapse: tiny-moe with no balancing at a rate of 1e-2, the divergence detector at its defaults (the
+    loss signals only warning, as this short run's first steps would otherwise be judged): the logbook says
+    ``routing_collapse`` once, as a warning, with the step it was said at, and the run finishes."""
+    from lmtrain.formats import logbook
+    from lmtrain.training.run import train
+
+    quiet = [f"callbacks.divergence.{s}.action=warn" for s in ("loss_level", "loss_spike", "loss_trend", "nonfinite")]
+    args = [*(a for a in TINY if not a.startswith(("model=", "trainer.max_steps", "callbacks="))), "model=tiny-moe",
+            "callbacks=[checkpoint,stability]", "callbacks.disk_guard.margin_gb=0", "trainer.max_steps=30", "scheduler.total_steps=30", "optimizer.lr=0.01",
+            "model.moe.aux_loss=0", "model.moe.z_loss=0", "model.moe.bias_rate=0", *quiet]  # fmt: skip
+    train(make_cfg(args, tmp_path, dataset_dir))
+    said = [e for e in logbook.read(tmp_path / "run") if e["kind"] == "divergence_signal" and "routing_collapse" in e["signals"]]
+    assert len(said) == 1 and said[0]["action"] == "warn" and said[0]["step"] >= 10, said
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    collapse = {r["step"]: r["m"]["moe/collapse"] for r in rows if "moe/collapse" in r.get("m", {})}
+    step = said[0]["step"]
+    assert all(collapse[s] >= 0.5 for s in range(step - 9, step + 1)), collapse  # the 10 steps it was said on

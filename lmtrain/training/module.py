@@ -436,6 +436,7 @@ class LMModule(L.LightningModule):
                 "attn_bound": extra.get("train/attn_logit_bound"),
                 "loss_scale": None if math.isnan(scale) else scale,
                 "overflow": None if math.isnan(overflow) else bool(overflow),  # fp16: the scaler skips this update
+                "routing_collapse": extra.get("moe/collapse"),  # a mixture of experts (lmtrain.training.routing)
             }
             if rec.rerun is not None:  # computed again before its update: how many ranks' results differed, and the loss
                 stats["rerun_differs"], stats["rerun_loss"] = len(rec.rerun["differs"]), rec.rerun["again"]

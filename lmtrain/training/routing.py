@@ -5,7 +5,10 @@ Metrics, one value per step: ``moe/load_max_over_mean`` (the most loaded expert'
 layer: 1 is perfect balance, ``experts / top_k`` is every token on the same experts), ``moe/load_min_over_mean``
 (the least loaded expert's, in the worst layer: 0 is an expert that received nothing), ``moe/router_entropy`` (the
 mean entropy of the tokens' affinities, natural log: ln(experts) is a router that has no preference, a fall towards 0
-a router that has collapsed onto few experts), and per layer ``moe/layer{i}/load_max_over_mean``. Routing is dropless:
+a router that has collapsed onto few experts), ``moe/collapse`` (in the worst layer, how far the load has moved from
+every expert equally loaded, 0, towards every token on the same ``top_k`` experts, 1: ``(E - n) / (E - top_k)`` with
+``n`` the effective number of experts in use, the exponential of the entropy of the load's shares; the divergence
+detector's ``routing_collapse`` signal reads it), and per layer ``moe/layer{i}/load_max_over_mean``. Routing is dropless:
 no token is ever dropped, so there is no dropped-token count.
 """
 
@@ -29,6 +32,8 @@ class RoutingStats:
                 self.moes.append(mlp)
                 self.layers.append(i)
         self._loads: list[list[torch.Tensor]] = [[] for _ in self.moes]
+        self._experts = torch.tensor([float(m.cfg.experts) for m in self.moes])
+        self._top_k = torch.tensor([float(m.cfg.top_k) for m in self.moes])
         self._entropy: list[torch.Tensor] = []
         self._global: torch.Tensor | None = None
         self._hooks = [moe.probe.register_forward_hook(self._hook(j)) for j, moe in enumerate(self.moes)]
@@ -52,7 +57,7 @@ class RoutingStats:
         return record
 
     def names(self) -> list[str]:
-        return ["moe/load_max_over_mean", "moe/load_min_over_mean", "moe/router_entropy",
+        return ["moe/load_max_over_mean", "moe/load_min_over_mean", "moe/router_entropy", "moe/collapse",
                 *(f"moe/layer{i}/load_max_over_mean" for i in self.layers)]  # fmt: skip
 
     def step_values(self, strategy, device) -> torch.Tensor:
@@ -70,7 +75,11 @@ class RoutingStats:
         self._global = loads
         mean = loads.mean(-1)
         high, low = loads.amax(-1) / mean, loads.amin(-1) / mean
-        return torch.cat([torch.stack([high.amax(), low.amin(), entropy]), high])
+        share = loads / loads.sum(-1, keepdim=True)
+        in_use = torch.exp(-torch.special.xlogy(share, share).sum(-1))  # effective experts: E balanced, top_k collapsed
+        experts, top_k = self._experts.to(loads), self._top_k.to(loads)
+        collapse = ((experts - in_use) / (experts - top_k).clamp(min=1)).amax()
+        return torch.cat([torch.stack([high.amax(), low.amin(), entropy, collapse]), high])
 
     def balance(self) -> None:
         """The auxiliary-loss-free update of each layer's selection bias from this step's global loads (every rank the

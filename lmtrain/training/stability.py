@@ -30,6 +30,7 @@ DEFAULTS = {
     "stall": {"window": 200, "min_delta": 0.02, "action": "stop"},
     "loss_scale": {"floor": 1.0, "action": "rollback"},
     "skipped_steps": {"max_consecutive": 10, "action": "rollback"},
+    "routing_collapse": {"level": 0.5, "persist": 10, "action": "warn"},
 }
 TREND_STEPS = 50  # ``loss_trend`` and ``stall`` follow the mean loss of this many steps (of those that were not spikes)
 NOISE_Z = 5.0  # a rise must also exceed this many standard errors of the difference of two TREND_STEPS means
@@ -111,11 +112,12 @@ class Judge:
         stall: dict | None = None,
         loss_scale: dict | None = None,
         skipped_steps: dict | None = None,
+        routing_collapse: dict | None = None,
     ) -> None:
         self.signals = signal_specs({
             "nonfinite": nonfinite, "loss_spike": loss_spike, "grad_spike": grad_spike, "act_growth": act_growth,
             "loss_level": loss_level, "loss_trend": loss_trend, "stall": stall, "loss_scale": loss_scale,
-            "skipped_steps": skipped_steps,
+            "skipped_steps": skipped_steps, "routing_collapse": routing_collapse,
         })  # fmt: skip
         for key, value in (("warmup_steps", warmup_steps), ("healthy_after", healthy_after), ("ema_beta", ema_beta)):
             if isinstance(value, bool) or not isinstance(value, int | float):
@@ -137,6 +139,7 @@ class Judge:
         self.stall_said = 0  # stall: 1 once warned of this flat stretch, 2 once acted on
         self.peak_lr = 0.0
         self.skip_streak = self.skipped_total = 0  # fp16: updates skipped by the gradient scaler
+        self.collapse_streak = 0  # a mixture of experts: consecutive steps with the routing collapsed past the level
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -159,6 +162,7 @@ class Judge:
             "peak_lr": self.peak_lr,
             "skip_streak": self.skip_streak,
             "skipped_total": self.skipped_total,
+            "collapse_streak": self.collapse_streak,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -175,6 +179,7 @@ class Judge:
         self.rising, self.history = state.get("rising", False), [list(h) for h in state.get("history", [])]
         self.stall_said, self.peak_lr = state.get("stall_said", 0), state.get("peak_lr", 0.0)
         self.skip_streak, self.skipped_total = state.get("skip_streak", 0), state.get("skipped_total", 0)
+        self.collapse_streak = state.get("collapse_streak", 0)
 
     @property
     def healthy(self) -> bool:
@@ -216,6 +221,7 @@ class Judge:
             onsets = [step] + [self.best_step - TREND_STEPS // 2 for n, _, _ in fired if n == "loss_trend" and self.best_step is not None]
             onsets += [self.episode_start] if self.episode_start is not None else []
             onsets += [step - self.level_streak + 1] if self.level_streak else []  # the loss above its level since then
+            onsets += [step - self.collapse_streak + 1] if any(n == "routing_collapse" for n, _, _ in fired) else []
             self.trouble_start = min(onsets)
         if severe or spike:
             self.clean_streak = 0
@@ -285,6 +291,7 @@ class Judge:
                     grown.append(f"{what} {value:.4g}, {ratio:.2f}x its average {ema.mean:.4g}")
         if grown:
             fired.append(self._fire("act_growth", "; ".join(grown)))
+        fired += self._routing_signal(stats.get("routing_collapse"))
         if not spikes:
             fired += self._trend_signals(loss, lr, step, judging, metrics)
         return fired, bool(spikes)
@@ -340,6 +347,21 @@ class Judge:
         """The smoothed loss's relative gain since step ``since`` (None: no record that far back)."""
         then = [v for s, v in self.history if s <= since]
         return (then[-1] - smoothed) / then[-1] if then and then[-1] > 0 else None
+
+    def _routing_signal(self, collapse: float | None) -> list[tuple[str, str, str]]:
+        """``routing_collapse``: a mixture of experts' routing (``moe/collapse``, lmtrain.training.routing: 0 every
+        expert equally loaded, 1 every token on the same top_k experts, in the worst layer) at or past ``level`` for
+        ``persist`` steps in a row. Said once a stretch: at its ``persist``-th step, again only after it ends."""
+        if collapse is None or not math.isfinite(collapse):
+            return []
+        spec = self.signals["routing_collapse"]
+        self.collapse_streak = self.collapse_streak + 1 if collapse >= spec["level"] else 0
+        if self.collapse_streak != spec["persist"]:
+            return []
+        return [self._fire("routing_collapse", (
+            f"expert routing collapsed: {collapse:.2f} of the way from balanced to every token on the same experts "
+            f"(level {spec['level']:g}), {self.collapse_streak} steps in a row"
+        ))]  # fmt: skip
 
     def _fire(self, name: str, why: str) -> tuple[str, str, str]:
         return name, why, self.signals[name]["action"]
@@ -485,7 +507,7 @@ def table(results: list[dict]) -> str:
 
 TRACE_KEYS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "act_rms": "train/act_rms",
               "attn_bound": "train/attn_logit_bound", "lr": "train/lr", "loss_scale": "train/loss_scale",
-              "rerun_differs": "stability/rerun_differs"}  # fmt: skip
+              "rerun_differs": "stability/rerun_differs", "routing_collapse": "moe/collapse"}  # fmt: skip
 
 
 def read_trace(run_dir: str | Path) -> list[dict]:
