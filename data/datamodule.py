@@ -498,9 +498,9 @@ class _FrozenFork:
 
     A forked worker holds a copy of every object of the training process, garbage not yet collected included. A
     collection in the worker that frees such an object runs its destructor there, in a process where none of the
-    threads it may own exist: a gloo process group left to the collector after ``destroy_process_group`` waits in
-    its destructor for threads that were not forked, and the worker never answers (reproduced: a forked child's
-    ``gc.collect()`` hung on such a group; tests/test_mixture.py checks a loader's workers through it). Frozen,
+    threads it may own exist: a gloo process group left to the collector after ``destroy_process_group`` stops
+    threads that were not forked, and the worker aborts ("terminate called after throwing std::system_error") or
+    hangs (both reproduced; tests/test_tokenizer_and_data.py checks a loader's workers through such a group). Frozen,
     those objects stay out of every collection in the worker, and the worker's collections cost nothing for them
     (nor copy their pages: CPython's advice for fork without exec). The freeze is lifted here as soon as the
     workers are started."""

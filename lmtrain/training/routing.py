@@ -32,13 +32,13 @@ class RoutingStats:
                 self.moes.append(mlp)
                 self.layers.append(i)
         self._loads: list[list[torch.Tensor]] = [[] for _ in self.moes]
-        self._experts = torch.tensor([float(m.cfg.experts) for m in self.moes])
-        self._top_k = torch.tensor([float(m.cfg.top_k) for m in self.moes])
         self._entropy: list[torch.Tensor] = []
         self._global: torch.Tensor | None = None
         self._hooks = [moe.probe.register_forward_hook(self._hook(j)) for j, moe in enumerate(self.moes)]
         for m in model.modules():  # a probe outside a found layer would go unread: there is none in lmtrain's models
             assert not isinstance(m, RouterProbe) or any(m is moe.probe for moe in self.moes)
+        # every MoE layer of a Decoder is built from its one model.moe: one (experts, top_k) for moe/collapse
+        assert len({(moe.cfg.experts, moe.cfg.top_k) for moe in self.moes}) <= 1
 
     def __bool__(self) -> bool:
         return bool(self.moes)
@@ -77,8 +77,8 @@ class RoutingStats:
         high, low = loads.amax(-1) / mean, loads.amin(-1) / mean
         share = loads / loads.sum(-1, keepdim=True)
         in_use = torch.exp(-torch.special.xlogy(share, share).sum(-1))  # effective experts: E balanced, top_k collapsed
-        experts, top_k = self._experts.to(loads), self._top_k.to(loads)
-        collapse = ((experts - in_use) / (experts - top_k).clamp(min=1)).amax()
+        experts, top_k = self.moes[0].cfg.experts, self.moes[0].cfg.top_k  # host numbers: nothing copied to the device
+        collapse = ((experts - in_use) / max(experts - top_k, 1)).amax()
         return torch.cat([torch.stack([high.amax(), low.amin(), entropy, collapse]), high])
 
     def balance(self) -> None:
