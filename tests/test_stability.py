@@ -53,6 +53,9 @@ def test_running_statistics_and_corrections_arithmetic():
         DivergenceDetector(loss_spike={"action": "explode"})
     with pytest.raises(InputError, match=r"unknown key\(s\) \['zz'\]"):
         DivergenceDetector(loss_spike={"zz": 1})
+    for level in (0, 1.5):  # routing_collapse.level is a share of the way from balanced routing to total collapse
+        with pytest.raises(InputError, match=rf"routing_collapse.level={level} must be in \(0, 1\]"):
+            DivergenceDetector(routing_collapse={"level": level})
 
 
 def test_loss_spike_rolls_back_to_a_healthy_checkpoint_with_a_lower_learning_rate(tmp_path, dataset_dir):

@@ -82,6 +82,8 @@ def signal_specs(given: dict[str, dict | None]) -> dict[str, dict]:
                 raise InputError(f"callbacks.divergence.{name}.{key}={value!r} must be a number")
         if "persist" in spec and (not isinstance(spec["persist"], int) or spec["persist"] < 1):
             raise InputError(f"callbacks.divergence.{name}.persist={spec['persist']!r} must be a whole number of steps >= 1")
+        if "level" in spec and not 0 < spec["level"] <= 1:  # routing_collapse: a share of the way to total collapse
+            raise InputError(f"callbacks.divergence.{name}.level={spec['level']!r} must be in (0, 1]: 0 is balanced routing, 1 total collapse")
         out[name] = spec
     return out
 
