@@ -5,9 +5,11 @@
 # parameters, every one active), the same data, batch, steps and recipe, each as a user types it (trainer=gpu:
 # compiled, bf16, fused AdamW). Printed last and written to $OUT/rows.md: tokens/s (the median step after the first
 # 10), MFU (counted on active parameters, as the throughput callback counts it), peak memory held, and the mean
-# training loss of the last 10 steps, which is the loss at equal tokens since both read the same batches.
+# training loss of the last 10 steps, which is the loss at equal tokens since both read the same batches; and the
+# planner's count for the same run (lmtrain plan, one GPU, no activation checkpointing) beside the measured peak.
+# No checkpoint is written: the runs measure steps, and OLMoE's 83 GB of state would not fit a 64 GB disk.
 #
-#   [DATA=DATASET] [STEPS=300] [B=8] [SEQ=2048] [EXPERTS=64] [OUT=/tmp/moe] bash bench/moe.sh
+#   [DATA=DATASET] [STEPS=300] [B=8] [SEQ=2048] [EXPERTS=64] [KINDS="moe dense"] [OUT=/tmp/moe] bash bench/moe.sh
 #
 # DATA: an lmtrain prepared dataset (default: the preset's own data config).
 # Record the rows in docs/BENCHMARKS.md with the card and this command.
@@ -16,26 +18,28 @@ STEPS=${STEPS:-300} B=${B:-8} SEQ=${SEQ:-2048} EXPERTS=${EXPERTS:-64} OUT=${OUT:
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 common=(trainer=gpu logger=csv ${DATA:+data=prepared "data.path=$DATA"} "data.seq_len=$SEQ" "data.batch_size=$B" "trainer.max_steps=$STEPS"
-        "scheduler.total_steps=$STEPS" scheduler.warmup_steps=30 trainer.val_check_interval=100000 trainer.enable_progress_bar=false)
-for kind in moe dense; do
+        "scheduler.total_steps=$STEPS" scheduler.warmup_steps=30 trainer.val_check_interval=100000 trainer.enable_progress_bar=false
+        '~callbacks.checkpoint' '~callbacks.disk_guard')
+for kind in ${KINDS:-moe dense}; do
   case $kind in
     moe) model=(model=olmoe-1b-7b "model.moe.experts=$EXPERTS") ;;
     dense) model=(model=olmoe-1b-7b model.moe=null model.ffn_dim=8192) ;;
   esac
   python3 train.py "${common[@]}" "${model[@]}" "run_dir=$OUT/runs/$kind" "run_name=$kind" > "$OUT/$kind.log" 2>&1
   echo "$kind: exit $?"
-  rm -rf "$OUT/runs/$kind/checkpoints"
+  python3 -m lmtrain plan trainer=gpu "data.seq_len=$SEQ" "data.batch_size=$B" "${model[@]}" cluster.gpus=1 output=json \
+    > "$OUT/$kind.plan.json" 2> "$OUT/$kind.plan.err"
 done
 python3 - "$OUT" <<'EOF' | tee "$OUT/rows.md"
 import json, statistics, sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
-print("| model | tokens/s | MFU (active) | peak GiB held | loss, last 10 steps |\n|---|---|---|---|---|")
+print("| model | tokens/s | MFU (active) | peak GiB held | planner's count, GiB | loss, last 10 steps |\n|---|---|---|---|---|---|")
 for kind in ("moe", "dense"):
     path = out / "runs" / kind / "metrics.jsonl"
     if not path.exists():
-        print(f"| {kind} | did not run: see {kind}.log | | | |")
+        print(f"| {kind} | did not run: see {kind}.log | | | | |")
         continue
     rows = [json.loads(x).get("m", {}) | {"step": json.loads(x).get("step")} for x in path.read_text().splitlines()]
     def series(key):
@@ -45,6 +49,10 @@ for kind in ("moe", "dense"):
         steady = [v for s, v in values.items() if s > 10]
         return statistics.median(steady) if steady else float("nan")
     last = sorted(loss)[-10:]
-    print(f"| {kind} | {median(rate):,.0f} | {median(mfu):.1%} | {max(held.values(), default=float('nan')):.1f} | "
+    try:
+        counted = json.loads((out / f"{kind}.plan.json").read_text())["memory_gb_per_gpu"]["ddp"]["none"]["total"] * 1e9 / 2**30
+    except (OSError, ValueError, KeyError):
+        counted = float("nan")
+    print(f"| {kind} | {median(rate):,.0f} | {median(mfu):.1%} | {max(held.values(), default=float('nan')):.1f} | {counted:.1f} | "
           f"{statistics.mean(loss[s] for s in last):.4f} (steps {last[0]}-{last[-1]}) |")
 EOF
