@@ -53,6 +53,7 @@ which evidence chose.
 
 from __future__ import annotations
 
+from pathlib import Path
 
 import lightning as L
 
@@ -75,6 +76,7 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
     skip_data: after a rollback, skip the batches read between that checkpoint and the signal.
     max_rollbacks, rollback_window: the cap.
     rerun: compute a suspect step again on its batches before its update, telling a hardware fault from the data.
+    run_dir: where the logbook and the corrections are (the config's ``run_dir``); None: the checkpoints' parent.
     """
 
     def __init__(
@@ -97,6 +99,7 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
         max_rollbacks: int = 3,
         rollback_window: int = 1000,
         rerun: bool = True,
+        run_dir: str | None = None,
     ) -> None:
         super().__init__(
             warmup_steps=warmup_steps, ema_beta=ema_beta, healthy_after=healthy_after, nonfinite=nonfinite, loss_spike=loss_spike,
@@ -117,11 +120,13 @@ class DivergenceDetector(Judge, L.Callback, StopsTraining, RequestsRollback, Ste
         self.rollback_request: dict | None = None
         self.stop_reason: str | None = None
         self.stopping = False
+        self.given_run_dir = Path(run_dir) if run_dir else None
         self.run_dir = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.checkpointer = next((c for c in trainer.callbacks if isinstance(c, CheckpointStore)), None)
-        self.run_dir = self.checkpointer.root.parent if self.checkpointer is not None else None
+        # the logbook is the run directory's whether or not the run keeps checkpoints (a benchmark may not)
+        self.run_dir = self.given_run_dir or (self.checkpointer.root.parent if self.checkpointer is not None else None)
         self.rollback_request = None
         self.stop_reason = None
         self.stop_status = STOPPED_EXIT
