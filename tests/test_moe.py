@@ -261,13 +261,19 @@ def test_routing_collapse_is_said_on_the_real_runs_whose_routing_collapsed_and_o
     CPU), labelled from their ``moe/collapse`` curves (10-step means): the preset's balancing at its rate (healthy:
     its means stay under 0.3), the same at a rate of 1e-2 (collapsed over steps 10-40, then brought back by the
     balancing), and no balancing at all at 1e-2 and 3e-3 (collapsed from step 10, partly for the rest of the run).
-    Replayed with the shipped settings, the signal is said within 20 steps of each collapse's onset, as a warning
-    (once a stretch), and never on the healthy run."""
+    And h100_olmoe32_2026-12-07.jsonl.gz, the first GPU-scale one: OLMoE-1B-7B's shape with 32 experts (top 8, the
+    preset's balancing) on an H100, 150 steps: its routing lopsided at initialisation (the worst layer's
+    ``moe/collapse`` 0.61 at step 1) and collapsed by step 3, 15 or all 16 layers sending almost every token to the
+    same 8 experts (each one's busiest expert at 4.0x the mean, 32/8) over steps 3-39, until the balancing loss
+    brought it under 0.5 near step 110. Replayed with the shipped settings, the signal is said within 20 steps of each collapse's onset, as
+    a warning (at most 3 times a run), and never on the healthy run."""
     from lmtrain.training.stability import read_traces, replay
     from tests.conftest import ROOT
 
-    traces = read_traces(ROOT / "tests" / "data" / "stability" / "cpu_tiny_moe_2026-12-07.jsonl.gz")
-    onsets = {"balanced-lr0.001": None, "balanced-lr0.01-seed2": 10, "unbalanced-lr0.01": 10, "unbalanced-lr0.003-seed2": 10}
+    here = ROOT / "tests" / "data" / "stability"
+    traces = read_traces(here / "cpu_tiny_moe_2026-12-07.jsonl.gz") | read_traces(here / "h100_olmoe32_2026-12-07.jsonl.gz")
+    onsets = {"balanced-lr0.001": None, "balanced-lr0.01-seed2": 10, "unbalanced-lr0.01": 10, "unbalanced-lr0.003-seed2": 10,
+              "olmoe-32x8-lr1e-3": 1}
     assert set(traces) == set(onsets)
     for run, onset in onsets.items():
         said = [e for e in replay(traces[run]) if "routing_collapse" in e["signals"]]
