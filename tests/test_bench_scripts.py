@@ -485,6 +485,34 @@ def test_the_peer_runs_train_one_model_on_one_recipe_and_a_misspelled_run_is_ref
     assert bad.returncode == 2 and "no shape '2b' in 'olmo-2b'" in bad.stderr and not (tmp_path / "bad" / "runs").exists(), bad.stderr
 
 
+def test_a_peer_trains_on_lmtrains_batches_in_lmtrains_order(tmp_path, dataset_dir):
+    """bench/peers/windows.py, what torchtitan's loader is fed in the peer rows: its samples, batched as a peer's loader
+    batches them, are lmtrain's training loader's batches at the same dataset, sequence, batch and seed (lmtrain's
+    default), through the end of the first epoch and into the second (whose order is drawn anew), so the rows' losses
+    at equal tokens compare trainers on the same data."""
+    import itertools
+
+    import torch
+
+    from data.datamodule import TokenDataModule
+
+    seed = make_cfg([], tmp_path).seed  # lmtrain's default
+    ours = TokenDataModule(path=str(dataset_dir), seq_len=64, batch_size=4, seed=seed)
+    ours.setup("fit")
+    loader = ours.train_dataloader()
+    want = []
+    for epoch in (0, 1):
+        loader.sampler.set_epoch(epoch)
+        want += [(x, y) for x, y, *_ in loader]
+    assert len(want) > 8 and not torch.equal(want[0][0], want[len(want) // 2][0])
+    windows = _peers_module("windows")
+    assert windows.SEED == seed
+    peer = iter(windows.LmtrainOrder(str(dataset_dir), 64, 4))
+    for n, (x, y) in enumerate(want):
+        got = list(itertools.islice(peer, 4))
+        assert torch.equal(torch.stack([g[0] for g in got]), x) and torch.equal(torch.stack([g[1] for g in got]), y), n
+
+
 def test_the_peer_rows_read_each_trainers_own_record(tmp_path, dataset_dir):
     """rows.py on real records: OLMo-core's console log of an H100 run (llama3_1B, batch 4 x 2048: tokens/s from its
     lines' times at steps 10 and 30, where it collects its metrics, 20 x 8,192 tokens in 3.184 s) and a CPU run of

@@ -9,9 +9,9 @@ prepared token shards so that every trainer sees the same tokens.
 torch 2.11 lacks (0.3.0 is built against a nightly); 0.2.2 runs on it. 0.2.2 is configured by its command line (the
 JobConfig flags run.sh passes), with the model registered here through its ``--experimental.custom_import`` hook.
 
-The one piece of ours is the data: ``_Windows`` reads ``DATASET/train_*.bin`` (lmtrain.data.prepare's format: the
-corpus's documents, each followed by one separator) as contiguous windows of ``seq_len + 1`` tokens, the inputs and
-their next tokens, in the order lmtrain's loader reads them unshuffled. torchtitan's own loader tokenizes text with a
+The one piece of ours is the data: ``_Windows`` gives torchtitan's loader lmtrain's own training samples of
+``DATASET`` in lmtrain's order (bench/peers/windows.py), so both trainers see the same batches in the same order and
+their losses at equal tokens differ by the trainer alone. torchtitan's own loader tokenizes text with a
 Hugging Face tokenizer on the fly; the token stream is what a side-by-side needs equal, so it is the one we give it.
 Its attention is its default, SDPA with the causal mask, as lmtrain (``data.document_mask=false``, its default) and
 OLMo-core (no document lengths) attend in these rows, so no tokenizer is needed to find document ends.
@@ -19,11 +19,6 @@ OLMo-core (no document lengths) attend in these rows, so no tokenizer is needed 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-import numpy as np
-import torch
 from torch.utils.data import IterableDataset
 
 from torchtitan.components.dataloader import ParallelAwareDataloader
@@ -35,30 +30,22 @@ from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
 
-def _shards(dataset: str) -> np.ndarray:
-    """The train split's tokens in manifest order."""
-    manifest = json.loads((Path(dataset) / "manifest.json").read_text())
-    files = [Path(dataset) / s["path"] for s in manifest["splits"]["train"]["shards"]]
-    return np.concatenate([np.fromfile(f, dtype=manifest["dtype"]) for f in files])
-
-
 class _Windows(IterableDataset):
-    """Windows of ``seq_len + 1`` tokens, one after the other: the inputs and their next tokens."""
+    """lmtrain's training samples in its loader's order (bench/peers/windows.py), as torchtitan's loader wants them."""
 
-    def __init__(self, dataset: str, seq_len: int, rank: int, world: int) -> None:
-        self.tokens, self.seq_len, self.rank, self.world = _shards(dataset), seq_len, rank, world
+    def __init__(self, dataset: str, seq_len: int, batch_size: int, rank: int, world: int) -> None:
+        from bench.peers.windows import LmtrainOrder  # the repository root is on PYTHONPATH (run.sh)
+
+        self.samples = LmtrainOrder(dataset, seq_len, batch_size, rank, world)
 
     def __iter__(self):
-        n = (len(self.tokens) - 1) // self.seq_len
-        while True:  # epochs over the stream
-            for i in range(self.rank, n, self.world):
-                w = torch.from_numpy(self.tokens[i * self.seq_len : (i + 1) * self.seq_len + 1].astype(np.int64))
-                yield {"input": w[:-1]}, w[1:]
+        for x, y in self.samples:
+            yield {"input": x}, y
 
 
 def build_token_shards(dp_world_size: int, dp_rank: int, tokenizer, job_config, **kwargs) -> ParallelAwareDataloader:
     t = job_config.training
-    return ParallelAwareDataloader(_Windows(t.dataset_path, t.seq_len, dp_rank, dp_world_size), dp_rank=dp_rank,
+    return ParallelAwareDataloader(_Windows(t.dataset_path, t.seq_len, t.local_batch_size, dp_rank, dp_world_size), dp_rank=dp_rank,
                                    dp_world_size=dp_world_size, batch_size=t.local_batch_size)  # fmt: skip
 
 
