@@ -148,10 +148,12 @@ def test_the_presets_count_their_total_and_active_parameters():
          "model.moe with strategy.tp=2: tensor parallel does not split experts yet"),
         ("{experts: 3, top_k: 2, expert_ffn_dim: 16}", ["strategy=fsdp", "strategy.ep=2", "trainer.devices=2"],
          "strategy.ep=2 does not divide model.moe.experts=3"),
-        ("{experts: 4, top_k: 2, expert_ffn_dim: 16}", ["strategy=fsdp", "strategy.ep=2", "trainer.devices=4"],
-         "strategy.ep=2: expert parallel splits the experts over every rank of strategy=fsdp for now"),
-        ("{experts: 4, top_k: 2, expert_ffn_dim: 16}", ["strategy=hsdp", "strategy.ep=2", "trainer.devices=2"],
-         "strategy.ep=2: expert parallel splits the experts over every rank of strategy=fsdp for now"),
+        ("{experts: 4, top_k: 2, expert_ffn_dim: 16}", ["strategy=fsdp", "strategy.ep=4", "trainer.devices=2"],
+         "strategy.ep=4 does not divide the world size 2"),
+        ("{experts: 4, top_k: 2, expert_ffn_dim: 16}", ["strategy=hsdp", "strategy.ep=2", "strategy.shard_size=1", "trainer.devices=2"],
+         "strategy.ep=2 does not divide strategy.shard_size=1: under hsdp each group of experts stays within a shard group"),
+        ("{experts: 4, top_k: 2, expert_ffn_dim: 16}", ["strategy=fsdp", "strategy.ep=2", "strategy.tp=2", "trainer.devices=4"],
+         "strategy.ep=2: expert parallel does not combine with tensor or context parallel yet"),
     ],
 )
 def test_an_impossible_mixture_is_refused_naming_the_key(tmp_path, monkeypatch, moe, extra, says):
@@ -229,6 +231,28 @@ def test_experts_split_over_two_ranks_train_as_one_process_and_resume_in_one(tmp
     _run(tmp_path, dataset_dir, "ep-again", *moe, "strategy=fsdp", "strategy.ep=2", "trainer.devices=2", "data.batch_size=4", f"ckpt_path={one_ckpt}")
     split = {s: float(v) for s, v in _losses(tmp_path / "runs" / "ep-again").items()}
     assert sorted(split) == sorted(again) and all(abs(split[s] - want[s]) < 1e-5 for s in split), (split, want)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_experts_split_over_part_of_the_ranks_under_hsdp_train_as_one_process_and_resume_in_one(tmp_path, dataset_dir):
+    """hsdp over 4 ranks (shard groups of 2) with strategy.ep=2: each group of 2 ranks holds 2 of tiny-moe's 4 experts,
+    the two groups the same experts (a 2-D expert mesh), tokens sent within their group, each expert's gradient summed
+    over both groups' tokens: one process's losses at the same global batch to 1e-5; its step-3 checkpoint (the
+    experts split and replicated) continues in one process exactly. The load-balancing loss is off, as above."""
+    from tests.test_fsdp import _losses, _one_process, _run
+
+    moe = ["model=tiny-moe", "model.moe.aux_loss=0"]
+    want = _one_process(tmp_path / "one", dataset_dir, *moe)
+    layout = ["strategy=hsdp", "strategy.shard_size=2", "strategy.ep=2", "trainer.devices=4", "data.batch_size=2"]
+    res = _run(tmp_path, dataset_dir, "hsdp-ep", *moe, *layout)
+    assert "expert parallel: 2 of 4 experts a rank in 1 layers, groups of 2 ranks, 2 copies" in res.stderr, res.stderr[-2000:]
+    got = {s: float(v) for s, v in _losses(tmp_path / "runs" / "hsdp-ep").items()}
+    assert sorted(got) == sorted(want) and all(abs(got[s] - want[s]) < 1e-5 for s in want), (got, want)
+    ckpt = tmp_path / "runs" / "hsdp-ep" / "checkpoints" / "step-0000003"
+    _run(tmp_path, dataset_dir, "one-again", *moe, "trainer.devices=1", "data.batch_size=8", f"ckpt_path={ckpt}")
+    again = {s: float(v) for s, v in _losses(tmp_path / "runs" / "one-again").items()}
+    assert sorted(again) == [s for s in sorted(want) if s > 3] and all(abs(again[s] - want[s]) < 1e-5 for s in again), (again, want)
 
 
 def test_the_planner_counts_a_mixtures_activations_per_chosen_expert():

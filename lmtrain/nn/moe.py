@@ -125,25 +125,41 @@ class _AddToObjective(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class ExpertParallel:
-    """The ranks a layer's experts are split over (``strategy.ep``): the 1-D device ``mesh``, its process ``group``,
-    its ``size``."""
+    """The ranks a layer's experts are split over (``strategy.ep``): the device ``mesh`` (1-D: every rank; 2-D: groups
+    of ``size`` ranks, dim 1, replicated over dim 0), the process ``group`` of this rank's ``size`` ranks, the
+    ``replicas`` group of the ranks holding the same experts (None: no other), and ``ranks``, every data-parallel
+    rank, over which the experts' gradients are averaged."""
 
     mesh: object
     group: object
     size: int
+    replicas: object = None
+    ranks: int = 0
+
+    @property
+    def placements(self) -> list:
+        from torch.distributed.tensor import Replicate, Shard
+
+        return [Shard(0)] if self.mesh.ndim == 1 else [Replicate(), Shard(0)]
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """``w`` unchanged; its gradient times ``factor``."""
+class _ExpertGrad(torch.autograd.Function):
+    """``w`` unchanged; its gradient times ``factor``, summed over the ``replicas`` group (if any) in the backward
+    pass, so every copy of an expert gets the same gradient, each micro-batch's own (accumulation stays exact)."""
 
     @staticmethod
-    def forward(ctx, w: torch.Tensor, factor: float) -> torch.Tensor:
-        ctx.factor = factor
+    def forward(ctx, w: torch.Tensor, factor: float, replicas) -> torch.Tensor:
+        ctx.factor, ctx.replicas = factor, replicas
         return w.view_as(w)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.factor, None
+        grad = grad * ctx.factor
+        if ctx.replicas is not None:
+            from torch.distributed._functional_collectives import all_reduce, wait_tensor
+
+            grad = wait_tensor(all_reduce(grad, "sum", ctx.replicas))
+        return grad, None, None
 
 
 def _autocast_on(kind: str) -> bool:
@@ -242,12 +258,14 @@ class MoE(nn.Module):
 
     def _weights(self) -> tuple:
         """The experts' weights as this rank computes with them: all of them, or under expert parallel its own experts'
-        (the local shard), their gradients divided by the group's size, as FSDP averages every other gradient over it
-        (each rank's loss is its own tokens' mean; an expert's gradient arrives summed over every rank's tokens)."""
+        (the local shard), their gradients averaged over every data-parallel rank, as FSDP averages every other
+        gradient: each rank's loss is its own tokens' mean, an expert's gradient arrives summed over the tokens of its
+        group's ranks, and the groups' sums are added (``replicas``) before dividing by the number of ranks."""
         ws = (self.w_in, self.w_out, self.b_in, self.b_out)
         if self.ep is None:
             return ws
-        return tuple(None if w is None else _ScaleGrad.apply(w.to_local(), 1.0 / self.ep.size) for w in ws)
+        ep = self.ep
+        return tuple(None if w is None else _ExpertGrad.apply(w.to_local(), 1.0 / ep.ranks, ep.replicas) for w in ws)
 
     def _experts(self, xs: torch.Tensor, load: torch.Tensor) -> torch.Tensor:
         """Rows ``xs`` sorted by expert, ``load[e]`` of them expert e's (the experts this rank holds): each row through
@@ -294,15 +312,16 @@ class MoE(nn.Module):
 
     def set_expert_parallel(self, ep) -> None:
         """Hold only this rank's ``experts / ep.size`` experts (their weights DTensors split by expert over ``ep``'s
-        mesh) and send each token's rows to the ranks of its experts (:meth:`_experts_elsewhere`)."""
-        from torch.distributed.tensor import Shard, distribute_tensor
+        mesh, replicated across its groups) and send each token's rows to the ranks of its experts in its group
+        (:meth:`_experts_elsewhere`)."""
+        from torch.distributed.tensor import distribute_tensor
 
         if self.cfg.experts % ep.size:
             raise ValueError(f"model.moe.experts={self.cfg.experts} does not divide over strategy.ep={ep.size} ranks")
         for name in ("w_in", "w_out", "b_in", "b_out"):
             w = getattr(self, name)
             if w is not None:
-                setattr(self, name, nn.Parameter(distribute_tensor(w.data, ep.mesh, [Shard(0)])))
+                setattr(self, name, nn.Parameter(distribute_tensor(w.data, ep.mesh, ep.placements)))
         self.ep = ep
 
     @torch.no_grad()

@@ -183,8 +183,9 @@ class Plan:
                   "keys and values gathered", file=sys.stderr, flush=True)  # fmt: skip
 
     def _expert_parallel(self, model: nn.Module) -> set:
-        """``strategy.ep``: each MoE layer's experts split over the shard mesh's ranks; returns their parameters, which
-        FSDP then leaves alone (lmtrain.nn.moe.MoE.set_expert_parallel)."""
+        """``strategy.ep``: each MoE layer's experts split over groups of ``ep`` ranks, replicated across the groups
+        (the strategy's expert mesh); returns their parameters, which FSDP then leaves alone
+        (lmtrain.nn.moe.MoE.set_expert_parallel)."""
         ep = self.sharding.ep if self.sharding is not None else 1
         if ep == 1:
             return set()
@@ -193,18 +194,21 @@ class Plan:
         moes = [b.mlp for b in getattr(model, "blocks", []) if isinstance(getattr(b, "mlp", None), MoE)]
         if not moes:
             raise InputError(f"strategy.ep={ep}: the model has no mixture of experts to split (model.moe)")
-        mesh = self.sharding.shard_mesh()
-        if mesh.ndim != 1 or mesh.size() != ep:
-            raise InputError(f"strategy.ep={ep}: the experts split over the {mesh.size()} ranks of a 1-D fsdp mesh only, for now")
-        group = ExpertParallel(mesh, mesh.get_group(), ep)
+        mesh = self.sharding.expert_mesh()
+        if mesh.ndim == 1:  # every rank
+            group = ExpertParallel(mesh, mesh.get_group(), ep, ranks=ep)
+        else:
+            group = ExpertParallel(mesh, mesh.get_group(1), ep, replicas=mesh.get_group(0), ranks=mesh.size())
         for moe in moes:
             try:
                 moe.set_expert_parallel(group)
             except ValueError as exc:
                 raise InputError(str(exc)) from None
         if self.rank0:
+            copies = f", {mesh.size(0)} copies" if mesh.ndim == 2 else ""
             print(f"[lmtrain] expert parallel: {moes[0].cfg.experts // ep} of {moes[0].cfg.experts} experts a rank in "
-                  f"{len(moes)} layers, tokens sent to their experts' ranks (all-to-all)", file=sys.stderr, flush=True)  # fmt: skip
+                  f"{len(moes)} layers, groups of {ep} ranks{copies}, tokens sent to their experts' ranks (all-to-all)",
+                  file=sys.stderr, flush=True)  # fmt: skip
         return {p for moe in moes for p in (moe.w_in, moe.w_out, moe.b_in, moe.b_out) if p is not None}
 
     def _checkpoint_activations(self, model: nn.Module) -> None:

@@ -108,6 +108,28 @@ class _MicroBatch:
     cuda_rng: torch.Tensor | None
 
 
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """The global norm of the gradients (a plain tensor), after scaling them down to ``max_norm`` if above it, as
+    ``torch.nn.utils.clip_grad_norm_``, also where they are DTensors on several meshes (FSDP's shard mesh and expert
+    parallel's expert mesh: lmtrain.nn.moe), whose norms PyTorch's cannot combine: each mesh's norm is made whole
+    (``full_tensor``) and the norms combined."""
+    params = [p for p in parameters if p.grad is not None]
+    by_mesh: dict = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    if len(by_mesh) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor under FSDP2
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in by_mesh.values()]
+    total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]))
+    with implicit_replication():  # the plain total scales each mesh's DTensors
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
 class LMModule(L.LightningModule):
     """Pretraining objective around any ``(B, T) ids -> (B, T, V) logits`` network.
 
@@ -349,9 +371,7 @@ class LMModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Gradients are complete (and unscaled under fp16) here: measure and clip the global norm.
         max_norm = self.grad_clip if self.grad_clip else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
-        if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
-            norm = norm.full_tensor()
+        norm = clip_grad_norm(self.parameters(), max_norm)
         nan = torch.full((), float("nan"), device=self.device)  # a fill kernel: torch.tensor(x, device=cuda) would block on a copy
         local = torch.stack(
             [

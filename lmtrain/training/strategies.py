@@ -21,8 +21,9 @@ sharded checkpoints (PyTorch distributed checkpoint, one file per rank). Options
 * ``tp``: tensor parallel, each block split over groups of ``tp`` ranks, the groups sharded (a 2-D mesh; 3-D under hsdp);
 * ``cp``: context parallel (fsdp), each sequence split over groups of ``cp`` ranks (lmtrain.nn.context), the data-parallel
   and context-parallel ranks sharding together (a 3-D mesh: data, context, tensor parallel);
-* ``ep``: expert parallel (fsdp, a mixture of experts: lmtrain.nn.moe), each layer's experts split over the ``ep``
-  ranks (for now every rank), each token's rows sent to its experts' ranks and back (all-to-all);
+* ``ep``: expert parallel (a mixture of experts: lmtrain.nn.moe), each layer's experts split over groups of ``ep``
+  consecutive ranks (under hsdp within a shard group: a node), replicated across the groups, each token's rows sent
+  to its experts' ranks in its group and back (all-to-all); the experts' gradients are averaged over every rank;
 * ``cpu_offload``: keep sharded parameters, gradients and optimizer state in host memory;
 * ``reshard_after_forward``: free gathered parameters after forward (less memory, one more all-gather); the
   last block keeps them either way, as its backward comes right after;
@@ -83,9 +84,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         ep = options.get("ep", 1)
         if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
             out.append(f"strategy.ep={ep!r} must be a positive number of ranks")
-        elif ep > 1 and (cls is not FSDP2Strategy or ep != world_size or tp != 1 or cp != 1):
-            out.append(f"strategy.ep={ep}: expert parallel splits the experts over every rank of strategy=fsdp for now "
-                       f"(strategy.ep=world size {world_size}, no tp or cp)")  # fmt: skip
+        elif ep > 1 and (tp != 1 or cp != 1):
+            out.append(f"strategy.ep={ep}: expert parallel does not combine with tensor or context parallel yet (strategy.tp={tp}, strategy.cp={cp})")
+        elif ep > 1 and world_size % ep:
+            out.append(f"strategy.ep={ep} does not divide the world size {world_size} (trainer.devices x trainer.num_nodes): "
+                       "the experts are split over groups of ep ranks, replicated across the groups")  # fmt: skip
         if on_cpu and options.get("cpu_offload"):
             out.append("strategy.cpu_offload=true needs GPUs: on CPU the parameters already live in host memory")
         mixed = str(precision) == "bf16-mixed" and options.get("mixed_precision", True)
@@ -131,7 +134,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.reshard_after_forward, self.init_device = reshard_after_forward, init_device
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
         self.tp, self.cp, self.ep = tp, cp, ep
-        self._shard_mesh = None
+        self._shard_mesh = self._expert_mesh = None
 
     @classmethod
     def layout_for(cls, options: dict, *, world: int, devices) -> Layout:
@@ -183,6 +186,19 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self._shard_mesh is None:
             self._shard_mesh = self.device_mesh["data_parallel", "context_parallel"]._flatten("data_context_parallel")
         return self._shard_mesh
+
+    def expert_mesh(self):
+        """The mesh each MoE layer's experts are split over (strategy.ep > 1): every rank's 1-D shard mesh when ``ep``
+        is all of them, else a 2-D ``("expert_replicate", "expert_parallel")`` mesh of groups of ``ep`` consecutive
+        ranks (under hsdp, within a shard group), the experts split over dim 1 and replicated over dim 0."""
+        if self.ep == self.world_size:
+            return self.shard_mesh()
+        if self._expert_mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shape = (self.world_size // self.ep, self.ep)
+            self._expert_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=("expert_replicate", "expert_parallel"))
+        return self._expert_mesh
 
     # -- applied by lmtrain.training.assemble -----------------------------------------------------
     def shard(self, model: nn.Module, compiled: bool, kept: set | None = None) -> nn.Module:
@@ -271,6 +287,10 @@ class HSDPStrategy(FSDP2Strategy):
         if not isinstance(tp, int) or not isinstance(cp, int) or tp < 1 or cp < 1 or world_size % (tp * cp):
             return out  # said by the parent
         shard = cls._shard(options.get("shard_size"), devices, tp * cp)
+        ep = options.get("ep", 1)
+        if isinstance(shard, int) and shard >= 1 and isinstance(ep, int) and ep > 1 and shard % ep:
+            out.append(f"strategy.ep={ep} does not divide strategy.shard_size={shard}: under hsdp each group of experts stays "
+                       "within a shard group (a node), where the all-to-all is fast")  # fmt: skip
         if isinstance(shard, int) and (shard < 1 or world_size % (shard * tp * cp)):
             groups = "".join(f" x strategy.{k}={v}" for k, v in (("cp", cp), ("tp", tp)) if v > 1)
             out.append(
