@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fcntl
 import gc
+from collections import deque
 from pathlib import Path
 
 import lightning as L
@@ -31,7 +32,20 @@ from lmtrain.training.workers import answer_stack_requests
 VERIFY_ON_OPEN_BYTES = 1 << 30  # a split this small has its shard checksums checked when opened; larger: --verify
 
 
-_ADDED_STREAM_KEYS = ("format",)  # parts of the stream identity that older checkpoints did not record
+_ADDED_STREAM_KEYS = ("format", "shards")  # parts of the stream identity that older checkpoints did not record
+
+
+def _stream_change(key: str, saved, now, paths: list[Path]) -> str:
+    """One changed part of the stream identity, said: the shards by source and name, the rest as saved -> now."""
+    if key != "shards" or not isinstance(saved, list) or len(saved) != len(now):
+        return f"{key}: {saved!r} -> {now!r}"
+    said = []
+    for path, old, new in zip(paths, saved, now, strict=True):
+        for name in sorted(set(old) | set(new)):
+            if old.get(name) != new.get(name):
+                what = "added" if name not in old else "removed" if name not in new else f"content {old[name]} -> {new[name]}"
+                said.append(f"{path / name} {what}")
+    return "training shards changed: " + ", ".join(said)
 
 
 class PackedBlocks(Dataset):
@@ -180,6 +194,8 @@ class BlockSampler(Sampler[int]):
         self.yielded = 0  # indices this rank handed out since ``start``
         self._resume: tuple[int, int] | None = None  # (epoch, start) set by load_state_dict for the next iteration
         self.skip_on_load = 0  # samples per rank to skip past a restored position (a rollback's skipped data window)
+        self._digest: tuple[int, str] | None = None  # (epoch, its order's fingerprint): order_digest's cache
+        self.handed_out: deque[tuple[int, int]] = deque()  # (epoch, global position) of each batch started, not yet trained
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -246,18 +262,38 @@ class BlockSampler(Sampler[int]):
         else:
             self.start = 0
         self.yielded = 0
+        self.handed_out.clear()
         for idx in self.indices(self.epoch, self.start):
+            if self.yielded % self.batch_size == 0:  # a batch begins: where in the epoch's global order (the audit's record)
+                self.handed_out.append((self.epoch, self.position))
             self.yielded += 1
             yield int(idx)
+
+    def trained(self) -> tuple[int, int] | None:
+        """(epoch, global position) of the oldest batch handed out and not yet claimed: the loader hands batches to the
+        training loop in the order their indices were drawn, so the training step claims its own batch's here, however
+        far the loader's workers have read ahead. None when no batch was drawn from this sampler."""
+        return self.handed_out.popleft() if self.handed_out else None
 
     # Stateful (torchdata calls these): the epoch and position travel with the loader's state. Lightning creates
     # the resumed iterator before it calls set_epoch, so the epoch must come from here.
     def _identity(self) -> dict:
         return {"seed": self.seed, "sizes": self.sizes, "weights": self.weights}
 
+    def order_digest(self, epoch: int) -> str:
+        """The fingerprint of ``epoch``'s global sample order (blake2b of its indices), computed once an epoch: saved with
+        the position, so a resume whose order would differ (another numpy, another lmtrain) is refused, not trained."""
+        if self._digest is None or self._digest[0] != epoch:
+            import hashlib
+
+            order = np.ascontiguousarray(self.epoch_order(epoch), dtype="<i8")
+            self._digest = (epoch, hashlib.blake2b(order.tobytes(), digest_size=16).hexdigest())
+        return self._digest[1]
+
     def state_dict(self) -> dict:
         geometry = {"num_replicas": self.num_replicas, "batch_size": self.batch_size, "accumulate": self.accumulate}
-        return {"epoch": self.epoch, "position": self.position, **geometry, **self._identity()}
+        order = {"order": self.order_digest(self.epoch)}
+        return {"epoch": self.epoch, "position": self.position, **geometry, **self._identity(), **order}
 
     def resume_point(self, state: dict) -> tuple[int, int]:
         """(epoch, global start) at which a run with this sampler's ranks continues from a saved ``state``: the saved
@@ -272,6 +308,12 @@ class BlockSampler(Sampler[int]):
             )
         position = state["position"] if "position" in state else state["yielded"] * state["num_replicas"]
         epoch, start = int(state["epoch"]), int(position)
+        if "order" in state and state["order"] != self.order_digest(epoch):  # checkpoints from before 2026-12-07 lack it
+            raise InputError(
+                f"the checkpoint's sample order of epoch {epoch} (fingerprint {state['order']}) is not the one this run draws "
+                f"({self.order_digest(epoch)}) from the same data, seed and weights: the numpy or lmtrain that draws it changed, "
+                "so the saved position would read other samples; resume with the versions it was saved with"
+            )
         if self._remaining(start) == 0:  # saved at this many ranks' end of the epoch (what is left is no whole step)
             epoch, start = epoch + 1, 0
         start += self.skip_on_load * self.num_replicas
@@ -341,6 +383,7 @@ class TokenDataModule(L.LightningDataModule):
         self.train_set: MixedBlocks | None = None
         self.val_set: MixedBlocks | None = None
         self.skip_batches = 0  # set by lmtrain.training.run after a rollback: batches to skip past the restored position
+        self.sampler_in_use: BlockSampler | None = None
 
     # -- dataset on disk ----------------------------------------------------------------------
     def prepare_data(self) -> None:
@@ -400,6 +443,9 @@ class TokenDataModule(L.LightningDataModule):
         # what the tokens mean, as the manifests say now (the fingerprint is of the inputs: an edited manifest keeps it)
         formats = [{k: m[k] for k in ("dtype", "eos_id", "vocab_size")} for m in manifests]
         ident["format"] = formats[0] if len(formats) == 1 else formats
+        # what the tokens are: each training shard's content hash as its manifest records it (prepare writes them;
+        # `lmtrain audit RUN --verify-shards` checks the files against them)
+        ident["shards"] = [{sh["path"]: sh.get("blake2b") for sh in m["splits"]["train"]["shards"]} for m in manifests]
         return ident
 
     def check_stream(self, saved: dict) -> None:
@@ -407,7 +453,7 @@ class TokenDataModule(L.LightningDataModule):
         ``world_size`` that older checkpoints recorded here is no longer part of it)."""
         mine = self.stream_identity()
         recorded = [k for k in mine if k in saved or k not in _ADDED_STREAM_KEYS]  # checkpoints from before a key was added lack it
-        changed = [f"{k}: {saved.get(k)!r} -> {mine[k]!r}" for k in recorded if saved.get(k) != mine[k]]
+        changed = [_stream_change(k, saved.get(k), mine[k], self.paths) for k in recorded if saved.get(k) != mine[k]]
         if changed:
             raise InputError(
                 "the checkpoint's data position belongs to another data stream (" + "; ".join(changed) + "): "
@@ -465,7 +511,8 @@ class TokenDataModule(L.LightningDataModule):
         return sampler
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, self.train_sampler(), self.batch_size, drop_last=True, stateful=True)
+        self.sampler_in_use = self.train_sampler()  # the training step claims each batch's position from it (the audit)
+        return self._loader(self.train_set, self.sampler_in_use, self.batch_size, drop_last=True, stateful=True)
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
         """One loader over the validation blocks, or one per named set (each source of a mixture, each extra held-out

@@ -5,6 +5,7 @@
     lmtrain plan ...                      memory and throughput plan for a model on a cluster
     lmtrain report RUN_DIR                plots of a run's losses and learning rate (PNG), with its corrections marked
     lmtrain logbook RUN_DIR               the run's logbook as a timeline
+    lmtrain audit RUN_DIR [--step N]      which samples each step trained on; any skipped or read twice is named
     lmtrain replay RUN_DIR [--set K=V]    the divergence detector replayed over a run's record: where it would act
     lmtrain control RUN_DIR lr|decay|revoke|status
                                           learning-rate corrections of a run, running or stopped (decay: start a WSD
@@ -29,6 +30,7 @@ COMMANDS = {
     "plan": "lmtrain.plan",
     "report": "lmtrain.report",
     "logbook": "lmtrain.logbook",
+    "audit": "lmtrain.audit",
     "replay": "lmtrain.replay",
     "control": "lmtrain.control",
     "generate": "lmtrain.generate",

@@ -130,6 +130,13 @@ def _rollback_past_a_damaged_shard(tmp_path, dataset_dir, layout: list[str], bas
     assert "__1_0.distcp has CRC-32" in res.stderr and f"rollback: passing over damaged checkpoint {spike / 'step-0000009'}" in res.stderr
     (entry,) = corrections.load(tmp_path / "runs" / "spike")
     assert entry["reason"] == "rollback" and entry["signal_step"] == 15 and entry["from_step"] == 6, entry
+    # the audit: every step of the final timeline's samples once, the rolled-back steps' data named as skipped
+    from lmtrain import audit
+
+    steps, abandoned = audit.read_steps(tmp_path / "runs" / "spike")
+    result = audit.check(steps, abandoned, audit.stream(tmp_path / "runs" / "spike")[1].num_blocks, audit._rollbacks(tmp_path / "runs" / "spike"))
+    assert result["ok"] and [s.step for s in steps] == list(range(1, 17)), result
+    assert len(result["skipped"]) == 1 and result["skipped"][0].startswith("steps 7-15's 72 samples from epoch 0 position 48"), result
     last = ck.newest(spike)
     assert last.step == 16 and last.meta["crc32"] == {f: ck.file_crc32(last.path / f) for f in last.meta["files"]}, last.meta
 

@@ -203,6 +203,19 @@ def test_one_run_through_six_layouts_matches_an_uninterrupted_run(tmp_path, shor
     assert 16 < per_epoch < 20, "the dataset must end an epoch inside the fifth layout"
     epoch0 = [r for s in range(per_epoch) for r in got[s]]
     assert len(set(epoch0)) == len(epoch0) == per_epoch * 8
+    # the audit (lmtrain audit RUN) from the run's own record: every step's samples once through the five changes and the
+    # epoch's end, each step's samples the ones the recording plugin saw that step take
+    from lmtrain import audit
+
+    steps, abandoned = audit.read_steps(run)
+    dm_run, order = audit.stream(run)
+    result = audit.check(steps, abandoned, order.num_blocks, {})
+    assert result["ok"] and [r[0] for r in result["resumes"]] == [5, 9, 13, 17, 21], result
+    assert [s.step for s in steps] == [s + 1 for s in sorted(got)]
+    for s in steps:
+        rows = sorted(tuple(dm_run.train_set[i][0].tolist()) for i in order.epoch_order(s.epoch)[s.position : s.position + s.samples])
+        assert rows == got[s.step - 1], f"step {s.step}: the audit names other samples than the step took"
+    assert audit.main([str(run)]) == 0
     entries = [json.loads(line) for line in (run / "logbook.jsonl").read_text().splitlines()]
     saved = [e["step"] for e in entries if e["kind"] == "checkpoint"]
     assert saved == [4, 8, 12, 16, 20, STEPS]  # once each: a resumed step is not saved again by the next step's micro-batches

@@ -206,6 +206,7 @@ class LMModule(L.LightningModule):
         self._routing: RoutingStats | None = None
         self._pending_stats: list[_StepStats] = []
         self._step_batches: list[_MicroBatch] = []  # this optimizer step's, while a checker reruns suspect steps
+        self._step_data: tuple | None = None  # ((epoch, global position), samples) of this step's data (_claim_batch)
         self._step_loss: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # (global, local) loss, as forward ended
         self._rerunning = False
         self.last_train_loss: float | None = None
@@ -249,6 +250,7 @@ class LMModule(L.LightningModule):
 
     def teardown(self, stage: str) -> None:
         self._step_batches, self._step_loss = [], None  # a step abandoned by a stop keeps nothing
+        self._step_data = None
         torch.compiler.set_stance("default")  # a validation that raised leaves no stance behind
         fp8_module.restore_onednn(getattr(self, "_onednn_off", False))
         self._onednn_off = False
@@ -261,6 +263,9 @@ class LMModule(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         inputs, targets, *doc = batch  # (B, T), (B, T), and with data.document_mask each token's document (B, T)
+        where = self._claim_batch()
+        if self._step_data is None:  # the step's first micro-batch: where the step's data begins
+            self._step_data = where
         if self._reruns():
             cuda = torch.cuda.get_rng_state(inputs.device) if inputs.is_cuda else None
             self._step_batches.append(_MicroBatch(tuple(batch), torch.get_rng_state(), cuda))
@@ -271,6 +276,22 @@ class LMModule(L.LightningModule):
             self._train_losses.append(parts[0])
             self._train_z.append(parts[1])
         return loss
+
+    def _claim_batch(self) -> tuple | None:
+        """This micro-batch's place in the data stream, from the sampler that drew it (data.datamodule.BlockSampler):
+        ((epoch, global position), samples a step over every rank), or None for a data module without one."""
+        sampler = getattr(getattr(self.trainer, "datamodule", None), "sampler_in_use", None)
+        where = sampler.trained() if sampler is not None else None
+        return None if where is None else (where, sampler.unit * sampler.num_replicas)
+
+    def _log_step_data(self) -> None:
+        """The step's data as the audit reads it (lmtrain.audit): ``data/epoch``, ``data/position`` (where in the epoch's
+        global sample order the step's samples begin) and ``data/samples`` (how many, over every rank)."""
+        if self._step_data is not None:
+            (epoch, position), samples = self._step_data
+            log_direct(self.trainer, {"data/epoch": epoch, "data/position": position, "data/samples": samples},
+                       step=compat.step_number(self.trainer))  # fmt: skip
+        self._step_data = None
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         # A stop asked for at this step (a preemption, a guard) ends the run after it; Lightning would first run a
@@ -385,6 +406,7 @@ class LMModule(L.LightningModule):
         self._act_sq.clear()
         self._train_z.clear()
         self._qk_bounds.clear()
+        self._log_step_data()
         # every rank sees the same values (the attention bound: the mean of the ranks' largest, so they judge alike)
         loss, act_ms, z, qk = self.trainer.strategy.reduce(local, reduce_op="mean")
         scaler = precision.scaler_of(self.trainer)

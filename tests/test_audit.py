@@ -1,0 +1,101 @@
+"""``lmtrain audit RUN`` (lmtrain.audit): each step's samples from the run's own record, a real kill and resume read
+once, a damaged record, an edited shard and a changed dataset named. The audit through five changes of layout and an
+epoch's end is tests/test_reshard.py's six-layout run; through a rollback that skips data, tests/test_fsdp.py's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import ROOT, TINY, run_train_cli, user_env
+
+ARGS = [a for a in TINY if not a.startswith(("trainer.max_steps", "data.num_workers", "callbacks=", "logger="))] + [
+    "trainer.max_steps=8", "scheduler.total_steps=8", "data.num_workers=2", "logger=csv", "callbacks=checkpoint",
+    "callbacks.disk_guard.margin_gb=0", "callbacks.checkpoint.every_n_steps=3", "data.prepare=null",
+]  # fmt: skip
+
+
+def _audit(*args: str) -> subprocess.CompletedProcess:
+    """``python -m lmtrain audit ARGS`` as a user types it."""
+    env = {**user_env(), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "lmtrain", "audit", *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_a_killed_and_resumed_run_trained_every_sample_once_and_the_audit_names_what_changed(tmp_path, dataset_dir):
+    """A real kill (SIGKILL at step 5, loader workers reading ahead) and a second launch that resumes from step 3: the
+    audit finds every step's samples once and the resume, and the samples it names for steps 4-8 are the batches the
+    resumed attempt took (recorded by a plugin); then a record shifted by one batch, an edited shard and a dataset
+    whose shard changed under the run are each named, and the changed dataset's resume is refused, writing nothing."""
+    ds = tmp_path / "ds"
+    shutil.copytree(dataset_dir, ds)
+    base = [*ARGS, f"data.path={ds}", f"paths.runs={tmp_path / 'runs'}", "run_name=r"]
+    run = tmp_path / "runs" / "r"
+    killed = run_train_cli([*base, "fault=crash", "callbacks.fault.step=5"], tmp_path)
+    assert killed.returncode != 0 and "crash at step 5" in killed.stderr, killed.stderr[-2000:]
+    seen = tmp_path / "batches.pt"
+    again = run_train_cli([*base, "+callbacks.rec._target_=tests.plugins.RecordBatches", f"+callbacks.rec.path={seen}"], tmp_path)
+    assert again.returncode == 0 and "step-0000003" in again.stderr, again.stderr[-2000:]
+
+    res = _audit(str(run))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.startswith("data: every step's samples once, steps 1-8 (8 recorded), epochs 0-0, 32 samples of 64 tokens")
+    assert "  resumed at step 4\n" in res.stdout
+    from lmtrain import audit
+
+    dm, order = audit.stream(run)
+    steps, _ = audit.read_steps(run)
+    taken = torch.load(seen)  # by global step: the resumed attempt's steps 4-8 (0-based 3-7)
+    assert sorted(taken) == [3, 4, 5, 6, 7]
+    for s in steps[3:]:
+        named = torch.stack([dm.train_set[i][0] for i in order.epoch_order(s.epoch)[s.position : s.position + s.samples]])
+        assert torch.equal(named, taken[s.step - 1]), f"step {s.step}"
+    listed = _audit(str(run), "--step", "6")
+    assert listed.returncode == 0 and listed.stdout.count(" block ") == 4 and f"{ds}  block " in listed.stdout, listed.stdout
+
+    # the record damaged: step 6 said to begin one batch later
+    record = run / "metrics.jsonl"
+    kept = record.read_text()
+    lines = [json.loads(line) for line in kept.splitlines()]
+    hit = [x for x in lines if x.get("step") == 6 and "data/position" in x.get("m", {}) and x["a"] == 2]
+    assert len(hit) == 1
+    hit[0]["m"]["data/position"] += 4
+    record.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    res = _audit(str(run))
+    assert res.returncode == 1 and "step 6 (attempt 2) began at epoch 0 position 24; after step 5 (epoch 0 position 16, 4 samples a step) it should begin at epoch 0 position 20: samples skipped" in res.stdout, res.stdout
+    record.write_text(kept)
+
+    # a shard edited in place: its content no longer its manifest's hash
+    shard = ds / "train_00000.bin"
+    original = shard.read_bytes()
+    ids = np.frombuffer(original, dtype=np.uint16).copy()
+    ids[[10, 11]] = ids[[11, 10]] if ids[10] != ids[11] else (ids[10], (ids[11] + 1) % 1024)
+    shard.write_bytes(ids.tobytes())
+    res = _audit(str(run), "--verify-shards")
+    assert res.returncode == 1 and f"shards: {shard}: checksum mismatch (the file changed after it was prepared)" in res.stdout, res.stdout
+
+    # ... and the dataset re-made with that content (its manifest's hashes updated): the run's resume is refused
+    from data.prepare import shard_checksum
+    from lmtrain.formats.manifest import CHECKSUM_KEY, manifest_checksum
+
+    manifest = json.loads((ds / "manifest.json").read_text())
+    old = manifest["splits"]["train"]["shards"][0]["blake2b"]
+    manifest["splits"]["train"]["shards"][0]["blake2b"] = new = shard_checksum(shard)
+    manifest[CHECKSUM_KEY] = manifest_checksum(manifest)
+    (ds / "manifest.json").write_text(json.dumps(manifest))
+    logbook = (run / "logbook.jsonl").read_text()
+    refused = run_train_cli([*base, "trainer.max_steps=10", "scheduler.total_steps=10"], tmp_path)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert f"training shards changed: {shard} content {old} -> {new}" in refused.stderr, refused.stderr[-2000:]
+    assert (run / "logbook.jsonl").read_text() == logbook and (run / "metrics.jsonl").read_text() == kept
+
+
+def test_the_audit_refuses_what_is_not_a_run(tmp_path):
+    res = _audit(str(tmp_path))
+    assert res.returncode == 2 and res.stderr.startswith(f"error: {tmp_path} has no metrics record"), res.stderr
