@@ -9,8 +9,8 @@ The package, in layers that only import downward (``tests/test_layers.py`` check
                                       model presets
     lmtrain.training                  Lightning: the module, strategies, precision, loggers, config checks, one run
     lmtrain.data, lmtrain.callbacks   the data module and the callbacks (the repository's data/ and callbacks/)
-    lmtrain.train, .plan, .report, .generate, .export, .control, .logbook, .doctor, and ``lmtrain`` itself (__main__):
-                                      the command-line tools, which nothing imports
+    lmtrain.train, .plan, .report, .generate, .export, .control, .logbook, .audit, .doctor, and ``lmtrain``
+                                      itself (__main__): the command-line tools, which nothing imports
 
 The repository keeps ``data/``, ``callbacks/`` and ``conf/`` at its top level; an installed lmtrain has them as
 ``lmtrain.data``, ``lmtrain.callbacks`` and ``lmtrain/conf`` (pyproject.toml's ``package-dir``), so it puts no

@@ -69,7 +69,7 @@ def read_steps(run_dir: Path) -> tuple[list[StepData], dict[int, StepData]]:
 def stream(run_dir: Path):
     """The run's data module (its config's ``data``, set up: the sources' sizes) and the sampler whose epoch orders the
     steps index, at the run's seed and mixture weights (the number of ranks does not change the order)."""
-    from data.datamodule import BlockSampler
+    from lmtrain.data.datamodule import BlockSampler
 
     dm = data_module(run_dir)
     dm.setup("fit")
@@ -87,7 +87,7 @@ def data_module(run_dir: Path):
     data = OmegaConf.to_container(cfg.data, resolve=True)
     if data.get("_target_", "").rsplit(".", 1)[-1] != "TokenDataModule":
         raise InputError(f"{run_dir}: data is {data.get('_target_')}, not lmtrain's TokenDataModule: nothing to audit")
-    from data.datamodule import TokenDataModule
+    from lmtrain.data.datamodule import TokenDataModule
 
     keep = ("path", "sources", "seq_len", "seed", "document_mask")
     return TokenDataModule(**{k: data[k] for k in keep if k in data}, batch_size=1)
@@ -183,7 +183,7 @@ def step_samples(dm, sampler, s: StepData) -> list[tuple[str, int, int, int]]:
 def verify_shards(dm) -> list[str]:
     """Every shard of the run's datasets checked against its manifest (data.prepare.verify: size, content hash, token
     ids): the problems found, each naming its shard."""
-    from data.prepare import verify
+    from lmtrain.data.prepare import verify
 
     return [problem for path in dm.paths for problem in verify(path)]
 

@@ -81,7 +81,7 @@ def test_a_killed_and_resumed_run_trained_every_sample_once_and_the_audit_names_
     assert res.returncode == 1 and f"shards: {shard}: checksum mismatch (the file changed after it was prepared)" in res.stdout, res.stdout
 
     # ... and the dataset re-made with that content (its manifest's hashes updated): the run's resume is refused
-    from data.prepare import shard_checksum
+    from lmtrain.data.prepare import shard_checksum
     from lmtrain.formats.manifest import CHECKSUM_KEY, manifest_checksum
 
     manifest = json.loads((ds / "manifest.json").read_text())

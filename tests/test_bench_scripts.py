@@ -494,7 +494,7 @@ def test_a_peer_trains_on_lmtrains_batches_in_lmtrains_order(tmp_path, dataset_d
 
     import torch
 
-    from data.datamodule import TokenDataModule
+    from lmtrain.data.datamodule import TokenDataModule
 
     seed = make_cfg([], tmp_path).seed  # lmtrain's default
     ours = TokenDataModule(path=str(dataset_dir), seq_len=64, batch_size=4, seed=seed)

@@ -275,6 +275,13 @@ def test_identical_continuation_after_kill_9_and_kill_mid_save(tmp_path, dataset
     ref_loss, got = _losses(Path(ref.run_dir)), _losses(run)
     assert sorted(ref_loss) == list(range(1, 15))
     assert got == ref_loss  # same steps, same printed values: 0 tolerance
+    # the audit: every step's samples once through both kills, each step's the uninterrupted run's
+    from lmtrain import audit
+
+    steps, abandoned = audit.read_steps(run)
+    result = audit.check(steps, abandoned, audit.stream(run)[1].num_blocks, {})
+    assert result["ok"] and [r[0] for r in result["resumes"]] == [5, 9], result
+    assert [(s.step, s.epoch, s.position) for s in steps] == [(s.step, s.epoch, s.position) for s in audit.read_steps(Path(ref.run_dir))[0]]
     kinds = [e["kind"] for e in logbook.read(run) if e["kind"] != "checkpoint"]
     # each kill -9 left the run's lock: the next start takes it over, saying so (died); the fault drill changed each time;
     # the save killed midway left a partial folder, removed by the last start

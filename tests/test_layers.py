@@ -11,7 +11,7 @@ from tests.conftest import ROOT
 
 # lowest first; a module may import its own layer and those below it
 LAYERS = ("base", "nn", "formats", "training", "parts", "commands")
-COMMANDS = {"train", "plan", "report", "generate", "export", "control", "logbook", "replay", "doctor", "__main__"}
+COMMANDS = {"train", "plan", "report", "generate", "export", "control", "logbook", "replay", "audit", "doctor", "__main__"}
 HEAVY = {"lightning", "pytorch_lightning", "hydra", "omegaconf"}
 
 

@@ -23,7 +23,7 @@ class LmtrainOrder(IterableDataset):
     ``batch_size`` samples a step on data-parallel rank ``rank`` of ``world``."""
 
     def __init__(self, dataset: str, seq_len: int, batch_size: int, rank: int = 0, world: int = 1, seed: int = SEED) -> None:
-        from data.datamodule import BlockSampler, TokenDataModule
+        from lmtrain.data.datamodule import BlockSampler, TokenDataModule
 
         self.data = TokenDataModule(path=dataset, seq_len=seq_len, batch_size=batch_size, seed=seed)
         self.data.setup("fit")
