@@ -207,52 +207,48 @@ def test_a_mixture_transformers_cannot_express_is_not_exported(tmp_path):
         hf.config(dense, eos=4095, dtype="float32")
 
 
+def _split_then_one(tmp_path, dataset_dir, name: str, layout: list[str], says: str, want: dict) -> dict:
+    """A tiny-moe run on ``layout`` that must say ``says`` and give ``want``'s losses to 1e-5, then its step-3
+    checkpoint continued in one process, which must too; returns the continuation's losses."""
+    from tests.test_fsdp import _losses, _run
+
+    res = _run(tmp_path, dataset_dir, name, *MOE_EQUAL, *layout)
+    assert says in res.stderr, res.stderr[-2000:]
+    got = {s: float(v) for s, v in _losses(tmp_path / "runs" / name).items()}
+    assert sorted(got) == sorted(want) and all(abs(got[s] - want[s]) < 1e-5 for s in want), (name, got, want)
+    ckpt = tmp_path / "runs" / name / "checkpoints" / "step-0000003"
+    _run(tmp_path, dataset_dir, f"{name}-one", *MOE_EQUAL, "trainer.devices=1", "data.batch_size=8", f"ckpt_path={ckpt}")
+    again = {s: float(v) for s, v in _losses(tmp_path / "runs" / f"{name}-one").items()}
+    assert sorted(again) == [s for s in sorted(want) if s > 3] and all(abs(again[s] - want[s]) < 1e-5 for s in again), (name, again, want)
+    return again
+
+
+MOE_EQUAL = ["model=tiny-moe", "model.moe.aux_loss=0"]  # the balancing loss is each rank's own batch's: off to compare
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_experts_split_over_two_ranks_train_as_one_process_and_resume_in_one(tmp_path, dataset_dir):
-    """fsdp x 2 with strategy.ep=2 (tiny-moe: 2 of its 4 experts a rank, the tokens sent to their experts' ranks and
-    back): one process's losses at the same global batch to 1e-5, the selection biases moved alike (the loads summed
-    over the ranks); its step-3 checkpoint (experts split) continues in one process exactly. The load-balancing loss
-    is off here: it is each rank's own batch's, as in every data-parallel trainer, so it differs from one process's."""
+def test_experts_split_over_ranks_train_as_one_process_and_resume_in_one(tmp_path, dataset_dir):
+    """Expert parallel against one process at the same global batch (losses to 1e-5), and each layout's step-3
+    checkpoint continued in one process exactly: fsdp x 2 with strategy.ep=2 (tiny-moe: 2 of its 4 experts a rank, the
+    tokens sent to their experts' ranks and back; the selection biases moved alike, the loads summed over the ranks),
+    and hsdp over 4 ranks (shard groups of 2) with strategy.ep=2 (each group of 2 ranks holds 2 experts, the two groups
+    the same ones on a 2-D expert mesh, tokens sent within their group, each expert's gradient summed over both
+    groups' tokens); then one process's single-file checkpoint continues with the experts split. The load-balancing
+    loss is off: it is each rank's own batch's, as in every data-parallel trainer, so it differs from one process's."""
     from tests.test_fsdp import _losses, _one_process, _run
 
-    moe = ["model=tiny-moe", "model.moe.aux_loss=0"]
-    want = {s: v for s, v in _one_process(tmp_path / "one", dataset_dir, *moe).items()}
-    res = _run(tmp_path, dataset_dir, "ep", *moe, "strategy=fsdp", "strategy.ep=2", "trainer.devices=2", "data.batch_size=4")
-    assert "expert parallel: 2 of 4 experts a rank in 1 layers" in res.stderr, res.stderr[-2000:]
-    got = {s: float(v) for s, v in _losses(tmp_path / "runs" / "ep").items()}
-    assert sorted(got) == sorted(want) and all(abs(got[s] - want[s]) < 1e-5 for s in want), (got, want)
-    ckpt = tmp_path / "runs" / "ep" / "checkpoints" / "step-0000003"
-    _run(tmp_path, dataset_dir, "one-again", *moe, "trainer.devices=1", "data.batch_size=8", f"ckpt_path={ckpt}")
-    again = {s: float(v) for s, v in _losses(tmp_path / "runs" / "one-again").items()}
-    assert sorted(again) == [s for s in sorted(want) if s > 3] and all(abs(again[s] - want[s]) < 1e-5 for s in again), (again, want)
-    # and one process's single-file checkpoint continues with the experts split
+    want = _one_process(tmp_path / "one", dataset_dir, *MOE_EQUAL)
+    again = _split_then_one(tmp_path, dataset_dir, "ep", ["strategy=fsdp", "strategy.ep=2", "trainer.devices=2", "data.batch_size=4"],
+                            "expert parallel: 2 of 4 experts a rank in 1 layers, groups of 2 ranks, tokens", want)  # fmt: skip
+    _split_then_one(tmp_path, dataset_dir, "hsdp-ep",
+                    ["strategy=hsdp", "strategy.shard_size=2", "strategy.ep=2", "trainer.devices=4", "data.batch_size=2"],
+                    "expert parallel: 2 of 4 experts a rank in 1 layers, groups of 2 ranks, 2 copies", want)  # fmt: skip
     one_ckpt = next((tmp_path / "one").rglob("step-0000003"))
-    _run(tmp_path, dataset_dir, "ep-again", *moe, "strategy=fsdp", "strategy.ep=2", "trainer.devices=2", "data.batch_size=4", f"ckpt_path={one_ckpt}")
+    _run(tmp_path, dataset_dir, "ep-again", *MOE_EQUAL, "strategy=fsdp", "strategy.ep=2", "trainer.devices=2", "data.batch_size=4",
+         f"ckpt_path={one_ckpt}")  # fmt: skip
     split = {s: float(v) for s, v in _losses(tmp_path / "runs" / "ep-again").items()}
     assert sorted(split) == sorted(again) and all(abs(split[s] - want[s]) < 1e-5 for s in split), (split, want)
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_experts_split_over_part_of_the_ranks_under_hsdp_train_as_one_process_and_resume_in_one(tmp_path, dataset_dir):
-    """hsdp over 4 ranks (shard groups of 2) with strategy.ep=2: each group of 2 ranks holds 2 of tiny-moe's 4 experts,
-    the two groups the same experts (a 2-D expert mesh), tokens sent within their group, each expert's gradient summed
-    over both groups' tokens: one process's losses at the same global batch to 1e-5; its step-3 checkpoint (the
-    experts split and replicated) continues in one process exactly. The load-balancing loss is off, as above."""
-    from tests.test_fsdp import _losses, _one_process, _run
-
-    moe = ["model=tiny-moe", "model.moe.aux_loss=0"]
-    want = _one_process(tmp_path / "one", dataset_dir, *moe)
-    layout = ["strategy=hsdp", "strategy.shard_size=2", "strategy.ep=2", "trainer.devices=4", "data.batch_size=2"]
-    res = _run(tmp_path, dataset_dir, "hsdp-ep", *moe, *layout)
-    assert "expert parallel: 2 of 4 experts a rank in 1 layers, groups of 2 ranks, 2 copies" in res.stderr, res.stderr[-2000:]
-    got = {s: float(v) for s, v in _losses(tmp_path / "runs" / "hsdp-ep").items()}
-    assert sorted(got) == sorted(want) and all(abs(got[s] - want[s]) < 1e-5 for s in want), (got, want)
-    ckpt = tmp_path / "runs" / "hsdp-ep" / "checkpoints" / "step-0000003"
-    _run(tmp_path, dataset_dir, "one-again", *moe, "trainer.devices=1", "data.batch_size=8", f"ckpt_path={ckpt}")
-    again = {s: float(v) for s, v in _losses(tmp_path / "runs" / "one-again").items()}
-    assert sorted(again) == [s for s in sorted(want) if s > 3] and all(abs(again[s] - want[s]) < 1e-5 for s in again), (again, want)
 
 
 def test_the_planner_counts_a_mixtures_activations_per_chosen_expert():
