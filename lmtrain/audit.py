@@ -51,7 +51,9 @@ def read_steps(run_dir: Path) -> tuple[list[StepData], dict[int, StepData]]:
     for row in record_rows(run_dir):
         if any(k in row["values"] for k in KEYS):
             into = abandoned if row["abandoned"] else current
-            into.setdefault(row["step"], {"attempt": row["attempt"]}).update({k: row["values"][k] for k in KEYS if k in row["values"]})
+            if into.get(row["step"], {}).get("attempt") != row["attempt"]:  # a later attempt's step replaces an earlier's
+                into[row["step"]] = {"attempt": row["attempt"]}
+            into[row["step"]].update({k: row["values"][k] for k in KEYS if k in row["values"]})
 
     def made(step: int, v: dict) -> StepData:
         if any(k not in v for k in KEYS):
