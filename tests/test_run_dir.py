@@ -449,6 +449,12 @@ def test_chaos_soak_a_two_rank_run_survives_kills_sigterms_second_launches_and_a
     assert all(e["rc"] in (3, PREEMPTED_EXIT) for e in by["disk"]), by["disk"]
 
     assert _current_losses(run) == want  # every step once, the uninterrupted run's values, to the last digit
+    from lmtrain import audit  # ... and the data: every step's samples once through it all, each step's the uninterrupted run's
+
+    steps, abandoned = audit.read_steps(run)
+    result = audit.check(steps, abandoned, audit.stream(run)[1].num_blocks, audit._rollbacks(run))
+    assert result["ok"] and not result["skipped"] and len(result["resumes"]) >= len(by["kill"]), result
+    assert [(s.step, s.epoch, s.position) for s in steps] == [(s.step, s.epoch, s.position) for s in audit.read_steps(ref)[0]]
     rows = record_rows(run)
     assert any(r["abandoned"] for r in rows)  # the kills' lost steps, logged again, kept and marked
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".step-") and p.name.endswith(".partial")]
