@@ -132,8 +132,13 @@ class MixedBlocks(Dataset):
         return int(self.offsets[-1])
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
-        k = int(np.searchsorted(self.offsets, i, side="right") - 1)
-        return self.parts[k][i - int(self.offsets[k])]
+        k, b = self.locate(i)
+        return self.parts[k][int(b)]
+
+    def locate(self, i):
+        """(source, block in that source) of index ``i``, or of each of an array of indices."""
+        k = np.searchsorted(self.offsets, i, side="right") - 1
+        return (int(k), i - int(self.offsets[k])) if np.ndim(k) == 0 else (k, i - self.offsets[k])
 
 
 def mixture_counts(total: int, weights: list[float]) -> np.ndarray:
@@ -194,6 +199,7 @@ class BlockSampler(Sampler[int]):
         self.yielded = 0  # indices this rank handed out since ``start``
         self._resume: tuple[int, int] | None = None  # (epoch, start) set by load_state_dict for the next iteration
         self.skip_on_load = 0  # samples per rank to skip past a restored position (a rollback's skipped data window)
+        self._drawn: tuple[int, np.ndarray] | None = None  # (epoch, its global order): order_of's cache
         self._digest: tuple[int, str] | None = None  # (epoch, its order's fingerprint): order_digest's cache
         self.handed_out: deque[tuple[int, int]] = deque()  # (epoch, global position) of each batch started, not yet trained
 
@@ -254,7 +260,13 @@ class BlockSampler(Sampler[int]):
     def indices(self, epoch: int, start: int = 0) -> np.ndarray:
         """This rank's sample order for ``epoch`` from global position ``start``."""
         n, w = self._remaining(start), self.num_replicas
-        return self.epoch_order(epoch)[start + self.rank : start + n * w : w]
+        return self.order_of(epoch)[start + self.rank : start + n * w : w]
+
+    def order_of(self, epoch: int) -> np.ndarray:
+        """``epoch_order(epoch)``, drawn once an epoch for the iteration and its fingerprint (order_digest) alike."""
+        if self._drawn is None or self._drawn[0] != epoch:
+            self._drawn = (epoch, self.epoch_order(epoch))
+        return self._drawn[1]
 
     def __iter__(self):
         if self._resume is not None:
@@ -286,7 +298,7 @@ class BlockSampler(Sampler[int]):
         if self._digest is None or self._digest[0] != epoch:
             import hashlib
 
-            order = np.ascontiguousarray(self.epoch_order(epoch), dtype="<i8")
+            order = np.ascontiguousarray(self.order_of(epoch), dtype="<i8")
             self._digest = (epoch, hashlib.blake2b(order.tobytes(), digest_size=16).hexdigest())
         return self._digest[1]
 

@@ -150,17 +150,18 @@ def check(steps: list[StepData], abandoned: dict[int, StepData], total: int, rol
     return {"ok": True, "problem": None, "tails": tails, "skipped": skipped, "resumes": resumes}
 
 
+def _samples(sampler, s: StepData):
+    """Step ``s``'s samples, as indices into the run's sources end to end (data.datamodule.MixedBlocks)."""
+    return sampler.order_of(s.epoch)[s.position : s.position + s.samples]  # each epoch's order drawn once
+
+
 def per_source(dm, sampler, steps: list[StepData]) -> dict[str, int]:
     """Samples trained per source over the steps."""
     import numpy as np
 
-    offsets = np.concatenate([[0], np.cumsum(sampler.sizes)])
     counts = np.zeros(len(sampler.sizes), dtype=np.int64)
-    orders: dict[int, np.ndarray] = {}
     for s in steps:
-        order = orders.setdefault(s.epoch, sampler.epoch_order(s.epoch))
-        idx = order[s.position : s.position + s.samples]
-        counts += np.bincount(np.searchsorted(offsets, idx, side="right") - 1, minlength=len(counts))
+        counts += np.bincount(dm.train_set.locate(_samples(sampler, s))[0], minlength=len(counts))
     return dict(zip(source_names(dm), counts.tolist(), strict=True))
 
 
@@ -170,15 +171,10 @@ def source_names(dm) -> list[str]:
 
 def step_samples(dm, sampler, s: StepData) -> list[tuple[str, int, int, int]]:
     """Step ``s``'s samples in order: (source, block index in its training stream, first token, end token)."""
-    import numpy as np
-
-    offsets = np.concatenate([[0], np.cumsum(sampler.sizes)])
-    names = source_names(dm)
-    out = []
-    for i in sampler.epoch_order(s.epoch)[s.position : s.position + s.samples].tolist():
-        k = int(np.searchsorted(offsets, i, side="right") - 1)
-        block = i - int(offsets[k])
-        out.append((names[k], block, block * dm.seq_len, block * dm.seq_len + dm.seq_len + 1))
+    names, out = source_names(dm), []
+    for k, block in zip(*dm.train_set.locate(_samples(sampler, s)), strict=True):
+        block = int(block)
+        out.append((names[int(k)], block, block * dm.seq_len, block * dm.seq_len + dm.seq_len + 1))
     return out
 
 

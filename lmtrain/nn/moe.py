@@ -133,8 +133,15 @@ class ExpertParallel:
     mesh: object
     group: object
     size: int
-    replicas: object = None
-    ranks: int = 0
+    replicas: object
+    ranks: int
+
+    @classmethod
+    def over(cls, mesh) -> ExpertParallel:
+        """On a 1-D mesh (every rank holds a part) or a 2-D one (dim 1 splits, dim 0 replicates)."""
+        if mesh.ndim == 1:
+            return cls(mesh, mesh.get_group(), mesh.size(), None, mesh.size())
+        return cls(mesh, mesh.get_group(1), mesh.size(1), mesh.get_group(0), mesh.size())
 
     @property
     def placements(self) -> list:

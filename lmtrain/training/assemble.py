@@ -195,10 +195,7 @@ class Plan:
         if not moes:
             raise InputError(f"strategy.ep={ep}: the model has no mixture of experts to split (model.moe)")
         mesh = self.sharding.expert_mesh()
-        if mesh.ndim == 1:  # every rank
-            group = ExpertParallel(mesh, mesh.get_group(), ep, ranks=ep)
-        else:
-            group = ExpertParallel(mesh, mesh.get_group(1), ep, replicas=mesh.get_group(0), ranks=mesh.size())
+        group = ExpertParallel.over(mesh)
         for moe in moes:
             try:
                 moe.set_expert_parallel(group)
