@@ -13,7 +13,9 @@ Token-choice routing as OLMoE, Qwen3-MoE and DeepSeek-V3 route:
 * dropless: every token is computed by every expert it chose, however unbalanced the load (no capacity factor);
 * the experts' products are PyTorch's grouped matrix product (``grouped_mm``: one kernel for all experts on Hopper),
   the tokens sorted by expert with each expert's group padded to a multiple of 8 rows (its alignment on the GPU),
-  static shapes throughout, so a compiled block does not recompile as the load moves;
+  static shapes throughout, so a compiled block does not recompile as the load moves; each token's rows are
+  copied straight into those groups in the products' dtype, and its k outputs gathered back and summed in fp32, both
+  ways without a scatter-add (no atomics: the same sums on every run);
 * an optional shared expert (``shared_ffn_dim``) every token passes through (Qwen2-MoE's, DeepSeek's);
 * the load-balancing loss (Switch Transformer's, OLMoE's 0.01): ``experts`` x the sum over experts of the fraction of
   routed tokens times the mean affinity, and the router z-loss (ST-MoE's, OLMoE's 0.001): the mean squared
@@ -194,6 +196,61 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     return out
 
 
+def _compute_dtype(h: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """The dtype :func:`grouped_mm` computes ``h`` times ``w`` in: autocast's when on, else the weights'."""
+    kind = h.device.type
+    return torch.get_autocast_dtype(kind) if _autocast_on(kind) else w.dtype
+
+
+def _padded_rows(load: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """For ``m`` rows sorted by group, ``load[g]`` of them group g's: each row's place when every group is padded to a
+    multiple of ALIGN rows (the grouped product's alignment), the groups' end offsets (int32), and the buffer's rows:
+    the most the groups can take, a static shape, so a compiled block does not recompile as the load moves."""
+    G = load.shape[0]
+    padded = (load + ALIGN - 1) // ALIGN * ALIGN
+    ends = padded.cumsum(0)
+    group = torch.repeat_interleave(torch.arange(G, device=load.device), load, output_size=m)
+    rows = (ends - padded)[group] + torch.arange(m, device=load.device) - (load.cumsum(0) - load)[group]
+    return rows, ends.to(torch.int32), m + G * (ALIGN - 1)
+
+
+class _Dispatch(torch.autograd.Function):
+    """The experts' input: a buffer of ``size`` rows whose row ``slot[c]`` is row ``c // k`` of ``h`` (choice c is
+    token c // k's); the rows no choice takes hold a copy of some row (padding: computed, never read, their gradient
+    zero). Backward: each token's gradient the sum of its k rows', gathered and added in fp32 (no scatter: no atomics,
+    the same sum on every run)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, slot: torch.Tensor, size: int, k: int) -> torch.Tensor:
+        src = torch.zeros(size, dtype=slot.dtype, device=slot.device).index_copy_(
+            0, slot, torch.arange(slot.shape[0], device=slot.device) // k)
+        ctx.save_for_backward(slot)
+        ctx.k, ctx.dtype = k, h.dtype
+        return h.index_select(0, src)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (slot,) = ctx.saved_tensors
+        per_choice = grad.index_select(0, slot).view(-1, ctx.k, grad.shape[-1])
+        return per_choice.float().sum(1).to(ctx.dtype), None, None, None
+
+
+class _Rows(torch.autograd.Function):
+    """Rows ``slot`` of ``ys``, each taken once (``slot`` has no repeats): the gradient copied back to those rows,
+    zero elsewhere (the index's own backward would add them, with atomics)."""
+
+    @staticmethod
+    def forward(ctx, ys: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(slot)
+        ctx.rows = ys.shape[0]
+        return ys.index_select(0, slot)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (slot,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.rows, grad.shape[-1]).index_copy_(0, slot, grad), None
+
+
 class MoE(nn.Module):
     """The mixture-of-experts feed-forward layer of one block (see the module docstring)."""
 
@@ -231,14 +288,22 @@ class MoE(nn.Module):
         if cfg.norm_topk or cfg.score == "sigmoid":
             weights = weights / weights.sum(-1, keepdim=True)
 
-        # dispatch: the N x k choices sorted by expert (their experts' groups one after the other)
+        # dispatch: the N x k choices sorted by expert (their experts' groups one after the other); slot[c]: the row
+        # choice c (token c // k's) takes in the experts' input
         flat = chosen.flatten()
         order = flat.argsort(stable=True)  # choice index, grouped by expert
         load = torch.zeros(E, dtype=torch.long, device=h.device).scatter_add_(0, flat, torch.ones_like(flat))  # tokens per expert (static shape)
-        xs = h[order // k]
-        ys = self._experts(xs, load) if self.ep is None else self._experts_elsewhere(xs, load)
-        ys = ys * weights.flatten()[order, None].to(ys.dtype)
-        out = torch.zeros_like(h, dtype=ys.dtype).index_add(0, order // k, ys).to(x.dtype)
+        hc = h.to(_compute_dtype(h, self.w_in))  # rows copied k times: in the dtype the products take them
+        if self.ep is None:  # straight into the padded groups of the grouped products
+            rows, offsets, size = _padded_rows(load, order.shape[0])
+            slot = torch.empty_like(order).index_copy_(0, order, rows)
+            ys = self._products(_Dispatch.apply(hc, slot, size, k), offsets, load)
+        else:
+            slot = torch.empty_like(order).index_copy_(0, order, torch.arange(order.shape[0], device=h.device))
+            ys = self._experts_elsewhere(_Dispatch.apply(hc, slot, order.shape[0], k), load)
+        # combine: each token's k outputs weighted by their affinities, summed in fp32 (no scatter, no atomics)
+        picked = _Rows.apply(ys, slot).view(N, k, -1)
+        out = (picked.float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
         if self.shared is not None:
             out = out + self.shared(h)
 
@@ -274,26 +339,27 @@ class MoE(nn.Module):
         ep = self.ep
         return tuple(None if w is None else _ExpertGrad.apply(w.to_local(), 1.0 / ep.ranks, ep.replicas) for w in ws)
 
-    def _experts(self, xs: torch.Tensor, load: torch.Tensor) -> torch.Tensor:
-        """Rows ``xs`` sorted by expert, ``load[e]`` of them expert e's (the experts this rank holds): each row through
-        its expert. Each group is padded to a multiple of ALIGN rows, in a buffer of the most rows that can take (a static
-        shape), for the grouped products; the rows come back in ``xs``'s order."""
+    def _products(self, buf: torch.Tensor, offsets: torch.Tensor, load: torch.Tensor) -> torch.Tensor:
+        """Rows ``buf`` in the experts' padded groups (:func:`_padded_rows`; ``load``: each group's tokens), each group
+        through its expert (the experts this rank holds): the grouped products, row for row."""
         w_in, w_out, b_in, b_out = self._weights()
-        G, M = load.shape[0], xs.shape[0]
-        padded = (load + ALIGN - 1) // ALIGN * ALIGN
-        ends = padded.cumsum(0)
-        group = torch.repeat_interleave(torch.arange(G, device=xs.device), load, output_size=M)
-        rows = (ends - padded)[group] + torch.arange(M, device=xs.device) - (load.cumsum(0) - load)[group]
-        buf = xs.new_zeros(M + G * (ALIGN - 1), xs.shape[-1]).index_copy(0, rows, xs)
-        offsets = ends.to(torch.int32)
-        mid = grouped_mm(buf, w_in.transpose(-2, -1), offsets)
+        G = load.shape[0]
         if b_in is not None:  # each row's expert's biases (the rows after the last group: the last expert's, unread)
-            row_group = torch.searchsorted(ends, torch.arange(buf.shape[0], device=xs.device), right=True).clamp(max=G - 1)
+            row_group = torch.searchsorted(offsets, torch.arange(buf.shape[0], device=buf.device, dtype=offsets.dtype), right=True).clamp(max=G - 1)
+        mid = grouped_mm(buf, w_in.transpose(-2, -1), offsets)
+        if b_in is not None:
             mid = mid + b_in.to(mid.dtype)[row_group]
         ys = grouped_mm(self._activation(mid, self.act), w_out.transpose(-2, -1), offsets)
         if b_out is not None:
             ys = ys + b_out.to(ys.dtype)[row_group]
-        return ys[rows]
+        return ys
+
+    def _experts(self, xs: torch.Tensor, load: torch.Tensor) -> torch.Tensor:
+        """Rows ``xs`` sorted by expert, ``load[e]`` of them expert e's (the experts this rank holds): each row through
+        its expert, back in ``xs``'s order (expert parallel's received rows)."""
+        rows, offsets, size = _padded_rows(load, xs.shape[0])
+        buf = xs.new_zeros(size, xs.shape[-1]).index_copy(0, rows, xs)
+        return self._products(buf, offsets, load)[rows]
 
     def _experts_elsewhere(self, xs: torch.Tensor, load: torch.Tensor) -> torch.Tensor:
         """Expert parallel: each rank holds ``experts / ep`` experts. The rows go to the ranks of their experts (one
