@@ -285,15 +285,20 @@ def test_routing_collapse_is_said_on_the_real_runs_whose_routing_collapsed_and_o
     preset's balancing) on an H100, 150 steps: its routing lopsided at initialisation (the worst layer's
     ``moe/collapse`` 0.61 at step 1) and collapsed by step 3, 15 or all 16 layers sending almost every token to the
     same 8 experts (each one's busiest expert at 4.0x the mean, 32/8) over steps 3-39, until the balancing loss
-    brought it under 0.5 near step 110. Replayed with the shipped settings, the signal is said within 20 steps of each collapse's onset, as
-    a warning (at most 3 times a run), and never on the healthy run."""
+    brought it under 0.5 near step 110. And h100_olmoe32_2026-12-07b.jsonl.gz, two more runs of that shape, added after
+    the threshold was set: the same run after the MoE's dispatch changed (collapsed from step 1, 1.00 at step 10, under
+    0.5 by step 140) and one with DeepSeek-V3's selection bias at 1e-3 (collapsed from step 1, under 0.5 by step 60).
+    Replayed with the shipped settings, the signal is said within 20 steps of each collapse's onset, as a warning (at
+    most 3 times a run), and never on the healthy run."""
     from lmtrain.training.stability import read_traces, replay
     from tests.conftest import ROOT
 
     here = ROOT / "tests" / "data" / "stability"
-    traces = read_traces(here / "cpu_tiny_moe_2026-12-07.jsonl.gz") | read_traces(here / "h100_olmoe32_2026-12-07.jsonl.gz")
+    traces = {}
+    for name in ("cpu_tiny_moe_2026-12-07", "h100_olmoe32_2026-12-07", "h100_olmoe32_2026-12-07b"):
+        traces |= read_traces(here / f"{name}.jsonl.gz")
     onsets = {"balanced-lr0.001": None, "balanced-lr0.01-seed2": 10, "unbalanced-lr0.01": 10, "unbalanced-lr0.003-seed2": 10,
-              "olmoe-32x8-lr1e-3": 1}
+              "olmoe-32x8-lr1e-3": 1, "olmoe-32x8-gather": 1, "olmoe-32x8-bias1e-3": 1}
     assert set(traces) == set(onsets)
     for run, onset in onsets.items():
         said = [e for e in replay(traces[run]) if "routing_collapse" in e["signals"]]
