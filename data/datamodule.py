@@ -396,6 +396,7 @@ class TokenDataModule(L.LightningDataModule):
         self.val_set: MixedBlocks | None = None
         self.skip_batches = 0  # set by lmtrain.training.run after a rollback: batches to skip past the restored position
         self.sampler_in_use: BlockSampler | None = None
+        self.tokens_read = np.zeros(len(self.paths), dtype=np.int64)  # training tokens read from each source (count_read)
 
     # -- dataset on disk ----------------------------------------------------------------------
     def prepare_data(self) -> None:
@@ -473,12 +474,29 @@ class TokenDataModule(L.LightningDataModule):
             )
 
     def state_dict(self) -> dict:
-        return {"stream": self.stream_identity()}
+        return {"stream": self.stream_identity(), "tokens_read": [int(t) for t in self.tokens_read]}
 
     def load_state_dict(self, state: dict) -> None:
         """Refuse, before any training, a checkpoint whose saved data position belongs to another stream (lmtrain.training.run
-        already compared the one in meta.json before the attempt was accepted; older checkpoints lack it)."""
+        already compared the one in meta.json before the attempt was accepted; older checkpoints lack it); take up the
+        tokens read from each source where the checkpoint left them (checkpoints from before 2026-12-07: from zero)."""
         self.check_stream(state.get("stream", {}))
+        if len(state.get("tokens_read", ())) == len(self.paths):
+            self.tokens_read = np.asarray(state["tokens_read"], dtype=np.int64)
+
+    @property
+    def source_names(self) -> list[str]:
+        """The training sources' names (``name:`` in ``data.sources``, else the dataset folder's name)."""
+        return self.val_names[: len(self.paths)]
+
+    def count_read(self, epoch: int, position: int, samples: int) -> dict[str, int]:
+        """Add a training step's samples, ``samples`` of ``epoch``'s global order from ``position`` (every rank's), to
+        the tokens read from each source (``data.seq_len`` a sample), and return the totals as metrics:
+        ``data/tokens/<name>``. Every rank counts the same, since the order is global."""
+        order = self.sampler_in_use.order_of(epoch)[position : position + samples]
+        source, _ = self.train_set.locate(order)
+        self.tokens_read += np.bincount(source, minlength=len(self.paths)) * self.seq_len
+        return {f"data/tokens/{name}": int(t) for name, t in zip(self.source_names, self.tokens_read, strict=True)}
 
     # -- loaders ------------------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:

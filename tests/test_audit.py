@@ -56,6 +56,10 @@ def test_a_killed_and_resumed_run_trained_every_sample_once_and_the_audit_names_
     for s in steps[3:]:
         named = torch.stack([dm.train_set[i][0] for i in order.epoch_order(s.epoch)[s.position : s.position + s.samples]])
         assert torch.equal(named, taken[s.step - 1]), f"step {s.step}"
+    # the tokens read, taken up from the checkpoint of step 3 by the second attempt: 4 samples of 64 tokens a step
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    tokens = {(r["a"], r["step"]): r["m"]["data/tokens/ds"] for r in rows if "data/tokens/ds" in r.get("m", {})}
+    assert {s: tokens[2, s] for s in range(4, 9)} == {s: s * 4 * 64 for s in range(4, 9)}, tokens
     listed = _audit(str(run), "--step", "6")
     assert listed.returncode == 0 and listed.stdout.count(" block ") == 4 and f"{ds}  block " in listed.stdout, listed.stdout
 

@@ -167,6 +167,22 @@ def test_train_on_a_mixture_from_the_command_line_config(two_sources, tmp_path):
     counts = json.loads(Image.open(write_plots(tmp_path / "one", from_record(tmp_path / "one"))[0]).text["lmtrain"])
     assert counts["val/loss/web"] == counts["val/loss/B"] == counts["val/loss/held"] == 2
 
+    # the tokens read from each source, step by step, against the batches the run's stream gives (the same seed and
+    # sources, so the same batches): each row of a batch counted where its blocks are found
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    again = instantiate(OmegaConf.load(tmp_path / "one" / "config.yaml").data)
+    again.setup("fit")
+    web = {tuple(again.train_set.parts[0][i][0].tolist()) for i in range(len(again.train_set.parts[0]))}
+    logged = by_step(tmp_path / "one")
+    read = {"web": 0, "B": 0}
+    for step, (x, _) in zip(range(1, 5), again.train_dataloader()):
+        for row in x:
+            read["web" if tuple(row.tolist()) in web else "B"] += SEQ
+        assert {k: int(float(logged[step][f"data/tokens/{k}"])) for k in read} == read, step
+    assert read["web"] and read["B"] and sum(read.values()) == 4 * 4 * SEQ  # 4 steps of 4 samples
+
     bad = f"[{{name: other, path: {two_sources / 'C'}}}]"
     with pytest.raises(PrepareError, match="use different tokenizers"):
         train(make_cfg(base + [f"data.extra_val={bad}", f"run_dir={tmp_path / 'bad'}"], tmp_path))

@@ -286,10 +286,12 @@ class LMModule(L.LightningModule):
 
     def _log_step_data(self) -> None:
         """The step's data as the audit reads it (lmtrain.audit): ``data/epoch``, ``data/position`` (where in the epoch's
-        global sample order the step's samples begin) and ``data/samples`` (how many, over every rank)."""
+        global sample order the step's samples begin) and ``data/samples`` (how many, over every rank); and the training
+        tokens read from each source so far, ``data/tokens/<name>`` (lmtrain.data.datamodule's count_read)."""
         if self._step_data is not None:
             (epoch, position), samples = self._step_data
-            log_direct(self.trainer, {"data/epoch": epoch, "data/position": position, "data/samples": samples},
+            tokens = self.trainer.datamodule.count_read(epoch, position, samples)
+            log_direct(self.trainer, {"data/epoch": epoch, "data/position": position, "data/samples": samples, **tokens},
                        step=compat.step_number(self.trainer))  # fmt: skip
         self._step_data = None
 
