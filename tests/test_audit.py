@@ -56,10 +56,12 @@ def test_a_killed_and_resumed_run_trained_every_sample_once_and_the_audit_names_
     for s in steps[3:]:
         named = torch.stack([dm.train_set[i][0] for i in order.epoch_order(s.epoch)[s.position : s.position + s.samples]])
         assert torch.equal(named, taken[s.step - 1]), f"step {s.step}"
-    # the tokens read, taken up from the checkpoint of step 3 by the second attempt: 4 samples of 64 tokens a step
+    # the tokens read, taken up from the checkpoint of step 3 by the second attempt (4 samples of 64 tokens a step),
+    # the same as the audit's count of the samples
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     tokens = {(r["a"], r["step"]): r["m"]["data/tokens/ds"] for r in rows if "data/tokens/ds" in r.get("m", {})}
     assert {s: tokens[2, s] for s in range(4, 9)} == {s: s * 4 * 64 for s in range(4, 9)}, tokens
+    assert audit.per_source(dm, order, steps) == {str(ds): 32} and tokens[2, 8] == 32 * 64
     listed = _audit(str(run), "--step", "6")
     assert listed.returncode == 0 and listed.stdout.count(" block ") == 4 and f"{ds}  block " in listed.stdout, listed.stdout
 
@@ -73,7 +75,15 @@ def test_a_killed_and_resumed_run_trained_every_sample_once_and_the_audit_names_
     record.write_text("".join(json.dumps(x) + "\n" for x in lines))
     res = _audit(str(run))
     assert res.returncode == 1 and "step 6 (attempt 2) began at epoch 0 position 24; after step 5 (epoch 0 position 16, 4 samples a step) it should begin at epoch 0 position 20: samples skipped" in res.stdout, res.stdout
+    # ... and step 6's row missing its sample count
+    del hit[0]["m"]["data/position"], hit[0]["m"]["data/samples"]
+    hit[0]["m"]["data/epoch"] = 0
+    record.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    res = _audit(str(run))
+    assert res.returncode == 2 and "step 6's data record lacks ['data/position', 'data/samples']: the record is damaged" in res.stderr, res.stderr
     record.write_text(kept)
+    beyond = _audit(str(run), "--step", "9")  # a step the run did not reach: said, nothing listed
+    assert beyond.returncode == 2 and beyond.stdout == "" and "step 9 is not in the run's record (steps 1-8)" in beyond.stderr, beyond
 
     # a shard edited in place: its content no longer its manifest's hash
     shard = ds / "train_00000.bin"
