@@ -25,6 +25,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lmtrain.data.prepare import CHECKSUM, PrepareError, prepare, read_manifest, shard_checksum
 from lmtrain.errors import InputError
+from lmtrain.formats import order as order_file
 from lmtrain.formats.tokenizer import load_tokenizer, tokenizer_identity
 from lmtrain.nn.model import document_ids
 from lmtrain.training.workers import answer_stack_requests
@@ -202,6 +203,7 @@ class BlockSampler(Sampler[int]):
         self._drawn: tuple[int, np.ndarray] | None = None  # (epoch, its global order): order_of's cache
         self._digest: tuple[int, str] | None = None  # (epoch, its order's fingerprint): order_digest's cache
         self.handed_out: deque[tuple[int, int]] = deque()  # (epoch, global position) of each batch started, not yet trained
+        self.order_dir: Path | None = None  # a run directory: each epoch's order stored there as it is first read
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -275,11 +277,23 @@ class BlockSampler(Sampler[int]):
             self.start = 0
         self.yielded = 0
         self.handed_out.clear()
+        if self.order_dir is not None:
+            self._store_order(self.epoch)
         for idx in self.indices(self.epoch, self.start):
             if self.yielded % self.batch_size == 0:  # a batch begins: where in the epoch's global order (the audit's record)
                 self.handed_out.append((self.epoch, self.position))
             self.yielded += 1
             yield int(idx)
+
+    def _store_order(self, epoch: int) -> None:
+        """The epoch's order written to ``order_dir`` (lmtrain.formats.order) unless it is there; a disk that cannot
+        take it is said and the run goes on (the audit then recomputes the order, as for a run from before the files)."""
+        try:
+            order_file.store(self.order_dir, epoch, self.order_of(epoch), self.order_digest(epoch))
+        except OSError as exc:
+            import logging
+
+            logging.getLogger("lmtrain").warning(f"the sample order of epoch {epoch} was not stored in {self.order_dir}: {exc}")
 
     def trained(self) -> tuple[int, int] | None:
         """(epoch, global position) of the oldest batch handed out and not yet claimed: the loader hands batches to the
@@ -296,10 +310,7 @@ class BlockSampler(Sampler[int]):
         """The fingerprint of ``epoch``'s global sample order (blake2b of its indices), computed once an epoch: saved with
         the position, so a resume whose order would differ (another numpy, another lmtrain) is refused, not trained."""
         if self._digest is None or self._digest[0] != epoch:
-            import hashlib
-
-            order = np.ascontiguousarray(self.order_of(epoch), dtype="<i8")
-            self._digest = (epoch, hashlib.blake2b(order.tobytes(), digest_size=16).hexdigest())
+            self._digest = (epoch, order_file.fingerprint(self.order_of(epoch)))
         return self._digest[1]
 
     def state_dict(self) -> dict:
@@ -396,6 +407,7 @@ class TokenDataModule(L.LightningDataModule):
         self.val_set: MixedBlocks | None = None
         self.skip_batches = 0  # set by lmtrain.training.run after a rollback: batches to skip past the restored position
         self.sampler_in_use: BlockSampler | None = None
+        self.order_dir: Path | None = None  # set by lmtrain.training.run: the run directory the order files go to
         self.tokens_read = np.zeros(len(self.paths), dtype=np.int64)  # training tokens read from each source (count_read)
 
     # -- dataset on disk ----------------------------------------------------------------------
@@ -533,6 +545,7 @@ class TokenDataModule(L.LightningDataModule):
             accumulate=accumulate,
         )  # fmt: skip
         sampler.skip_on_load = self.skip_batches * self.batch_size
+        sampler.order_dir = self.order_dir if rank == 0 else None  # one writer per data-parallel layout
         if len(sampler) == 0:
             raise PrepareError(
                 f"dataset {self.path} has {len(self.train_set)} train blocks of seq_len={self.seq_len}: fewer than one "

@@ -6,7 +6,7 @@ The package, in layers that only import downward (``tests/test_layers.py`` check
     lmtrain.nn                        pure PyTorch: the decoder, its loss, parameter groups and schedules
     lmtrain.formats                   the files a run reads and writes: the run directory, tokenizers, dataset
                                       manifests, checkpoints, learning-rate corrections, the logbook, metric logs,
-                                      model presets
+                                      model presets, the stored sample orders
     lmtrain.training                  Lightning: the module, strategies, precision, loggers, config checks, one run
     lmtrain.data, lmtrain.callbacks   the data module and the callbacks (the repository's data/ and callbacks/)
     lmtrain.train, .plan, .report, .generate, .export, .control, .logbook, .audit, .doctor, and ``lmtrain``

@@ -4,7 +4,10 @@ Every training step logs where its samples begin in the epoch's global sample or
 ``data/position``) and how many it takes over every rank (``data/samples``), claimed by the step from the sampler that
 drew them (data.datamodule.BlockSampler.trained), in the run's metrics record. The order itself is a pure function of
 the data stream (the sources' sizes, the mixture weights and the seed: BlockSampler.epoch_order); its fingerprint
-travels in every checkpoint with the position, and a resume whose order or training shards changed is refused.
+travels in every checkpoint with the position, and a resume whose order or training shards changed is refused. The
+run also stores each epoch's order as it first reads it (lmtrain.formats.order, ``RUN/data_order/``): the audit
+reads those files, each checked against the fingerprint its name records, and draws the order again only for a run
+that stored none.
 
 The audit walks the record's current timeline (the steps the final weights come from: a step redone after a kill or a
 rollback counts once, as redone) and checks that each step begins where the one before it ended: the same epoch,
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmtrain.errors import InputError
+from lmtrain.formats.order import OrderDamaged
 
 KEYS = ("data/epoch", "data/position", "data/samples")
 
@@ -69,13 +73,69 @@ def read_steps(run_dir: Path) -> tuple[list[StepData], dict[int, StepData]]:
 
 
 def stream(run_dir: Path):
-    """The run's data module (its config's ``data``, set up: the sources' sizes) and the sampler whose epoch orders the
-    steps index, at the run's seed and mixture weights (the number of ranks does not change the order)."""
+    """The run's data module (its config's ``data``, set up: the sources' sizes) and the epoch orders the steps index
+    (:class:`RunOrder`: the ones the run stored, else drawn again at the run's seed and mixture weights; the number of
+    ranks does not change the order)."""
     from lmtrain.data.datamodule import BlockSampler
 
     dm = data_module(run_dir)
     dm.setup("fit")
-    return dm, BlockSampler(dm.train_set.sizes, seed=dm.seed, weights=dm.weights)
+    return dm, RunOrder(run_dir, BlockSampler(dm.train_set.sizes, seed=dm.seed, weights=dm.weights))
+
+
+class RunOrder:
+    """Each epoch's global sample order as the run trained on it: the file the run stored (lmtrain.formats.order),
+    checked against the fingerprint its name records (a damaged file is an InputError naming it), or, for a run that
+    stored none, the order drawn again by ``sampler``. ``notes``: what was read from where, and any stored order that
+    differs from the one this lmtrain draws (the stored one is what the run read, and is the one used)."""
+
+    def __init__(self, run_dir: Path, sampler) -> None:
+        self.run_dir, self.sampler = run_dir, sampler
+        self.sizes, self.num_blocks = sampler.sizes, sampler.num_blocks
+        self.stored: dict[int, Path] = {}
+        self.drawn: list[int] = []
+        self.differs: list[int] = []
+        self._orders: dict[int, object] = {}
+
+    def order_of(self, epoch: int):
+        if epoch not in self._orders:
+            from lmtrain.formats import order as order_file
+
+            got = order_file.load(self.run_dir, epoch)
+            drawn = self.sampler.epoch_order(epoch)
+            if got is None:
+                order = drawn
+                self.drawn.append(epoch)
+            else:
+                order, self.stored[epoch] = got
+                if len(order) != len(drawn) or (order != drawn).any():
+                    self.differs.append(epoch)
+            self._orders[epoch] = order
+        return self._orders[epoch]
+
+    epoch_order = order_of
+
+    def notes(self) -> list[str]:
+        out = []
+        if self.stored:
+            epochs = sorted(self.stored)
+            out.append(f"order: epochs {_spans(epochs)} read from {self.run_dir / 'data_order'} (fingerprints checked)")
+        if self.drawn:
+            out.append(f"order: epochs {_spans(sorted(set(self.drawn)))} drawn again from the seed and weights (no stored file)")
+        for epoch in self.differs:
+            out.append(f"order: epoch {epoch}'s stored order is not the one this lmtrain draws (another numpy or lmtrain): "
+                       "the stored one, which the run read, is used")  # fmt: skip
+        return out
+
+
+def _spans(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    spans, start = [], values[0]
+    for a, b in zip(values, values[1:] + [None]):
+        if b != a + 1:
+            spans.append(f"{start}-{a}" if a != start else f"{a}")
+            start = b
+    return ", ".join(spans)
 
 
 def data_module(run_dir: Path):
@@ -207,6 +267,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.audit") -
             print(f"shards: every shard of {', '.join(source_names(dm))} matches its manifest")
         dm, sampler = stream(run_dir)
         result = check(steps, abandoned, sampler.num_blocks, _rollbacks(run_dir))
+        for epoch in sorted({s.epoch for s in steps}):  # the orders the steps index, each file checked
+            sampler.order_of(epoch)
+    except OrderDamaged as exc:
+        print(f"order: {exc}")
+        return 1
     except (InputError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -231,6 +296,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.audit") -
         print(f"  skipped: {what}")
     for epoch, n in result["tails"]:
         print(f"  epoch {epoch}'s last {n} samples not read (fewer than a step)")
+    for line in sampler.notes():
+        print(line)
     return 0
 
 

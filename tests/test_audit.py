@@ -47,6 +47,8 @@ def test_a_killed_and_resumed_run_trained_every_sample_once_and_the_audit_names_
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.startswith("data: every step's samples once, steps 1-8 (8 recorded), epochs 0-0, 32 samples of 64 tokens")
     assert "  resumed at step 4\n" in res.stdout
+    stored = sorted((run / "data_order").iterdir())  # written by the first attempt, kept by the second
+    assert [p.name[:12] for p in stored] == ["epoch-00000-"] and f"order: epochs 0 read from {run / 'data_order'} (fingerprints checked)" in res.stdout
     from lmtrain import audit
 
     dm, order = audit.stream(run)
@@ -85,6 +87,16 @@ def test_a_killed_and_resumed_run_trained_every_sample_once_and_the_audit_names_
     beyond = _audit(str(run), "--step", "9")  # a step the run did not reach: said, nothing listed
     assert beyond.returncode == 2 and beyond.stdout == "" and "step 9 is not in the run's record (steps 1-8)" in beyond.stderr, beyond
 
+    # the stored order damaged: two samples swapped
+    order_kept = stored[0].read_bytes()
+    swapped = np.load(stored[0])
+    swapped[[0, 1]] = swapped[[1, 0]]
+    np.save(stored[0], swapped)
+    res = _audit(str(run))
+    assert res.returncode == 1 and res.stdout.startswith(f"order: {stored[0]}: the stored sample order of epoch 0 has fingerprint "), res.stdout
+    assert f"not the {stored[0].stem[12:]} its name records: the file was damaged or edited" in res.stdout, res.stdout
+    stored[0].write_bytes(order_kept)
+
     # a shard edited in place: its content no longer its manifest's hash
     shard = ds / "train_00000.bin"
     original = shard.read_bytes()
@@ -113,3 +125,25 @@ def test_a_killed_and_resumed_run_trained_every_sample_once_and_the_audit_names_
 def test_the_audit_refuses_what_is_not_a_run(tmp_path):
     res = _audit(str(tmp_path))
     assert res.returncode == 2 and res.stderr.startswith(f"error: {tmp_path} has no metrics record"), res.stderr
+
+
+def test_an_epochs_order_is_stored_once_read_back_exactly_and_a_damaged_file_is_named(tmp_path):
+    """lmtrain.formats.order: 4 bytes a sample where the indices fit, read back equal with its fingerprint checked; a
+    second store of the same order keeps the file, another order for the epoch replaces it; a truncated file is named."""
+    from lmtrain.data.datamodule import BlockSampler
+    from lmtrain.formats import order as order_file
+
+    sampler = BlockSampler([700, 300], seed=5, weights=[2.0, 1.0])
+    order, digest = sampler.epoch_order(3), sampler.order_digest(3)
+    path = order_file.store(tmp_path, 3, order, digest)
+    assert path.name == f"epoch-00003-{digest}.npy" and np.load(path).dtype == np.dtype("<u4")
+    got, where = order_file.load(tmp_path, 3)
+    assert where == path and np.array_equal(got, order) and order_file.fingerprint(got) == digest
+    assert order_file.store(tmp_path, 3, order, digest) == path and path.stat().st_size < 1000 * 4 + 200
+    assert order_file.load(tmp_path, 4) is None
+    other = BlockSampler([700, 300], seed=6, weights=[2.0, 1.0])
+    replaced = order_file.store(tmp_path, 3, other.epoch_order(3), other.order_digest(3))
+    assert sorted((tmp_path / "data_order").iterdir()) == [replaced] and replaced != path
+    replaced.write_bytes(replaced.read_bytes()[:-8])
+    with pytest.raises(order_file.OrderDamaged, match=f"{replaced}: the stored sample order of epoch 3 cannot be read"):
+        order_file.load(tmp_path, 3)

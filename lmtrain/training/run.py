@@ -355,6 +355,8 @@ def _build(att: _Attempt) -> None:
         scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
     )
     att.datamodule = datamodule = instantiate(cfg.data)
+    if hasattr(datamodule, "order_dir"):  # lmtrain's data module: each epoch's sample order stored in the run directory
+        datamodule.order_dir = att.run_dir
     datamodule.prepare_data()
     src = init_from.read(cfg.init_from) if cfg.get("init_from") else None
     if src is not None:  # the dataset's tokenizer the model's, first: a vocabulary too large is its symptom
