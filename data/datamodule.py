@@ -185,17 +185,26 @@ class BlockSampler(Sampler[int]):
         batch_size: int = 1,
         weights: list[float] | None = None,
         accumulate: int = 1,
+        stages: list[tuple[int, list[float]]] | None = None,
     ) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} not in [0, {num_replicas})")
         self.sizes = [int(sizes)] if isinstance(sizes, (int, np.integer)) else [int(s) for s in sizes]
         self.weights = [float(w) for w in weights] if weights is not None else [float(max(s, 1)) for s in self.sizes]
-        if len(self.weights) != len(self.sizes) or any(not w > 0 for w in self.weights):
-            raise ValueError(f"weights {self.weights} must be positive, one per source {self.sizes}")
+        # stages: the mixture's later stages, (first step, weights), in step order; stage 0 is ``weights`` from step 1
+        self.stages = [(int(first), [float(w) for w in ws]) for first, ws in stages or []]
+        for ws in [self.weights, *(ws for _, ws in self.stages)]:
+            if len(ws) != len(self.sizes) or any(not w >= 0 for w in ws) or not sum(ws) > 0:
+                raise ValueError(f"weights {ws} must be >= 0, not all 0, one per source {self.sizes}")
+        if any(not 1 < a < b for a, b in zip([f for f, _ in self.stages], [f for f, _ in self.stages[1:]] + [float("inf")])):
+            raise ValueError(f"stages must begin at increasing steps after step 1: {[f for f, _ in self.stages]}")
         self.num_blocks = sum(self.sizes)
         self.num_replicas, self.rank, self.batch_size, self.accumulate = num_replicas, rank, batch_size, max(int(accumulate), 1)
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
-        self.counts = mixture_counts(self.num_blocks, self.weights)  # samples per source per epoch
+        self.stage_counts = [mixture_counts(self.num_blocks, ws) for ws in [self.weights, *(ws for _, ws in self.stages)]]
+        self.stage = 0  # the stage being read, and the epoch each stage so far began with
+        self.stage_epochs = [0]
+        self.steps_done = None  # a callable: optimizer steps trained so far (the trainer's global step), with stages
         self.start = 0  # global position where this epoch's iteration started (non-zero after a resume)
         self.yielded = 0  # indices this rank handed out since ``start``
         self._resume: tuple[int, int] | None = None  # (epoch, start) set by load_state_dict for the next iteration
@@ -245,19 +254,46 @@ class BlockSampler(Sampler[int]):
             pos += take
         return out
 
+    @property
+    def counts(self) -> np.ndarray:
+        """Samples per source per epoch in the stage being read."""
+        return self.stage_counts[self.stage]
+
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """Every sample of ``epoch`` as an index into the concatenated sources (all ranks' together)."""
+        """Every sample of ``epoch`` as an index into the concatenated sources (all ranks' together), in the stage
+        being read."""
+        return self.staged_order(epoch, self.stage, self.stage_epochs)
+
+    def staged_order(self, epoch: int, stage: int, stage_epochs: list[int]) -> np.ndarray:
+        """``epoch``'s order in ``stage``, the stages so far having begun with ``stage_epochs``. Each source is read
+        on from where the stages before left its stream: a stage's epochs take up each source's passes after the
+        epochs of the stages before (an epoch cut short by a stage's end counts whole), so no block repeats within a
+        pass across a stage change either. Stage 0's orders are the unstaged mixture's."""
         offsets = np.concatenate([[0], np.cumsum(self.sizes)])
         if not self.shuffle:
             return np.arange(self.num_blocks, dtype=np.int64)
+        counts = self.stage_counts[stage]
+        first = np.zeros(len(self.sizes), dtype=np.int64)  # each source's stream position at the stage's first epoch
+        for j in range(stage):
+            first += (stage_epochs[j + 1] - stage_epochs[j]) * self.stage_counts[j]
+        at = first + (epoch - stage_epochs[stage]) * counts
         if len(self.sizes) == 1:
-            return self._source_blocks(0, epoch * self.num_blocks, self.num_blocks)
-        source = np.repeat(np.arange(len(self.sizes)), self.counts)[self._permutation(self.num_blocks, 0, epoch)]
+            return self._source_blocks(0, int(at[0]), self.num_blocks)
+        key = (0, epoch) if stage == 0 else (0, epoch, stage)
+        source = np.repeat(np.arange(len(self.sizes)), counts)[self._permutation(self.num_blocks, *key)]
         order = np.empty(self.num_blocks, dtype=np.int64)
-        for k, c in enumerate(self.counts):
+        for k, c in enumerate(counts):
             if c:
-                order[source == k] = offsets[k] + self._source_blocks(k, epoch * int(c), int(c))
+                order[source == k] = offsets[k] + self._source_blocks(k, int(at[k]), int(c))
         return order
+
+    def stage_at(self, step: int) -> int:
+        """The stage training step ``step`` (counted from 1) reads."""
+        return sum(first <= step for first, _ in self.stages)
+
+    def stage_end(self, stage: int) -> int | None:
+        """The last step of ``stage``; None for the last stage."""
+        return self.stages[stage][0] - 1 if stage < len(self.stages) else None
 
     def indices(self, epoch: int, start: int = 0) -> np.ndarray:
         """This rank's sample order for ``epoch`` from global position ``start``."""
@@ -266,8 +302,8 @@ class BlockSampler(Sampler[int]):
 
     def order_of(self, epoch: int) -> np.ndarray:
         """``epoch_order(epoch)``, drawn once an epoch for the iteration and its fingerprint (order_digest) alike."""
-        if self._drawn is None or self._drawn[0] != epoch:
-            self._drawn = (epoch, self.epoch_order(epoch))
+        if self._drawn is None or self._drawn[0] != (epoch, self.stage):
+            self._drawn = ((epoch, self.stage), self.epoch_order(epoch))
         return self._drawn[1]
 
     def __iter__(self):
@@ -277,9 +313,22 @@ class BlockSampler(Sampler[int]):
             self.start = 0
         self.yielded = 0
         self.handed_out.clear()
+        budget = None  # with stages: samples this rank may draw before the stage's last step
+        if self.stages:
+            step = (self.steps_done() if self.steps_done is not None else 0) + 1  # the step the next batch is for
+            want = self.stage_at(step)
+            if want != self.stage:
+                if self.start:  # resumed inside the epoch the last stage ended in: it ends here, unread
+                    return
+                self.stage_epochs = [*self.stage_epochs[: self.stage + 1], *[self.epoch] * (want - self.stage)]
+                self.stage = want  # the new stage begins with this epoch
+            end = self.stage_end(self.stage)
+            budget = None if end is None else (end - step + 1) * self.unit
         if self.order_dir is not None:
             self._store_order(self.epoch)
         for idx in self.indices(self.epoch, self.start):
+            if budget is not None and self.yielded >= budget:  # the stage's last step drawn: this epoch ends here
+                return
             if self.yielded % self.batch_size == 0:  # a batch begins: where in the epoch's global order (the audit's record)
                 self.handed_out.append((self.epoch, self.position))
             self.yielded += 1
@@ -304,19 +353,21 @@ class BlockSampler(Sampler[int]):
     # Stateful (torchdata calls these): the epoch and position travel with the loader's state. Lightning creates
     # the resumed iterator before it calls set_epoch, so the epoch must come from here.
     def _identity(self) -> dict:
-        return {"seed": self.seed, "sizes": self.sizes, "weights": self.weights}
+        staged = {"stages": [[first, ws] for first, ws in self.stages]} if self.stages else {}
+        return {"seed": self.seed, "sizes": self.sizes, "weights": self.weights, **staged}
 
     def order_digest(self, epoch: int) -> str:
         """The fingerprint of ``epoch``'s global sample order (blake2b of its indices), computed once an epoch: saved with
         the position, so a resume whose order would differ (another numpy, another lmtrain) is refused, not trained."""
-        if self._digest is None or self._digest[0] != epoch:
-            self._digest = (epoch, order_file.fingerprint(self.order_of(epoch)))
+        if self._digest is None or self._digest[0] != (epoch, self.stage):
+            self._digest = ((epoch, self.stage), order_file.fingerprint(self.order_of(epoch)))
         return self._digest[1]
 
     def state_dict(self) -> dict:
         geometry = {"num_replicas": self.num_replicas, "batch_size": self.batch_size, "accumulate": self.accumulate}
         order = {"order": self.order_digest(self.epoch)}
-        return {"epoch": self.epoch, "position": self.position, **geometry, **self._identity(), **order}
+        staged = {"stage": self.stage, "stage_epochs": list(self.stage_epochs)} if self.stages else {}
+        return {"epoch": self.epoch, "position": self.position, **geometry, **self._identity(), **order, **staged}
 
     def resume_point(self, state: dict) -> tuple[int, int]:
         """(epoch, global start) at which a run with this sampler's ranks continues from a saved ``state``: the saved
@@ -331,6 +382,8 @@ class BlockSampler(Sampler[int]):
             )
         position = state["position"] if "position" in state else state["yielded"] * state["num_replicas"]
         epoch, start = int(state["epoch"]), int(position)
+        if self.stages:  # the stage the position is in (its order is that stage's)
+            self.stage, self.stage_epochs = int(state["stage"]), [int(e) for e in state["stage_epochs"]]
         if "order" in state and state["order"] != self.order_digest(epoch):  # checkpoints from before 2026-12-07 lack it
             raise InputError(
                 f"the checkpoint's sample order of epoch {epoch} (fingerprint {state['order']}) is not the one this run draws "
@@ -388,10 +441,12 @@ class TokenDataModule(L.LightningDataModule):
         sources: list[dict] | None = None,
         document_mask: bool = False,
         extra_val: list[dict] | None = None,
+        stages: list[dict] | None = None,
     ) -> None:
         super().__init__()
         self.document_mask = bool(document_mask)
-        self.paths, self.weights, names = _resolve_sources(path, sources)
+        self.paths, self.weights, names = _resolve_sources(path, sources, staged=bool(stages))
+        self.stages = _resolve_stages(stages, names, self.weights)
         extra_paths, extra_names = _resolve_extra_val(extra_val, names)
         self.val_paths = self.paths + extra_paths
         self.val_names = names + extra_names  # one validation loader each (when more than one): val/loss/<name>
@@ -465,6 +520,8 @@ class TokenDataModule(L.LightningDataModule):
         ident = {"dataset": fps[0] if len(fps) == 1 else fps, "data.seq_len": self.seq_len, "data.seed": self.seed}
         if len(fps) > 1:
             ident["weights"] = self.weights
+        if self.stages:
+            ident["stages"] = [[first, ws] for first, ws in self.stages]
         # what the tokens mean, as the manifests say now (the fingerprint is of the inputs: an edited manifest keeps it)
         formats = [{k: m[k] for k in ("dtype", "eos_id", "vocab_size")} for m in manifests]
         ident["format"] = formats[0] if len(formats) == 1 else formats
@@ -542,8 +599,10 @@ class TokenDataModule(L.LightningDataModule):
         accumulate = int(getattr(self.trainer, "accumulate_grad_batches", 1) or 1) if self.trainer is not None else 1
         sampler = BlockSampler(
             self.train_set.sizes, world, rank, shuffle=True, seed=self.seed, batch_size=self.batch_size, weights=self.weights,
-            accumulate=accumulate,
+            accumulate=accumulate, stages=self.stages,
         )  # fmt: skip
+        if self.trainer is not None:
+            sampler.steps_done = lambda: self.trainer.global_step  # where a stage's steps end (data.stages)
         sampler.skip_on_load = self.skip_batches * self.batch_size
         sampler.order_dir = self.order_dir if rank == 0 else None  # one writer per data-parallel layout
         if len(sampler) == 0:
@@ -629,8 +688,9 @@ class ResumableLoader(_FrozenFork, StatefulDataLoader):
         super().load_state_dict({})  # a fresh iterator, which starts where the sampler now stands
 
 
-def _resolve_sources(path: str | None, sources) -> tuple[list[Path], list[float] | None, list[str]]:
-    """(paths, weights, names) from ``data.path`` or ``data.sources``; weights is None for a single dataset."""
+def _resolve_sources(path: str | None, sources, staged: bool = False) -> tuple[list[Path], list[float] | None, list[str]]:
+    """(paths, weights, names) from ``data.path`` or ``data.sources``; weights is None for a single dataset. With
+    ``staged`` (data.stages given), a source's weight may be 0: one that only a later stage reads."""
     if (path is None) == (sources is None or len(sources) == 0):
         raise PrepareError("give exactly one of data.path=DIR and data.sources=[{path: DIR, weight: W}, ...]")
     if path is not None:
@@ -640,8 +700,8 @@ def _resolve_sources(path: str | None, sources) -> tuple[list[Path], list[float]
         if not hasattr(s, "keys") or set(s.keys()) - {"path", "weight", "name"} or "path" not in s:
             raise PrepareError(f"data.sources[{i}] = {s!r}: expected {{path: DIR, weight: W}} (and optionally name: N)")
         w = s.get("weight", 1.0)
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
-            raise PrepareError(f"data.sources[{i}].weight = {w!r}: must be a positive number")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (w >= 0 if staged else w > 0):
+            raise PrepareError(f"data.sources[{i}].weight = {w!r}: must be a {'number >= 0' if staged else 'positive number'}")
         paths.append(Path(s["path"]))
         weights.append(float(w))
         names.append(_val_name(s.get("name"), Path(s["path"]), f"data.sources[{i}]"))
@@ -649,7 +709,37 @@ def _resolve_sources(path: str | None, sources) -> tuple[list[Path], list[float]
         raise PrepareError(f"data.sources lists a dataset twice: {[str(p) for p in paths]} (raise its weight instead)")
     if len(set(names)) != len(names):
         raise PrepareError(f"data.sources: two sources are named alike ({names}): give each a distinct name: N")
+    if not sum(weights) > 0:
+        raise PrepareError(f"data.sources: every weight is 0 ({weights}): the first stage must read some source")
     return paths, weights, names
+
+
+def _resolve_stages(stages, names: list[str], weights: list[float] | None) -> list[tuple[int, list[float]]]:
+    """``data.stages``: the mixture's later stages, ``[{from_step: N, weights: {SOURCE: W, ...}}, ...]``, as (first
+    step, weight per source in data.sources' order; a source not named: 0), each error naming its key."""
+    if not stages:
+        return []
+    if weights is None or len(weights) < 2:
+        raise PrepareError("data.stages needs a mixture: data.sources with two or more sources (every stage weighs them)")
+    out, last = [], 1
+    for i, st in enumerate(stages):
+        if not hasattr(st, "keys") or set(st.keys()) != {"from_step", "weights"}:
+            raise PrepareError(f"data.stages[{i}] = {st!r}: expected {{from_step: STEP, weights: {{SOURCE: W, ...}}}}")
+        first, ws = st["from_step"], st["weights"]
+        if isinstance(first, bool) or not isinstance(first, int) or first <= last:
+            raise PrepareError(f"data.stages[{i}].from_step = {first!r}: must be a step after {last} (stages begin at increasing steps)")
+        if not hasattr(ws, "keys") or not ws:
+            raise PrepareError(f"data.stages[{i}].weights = {ws!r}: expected {{SOURCE: W, ...}} naming sources of data.sources")
+        unknown = sorted(str(k) for k in ws if str(k) not in names)
+        if unknown:
+            raise PrepareError(f"data.stages[{i}].weights names {unknown}: not sources of data.sources ({names})")
+        row = [ws.get(n, 0.0) for n in names]
+        bad = [f"{n}: {w!r}" for n, w in zip(names, row) if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0]
+        if bad or not sum(row) > 0:
+            raise PrepareError(f"data.stages[{i}].weights: {'; '.join(bad) or 'every weight is 0'}: weights are numbers >= 0, some > 0")
+        out.append((first, [float(w) for w in row]))
+        last = first
+    return out
 
 
 def _resolve_extra_val(extra, taken: list[str]) -> tuple[list[Path], list[str]]:

@@ -80,7 +80,7 @@ def stream(run_dir: Path):
 
     dm = data_module(run_dir)
     dm.setup("fit")
-    return dm, RunOrder(run_dir, BlockSampler(dm.train_set.sizes, seed=dm.seed, weights=dm.weights))
+    return dm, RunOrder(run_dir, BlockSampler(dm.train_set.sizes, seed=dm.seed, weights=dm.weights, stages=dm.stages))
 
 
 class RunOrder:
@@ -96,13 +96,23 @@ class RunOrder:
         self.drawn: list[int] = []
         self.differs: list[int] = []
         self._orders: dict[int, object] = {}
+        self.epoch_stage: dict[int, int] = {}  # with data.stages: each epoch's stage, and the epoch each stage began with
+        self.stage_epochs = [0]
+
+    def follow(self, steps: list[StepData]) -> None:
+        """With data.stages: which stage each epoch the steps read belongs to (a stage begins with a new epoch)."""
+        for s in steps:
+            stage = self.sampler.stage_at(s.step)
+            while len(self.stage_epochs) <= stage:
+                self.stage_epochs.append(s.epoch)
+            self.epoch_stage[s.epoch] = stage
 
     def order_of(self, epoch: int):
         if epoch not in self._orders:
             from lmtrain.formats import order as order_file
 
             got = order_file.load(self.run_dir, epoch)
-            drawn = self.sampler.epoch_order(epoch)
+            drawn = self.sampler.staged_order(epoch, self.epoch_stage.get(epoch, 0), self.stage_epochs)
             if got is None:
                 order = drawn
                 self.drawn.append(epoch)
@@ -151,7 +161,7 @@ def data_module(run_dir: Path):
         raise InputError(f"{run_dir}: data is {data.get('_target_')}, not lmtrain's TokenDataModule: nothing to audit")
     from lmtrain.data.datamodule import TokenDataModule
 
-    keep = ("path", "sources", "seq_len", "seed", "document_mask")
+    keep = ("path", "sources", "seq_len", "seed", "document_mask", "stages")
     return TokenDataModule(**{k: data[k] for k in keep if k in data}, batch_size=1)
 
 
@@ -175,9 +185,10 @@ def _advance(epoch: int, position: int, samples: int, steps: int, total: int) ->
     return epoch, position, tails
 
 
-def check(steps: list[StepData], abandoned: dict[int, StepData], total: int, rollbacks: dict[int, dict]) -> dict:
-    """The walk (see the module docstring): ``{"ok", "problem", "tails", "skipped", "resumes"}``."""
-    tails, skipped, resumes = [], [], []
+def check(steps: list[StepData], abandoned: dict[int, StepData], total: int, rollbacks: dict[int, dict], stage_at=None) -> dict:
+    """The walk (see the module docstring): ``{"ok", "problem", "tails", "skipped", "resumes", "stages"}``. ``stage_at``
+    (data.stages): the stage of a step; a step that begins a stage begins the epoch after its predecessor's."""
+    tails, skipped, resumes, stages = [], [], [], []
     for prev, cur in zip(steps, steps[1:]):
         gap = cur.step - prev.step
         epoch, position, passed = _advance(prev.epoch, prev.position, prev.samples, gap, total)
@@ -198,16 +209,21 @@ def check(steps: list[StepData], abandoned: dict[int, StepData], total: int, rol
                 if total - position > 0:
                     passed.append((epoch, total - position))
                 epoch, position = epoch + 1, 0
+        if stage_at is not None and stage_at(cur.step) != stage_at(prev.step):  # a stage begins with a new epoch
+            stages.append((cur.step, stage_at(cur.step)))
+            end = prev.position + prev.samples
+            passed = [(prev.epoch, total - end, "its stage ended")] if 0 < end < total else []
+            epoch, position, note = prev.epoch + 1, 0, f"stage {stage_at(cur.step)} begins"
         if (cur.epoch, cur.position) != (epoch, position):
             how = "read twice" if (cur.epoch, cur.position) < (epoch, position) else "skipped"
             return {
-                "ok": False, "tails": tails, "skipped": skipped, "resumes": resumes,
+                "ok": False, "tails": tails, "skipped": skipped, "resumes": resumes, "stages": stages,
                 "problem": f"step {cur.step} (attempt {cur.attempt}) began at epoch {cur.epoch} position {cur.position}; "
                            f"after step {prev.step} (epoch {prev.epoch} position {prev.position}, {prev.samples} samples a step) "
                            f"it should begin at epoch {epoch} position {position}{f' ({note})' if note else ''}: samples {how}",
             }  # fmt: skip
         tails += passed
-    return {"ok": True, "problem": None, "tails": tails, "skipped": skipped, "resumes": resumes}
+    return {"ok": True, "problem": None, "tails": tails, "skipped": skipped, "resumes": resumes, "stages": stages}
 
 
 def _samples(sampler, s: StepData):
@@ -266,7 +282,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.audit") -
                 return 1
             print(f"shards: every shard of {', '.join(source_names(dm))} matches its manifest")
         dm, sampler = stream(run_dir)
-        result = check(steps, abandoned, sampler.num_blocks, _rollbacks(run_dir))
+        sampler.follow(steps)
+        result = check(steps, abandoned, sampler.num_blocks, _rollbacks(run_dir), sampler.sampler.stage_at if dm.stages else None)
         for epoch in sorted({s.epoch for s in steps}):  # the orders the steps index, each file checked
             sampler.order_of(epoch)
     except OrderDamaged as exc:
@@ -292,10 +309,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m lmtrain.audit") -
           f"{sum(counts.values()):,} samples of {dm.seq_len} tokens: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))  # fmt: skip
     for step, before, after in result["resumes"]:
         print(f"  resumed at step {step}" + (f" ({before} -> {after} samples a step)" if before != after else ""))
+    for step, stage in result["stages"]:
+        print(f"  stage {stage} began at step {step}")
     for what in result["skipped"]:
         print(f"  skipped: {what}")
-    for epoch, n in result["tails"]:
-        print(f"  epoch {epoch}'s last {n} samples not read (fewer than a step)")
+    for epoch, n, *why in result["tails"]:
+        print(f"  epoch {epoch}'s last {n} samples not read ({why[0] if why else 'fewer than a step'})")
     for line in sampler.notes():
         print(line)
     return 0

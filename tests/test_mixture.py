@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
@@ -14,9 +17,10 @@ from lmtrain.data.datamodule import BlockSampler, TokenDataModule, mixture_count
 from lmtrain.data.prepare import PrepareError, prepare
 from lmtrain.errors import InputError
 from lmtrain.training.run import train
-from tests.conftest import TINY, make_cfg, python_stdlib_files
+from tests.conftest import ROOT, TINY, make_cfg, python_stdlib_files
 
 SEQ, BATCH = 32, 4
+TWO = [{"path": "a"}, {"path": "b"}]  # two sources, named by their folders
 
 
 def test_mixture_counts_are_exact_and_sum_to_total():
@@ -130,6 +134,17 @@ def test_sources_with_different_tokenizers_are_refused(two_sources):
         ({"sources": [{"path": "y", "name": "a b"}]}, r"name = 'a b': use letters"),
         ({"path": "y", "extra_val": [{"path": "z", "name": "y"}]}, r"the name\(s\) \['y'\] are taken"),
         ({"path": "y", "extra_val": [{"dir": "z"}]}, r"data.extra_val\[0\].*expected \{name: N, path: DIR\}"),
+        ({"path": "y", "stages": [{"from_step": 5, "weights": {"y": 1}}]}, "data.stages needs a mixture"),
+        ({"sources": TWO, "stages": [{"from_step": 5, "weights": {"c": 1}}]}, r"data.stages\[0\].weights names \['c'\]: not sources"),
+        ({"sources": TWO, "stages": [{"from_step": 5, "weights": {"a": 1}}, {"from_step": 5, "weights": {"b": 1}}]},
+         r"data.stages\[1\].from_step = 5: must be a step after 5"),
+        ({"sources": TWO, "stages": [{"from_step": 1, "weights": {"a": 1}}]}, r"data.stages\[0\].from_step = 1: must be a step after 1"),
+        ({"sources": TWO, "stages": [{"from_step": 9, "weights": {"a": 0}}]}, r"data.stages\[0\].weights: every weight is 0"),
+        ({"sources": TWO, "stages": [{"from_step": 9, "weights": {"a": -1}}]}, r"data.stages\[0\].weights: a: -1"),
+        ({"sources": TWO, "stages": [{"from": 9, "weights": {"a": 1}}]}, r"data.stages\[0\] = .*expected \{from_step: STEP"),
+        ({"sources": [{"path": "a", "weight": 0}, {"path": "b", "weight": 1}]}, r"data.sources\[0\].weight = 0: must be a positive"),
+        ({"sources": [{"path": "a", "weight": 0}, {"path": "b", "weight": 0}], "stages": [{"from_step": 9, "weights": {"a": 1}}]},
+         "every weight is 0 .*: the first stage must read some source"),
     ],
 )
 def test_bad_mixture_specs(kw, message):
@@ -187,3 +202,51 @@ def test_train_on_a_mixture_from_the_command_line_config(two_sources, tmp_path):
     with pytest.raises(PrepareError, match="use different tokenizers"):
         train(make_cfg(base + [f"data.extra_val={bad}", f"run_dir={tmp_path / 'bad'}"], tmp_path))
     assert not (tmp_path / "bad" / "config.yaml").exists()
+
+
+STAGED = [
+    "data=mixture", f"data.seq_len={SEQ}", "data.num_workers=2", "model.vocab_size=300", "logger=csv",
+    "trainer.val_check_interval=100", "callbacks=checkpoint", "callbacks.checkpoint.every_n_steps=2",
+    "callbacks.disk_guard.margin_gb=0", "scheduler.total_steps=12", "data.stages=[{from_step: 6, weights: {A: 1, B: 3}}]",
+]  # fmt: skip
+
+
+def _steps(run) -> dict[int, dict]:
+    """The current timeline's per-step values (a later attempt's row replaces an earlier one's)."""
+    out: dict[int, dict] = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "step" in row and "m" in row:
+            out.setdefault(row["step"], {}).update(row["m"])
+    return out
+
+
+@pytest.mark.slow
+def test_a_staged_mixture_resumed_at_and_across_its_stage_change_trains_as_one_run(two_sources, tmp_path):
+    """data.stages: source A alone for steps 1-5 (B's own weight 0), then A and B 1:3 from step 6, 12 steps of 4 samples
+    (an epoch is a few steps: the stages cross epoch ends too), two loader workers reading ahead. The run stopped after
+    step 5 (the first stage's last) and launched again, and the one stopped after step 7 (inside the second stage) and
+    launched again, each train as the uninterrupted run: the same losses, the same samples at each step (data/epoch,
+    data/position) and the same tokens read from each source; B is read from step 6 on, never before; the second stage
+    begins a new epoch; the audit finds every step's samples once and names the stage change."""
+    from lmtrain import audit
+
+    sources = f"[{{path: {two_sources / 'A'}, weight: 1}}, {{path: {two_sources / 'B'}, weight: 0}}]"
+    base = [*TINY, *STAGED, f"data.sources={sources}"]
+    runs = {}
+    for name, stops in (("whole", [12]), ("at", [5, 12]), ("across", [7, 12])):
+        for stop in stops:
+            train(make_cfg([*base, f"trainer.max_steps={stop}", f"run_dir={tmp_path / name}"], tmp_path))
+        runs[name] = _steps(tmp_path / name)
+    keys = ("train/loss", "data/epoch", "data/position", "data/tokens/A", "data/tokens/B")
+    whole = {(s, k): runs["whole"][s][k] for s in range(1, 13) for k in keys}
+    for name in ("at", "across"):
+        assert {(s, k): runs[name][s][k] for s in range(1, 13) for k in keys} == pytest.approx(whole, rel=1e-6), name
+    whole = {s: {k: whole[s, k] for k in keys} for s in range(1, 13)}
+    assert [whole[s]["data/tokens/B"] for s in range(1, 6)] == [0] * 5 and whole[6]["data/tokens/B"] > 0
+    assert whole[6]["data/epoch"] == whole[5]["data/epoch"] + 1 and whole[6]["data/position"] == 0
+    for name in ("whole", "at", "across"):
+        assert audit.main([str(tmp_path / name)]) == 0, name
+    res = subprocess.run([sys.executable, "-m", "lmtrain", "audit", str(tmp_path / "at")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert res.returncode == 0 and "  stage 1 began at step 6\n" in res.stdout and "  resumed at step 6\n" in res.stdout, res.stdout + res.stderr
