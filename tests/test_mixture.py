@@ -223,21 +223,28 @@ def _steps(run) -> dict[int, dict]:
 
 @pytest.mark.slow
 def test_a_staged_mixture_resumed_at_and_across_its_stage_change_trains_as_one_run(two_sources, tmp_path):
-    """data.stages: source A alone for steps 1-5 (B's own weight 0), then A and B 1:3 from step 6, 12 steps of 4 samples
-    (an epoch is a few steps: the stages cross epoch ends too), two loader workers reading ahead. The run stopped after
-    step 5 (the first stage's last) and launched again, and the one stopped after step 7 (inside the second stage) and
-    launched again, each train as the uninterrupted run: the same losses, the same samples at each step (data/epoch,
-    data/position) and the same tokens read from each source; B is read from step 6 on, never before; the second stage
-    begins a new epoch; the audit finds every step's samples once and names the stage change."""
+    """data.stages: source A alone for steps 1-5 (B's own weight 0), then A and B 1:3 from step 6, 12 steps of 4 samples,
+    two loader workers reading ahead. The run stopped after step 5 (the first stage's last) and launched again, and one
+    on 2 ranks (gloo, 2 samples a rank) stopped after step 7 (inside the second stage) and launched again on 1, each
+    train as the uninterrupted run: the same losses, the same samples at each step (data/epoch, data/position) and the
+    same tokens read from each source; B is read from step 6 on, never before; the second stage begins a new epoch; the
+    audit finds every step's samples once and names the stage change."""
     from lmtrain import audit
+    from tests.conftest import run_train_cli
 
     sources = f"[{{path: {two_sources / 'A'}, weight: 1}}, {{path: {two_sources / 'B'}, weight: 0}}]"
     base = [*TINY, *STAGED, f"data.sources={sources}"]
     runs = {}
-    for name, stops in (("whole", [12]), ("at", [5, 12]), ("across", [7, 12])):
+    for name, stops in (("whole", [12]), ("at", [5, 12])):
         for stop in stops:
             train(make_cfg([*base, f"trainer.max_steps={stop}", f"run_dir={tmp_path / name}"], tmp_path))
         runs[name] = _steps(tmp_path / name)
+    two = [a for a in base if not a.startswith(("trainer.devices", "data.batch_size"))]
+    first = run_train_cli([*two, "strategy=ddp", "trainer.devices=2", "data.batch_size=2", "trainer.max_steps=7", f"run_dir={tmp_path / 'across'}"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = run_train_cli([*base, "trainer.max_steps=12", f"run_dir={tmp_path / 'across'}"], tmp_path)
+    assert again.returncode == 0 and "resuming on 1 rank, saved on 2" in again.stderr, again.stderr[-3000:]
+    runs["across"] = _steps(tmp_path / "across")
     keys = ("train/loss", "data/epoch", "data/position", "data/tokens/A", "data/tokens/B")
     whole = {(s, k): runs["whole"][s][k] for s in range(1, 13) for k in keys}
     for name in ("at", "across"):
