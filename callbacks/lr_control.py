@@ -53,6 +53,7 @@ class LRControl(L.Callback):
         self._last_polled = -1
         self._schedule: WarmupStableDecay | None = None
         self._max_steps = 0  # trainer.max_steps as configured (an operator's decay ends training sooner: _end_with_decay)
+        self._data_lead = 0  # steps a decay starts after its request is read: the loader's read-ahead, with a decay data stage
 
     def on_train_start(self, trainer, pl_module) -> None:
         # rank zero's reading, so that every rank applies the same corrections even while the file is being written
@@ -133,14 +134,22 @@ class LRControl(L.Callback):
         Returns how many were."""
         step = trainer.global_step
         self._schedule = self._wsd(trainer)
+        sampler = _decay_stage_sampler(trainer)
+        # with data.stages' last stage begun by the decay: the decay (and the stage) start after every step whose samples
+        # the loader may have drawn already: its workers' prefetch (2 batches each) and the batch the loop holds, + 1
+        self._data_lead = 0 if sampler is None else 1 + -(-(2 * trainer.datamodule.num_workers + 2) // sampler.accumulate)
         accepted = self._read_requests(step, self._scheduled_lr(trainer)) if trainer.is_global_zero else None
         accepted = trainer.strategy.broadcast(accepted, src=0)
         for entry, what in accepted:
             self.entries.append(entry)
-            if trainer.is_global_zero:
+            if trainer.is_global_zero:  # from the step it applies from (a decay with a data stage: after a lead)
                 corrections.add(self.run_dir, entry)
-                logbook.append(self.run_dir, "lr_correction", f"operator: {what} from step {step}", step=step)
-                log.info(f"{what} from step {step} (operator request)")
+                logbook.append(self.run_dir, "lr_correction", f"operator: {what} from step {entry['from_step']}", step=step)
+                log.info(f"{what} from step {entry['from_step']} (operator request)")
+            if sampler is not None and entry["reason"] == "decay":  # the data's last stage with the cooldown's first step
+                sampler.begin_decay(entry["from_step"] + 1)
+                if trainer.is_global_zero:
+                    log.info(f"data.stages: the decay's stage begins at step {entry['from_step'] + 1}")
         if accepted:
             self._end_with_decay(trainer)
         return len(accepted)
@@ -224,6 +233,7 @@ class LRControl(L.Callback):
             raise _Rejected("decay needs scheduler=wsd (warmup-stable-decay); this run's schedule has no decay to start")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise _Rejected(f"decay_steps={n!r} is not a positive number of steps")
+        step += self._data_lead  # data.stages' decay stage begins with it: after the steps the loader has drawn
         if (under_way := schedule.under_way(corrections.cooldown(entries), step)) is not None:
             raise _Rejected(under_way)
         if step + n > self._max_steps:
@@ -236,8 +246,7 @@ class LRControl(L.Callback):
         ends = f"; training ends there, not at trainer.max_steps={self._max_steps}" if step + n < self._max_steps else ""
         return entry, f"decay over {n} steps ({schedule.decay}, to x{floor:g} of the peak at step {step + n}{ends})"
 
-    @staticmethod
-    def _revoke(req: dict, step: int, entries: list[dict]) -> tuple[dict, str]:
+    def _revoke(self, req: dict, step: int, entries: list[dict]) -> tuple[dict, str]:
         target = req["revoke"]
         if not isinstance(target, int) or isinstance(target, bool) or not 0 <= target < len(entries):
             raise _Rejected(
@@ -247,8 +256,20 @@ class LRControl(L.Callback):
             raise _Rejected(f"correction {target} ({corrections.describe(entries[target])}) is revoked already")
         if entries[target].get("reason") == "revoke":
             raise _Rejected(f"correction {target} is itself a revocation")
+        if entries[target].get("reason") == "decay" and self._data_lead:
+            raise _Rejected(
+                f"correction {target} ({corrections.describe(entries[target])}) begins data.stages' last stage at step "
+                f"{entries[target]['from_step'] + 1}: the data read from there cannot be taken back"
+            )
         entry = {"from_step": step, "scale": 1.0, "reason": "revoke", "revokes": [target], "request": req}
         return entry, f"revoked correction {target} ({corrections.describe(entries[target])})"
+
+
+def _decay_stage_sampler(trainer):
+    """The training sampler when data.stages' last stage begins with the operator's decay, else None."""
+    sampler = getattr(getattr(trainer, "datamodule", None), "sampler_in_use", None)
+    stages = getattr(sampler, "stages", None)
+    return sampler if stages and stages[-1][0] is None else None
 
 
 REQUEST_MAX_BYTES = 64 << 10  # a request is a few dozen bytes; more is not one

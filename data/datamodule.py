@@ -191,13 +191,16 @@ class BlockSampler(Sampler[int]):
             raise ValueError(f"rank {rank} not in [0, {num_replicas})")
         self.sizes = [int(sizes)] if isinstance(sizes, (int, np.integer)) else [int(s) for s in sizes]
         self.weights = [float(w) for w in weights] if weights is not None else [float(max(s, 1)) for s in self.sizes]
-        # stages: the mixture's later stages, (first step, weights), in step order; stage 0 is ``weights`` from step 1
-        self.stages = [(int(first), [float(w) for w in ws]) for first, ws in stages or []]
+        # stages: the mixture's later stages, (first step, weights), in step order; stage 0 is ``weights`` from step 1.
+        # The last may begin with the operator's decay (first step None: decay_from once the decay is given)
+        self.stages = [(None if first is None else int(first), [float(w) for w in ws]) for first, ws in stages or []]
         for ws in [self.weights, *(ws for _, ws in self.stages)]:
             if len(ws) != len(self.sizes) or any(not w >= 0 for w in ws) or not sum(ws) > 0:
                 raise ValueError(f"weights {ws} must be >= 0, not all 0, one per source {self.sizes}")
-        if any(not 1 < a < b for a, b in zip([f for f, _ in self.stages], [f for f, _ in self.stages[1:]] + [float("inf")])):
-            raise ValueError(f"stages must begin at increasing steps after step 1: {[f for f, _ in self.stages]}")
+        fixed = [f for f, _ in self.stages if f is not None]
+        if any(f is None for f, _ in self.stages[:-1]) or any(not 1 < a < b for a, b in zip(fixed, fixed[1:] + [float("inf")])):
+            raise ValueError(f"stages must begin at increasing steps after step 1, the decay's last: {[f for f, _ in self.stages]}")
+        self.decay_from: int | None = None  # the first step of the decay's stage, once the operator's decay is given
         self.num_blocks = sum(self.sizes)
         self.num_replicas, self.rank, self.batch_size, self.accumulate = num_replicas, rank, batch_size, max(int(accumulate), 1)
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
@@ -205,6 +208,7 @@ class BlockSampler(Sampler[int]):
         self.stage = 0  # the stage being read, and the epoch each stage so far began with
         self.stage_epochs = [0]
         self.steps_done = None  # a callable: optimizer steps trained so far (the trainer's global step), with stages
+        self._iter_step: int | None = None  # the step the current iteration's first batch is for
         self.start = 0  # global position where this epoch's iteration started (non-zero after a resume)
         self.yielded = 0  # indices this rank handed out since ``start``
         self._resume: tuple[int, int] | None = None  # (epoch, start) set by load_state_dict for the next iteration
@@ -287,13 +291,28 @@ class BlockSampler(Sampler[int]):
                 order[source == k] = offsets[k] + self._source_blocks(k, int(at[k]), int(c))
         return order
 
+    def _first(self, stage: int) -> int | None:
+        """The first step of later stage ``stage`` (1..), None while it has none (a decay's stage not yet given)."""
+        first = self.stages[stage - 1][0]
+        return self.decay_from if first is None else first
+
     def stage_at(self, step: int) -> int:
         """The stage training step ``step`` (counted from 1) reads."""
-        return sum(first <= step for first, _ in self.stages)
+        return sum((f := self._first(i)) is not None and f <= step for i in range(1, len(self.stages) + 1))
 
     def stage_end(self, stage: int) -> int | None:
-        """The last step of ``stage``; None for the last stage."""
-        return self.stages[stage][0] - 1 if stage < len(self.stages) else None
+        """The last step of ``stage``; None for the last stage, or while the next one has no first step."""
+        first = self._first(stage + 1) if stage < len(self.stages) else None
+        return None if first is None else first - 1
+
+    def begin_decay(self, first: int) -> None:
+        """The decay's stage begins at step ``first`` (lmtrain.callbacks.lr_control, when the operator's decay is
+        given). The loader must not have drawn that step's samples yet: lr_control gives the decay enough steps of lead
+        for the loader's read-ahead; a step drawn already is an error, not a silent mix of two stages."""
+        drawn = (self._iter_step - 1 + -(-self.yielded // self.unit)) if self._iter_step is not None else 0
+        if drawn >= first:
+            raise RuntimeError(f"the data of step {drawn} is drawn already: the decay's stage cannot begin at step {first}")
+        self.decay_from = first
 
     def indices(self, epoch: int, start: int = 0) -> np.ndarray:
         """This rank's sample order for ``epoch`` from global position ``start``."""
@@ -313,22 +332,22 @@ class BlockSampler(Sampler[int]):
             self.start = 0
         self.yielded = 0
         self.handed_out.clear()
-        budget = None  # with stages: samples this rank may draw before the stage's last step
+        step = None  # with stages: the step the next batch is for
         if self.stages:
-            step = (self.steps_done() if self.steps_done is not None else 0) + 1  # the step the next batch is for
+            step = self._iter_step = (self.steps_done() if self.steps_done is not None else 0) + 1
             want = self.stage_at(step)
             if want != self.stage:
                 if self.start:  # resumed inside the epoch the last stage ended in: it ends here, unread
                     return
                 self.stage_epochs = [*self.stage_epochs[: self.stage + 1], *[self.epoch] * (want - self.stage)]
                 self.stage = want  # the new stage begins with this epoch
-            end = self.stage_end(self.stage)
-            budget = None if end is None else (end - step + 1) * self.unit
         if self.order_dir is not None:
             self._store_order(self.epoch)
         for idx in self.indices(self.epoch, self.start):
-            if budget is not None and self.yielded >= budget:  # the stage's last step drawn: this epoch ends here
-                return
+            if step is not None and self.yielded % self.unit == 0:  # a step begins: past its stage's last? (the
+                end = self.stage_end(self.stage)  # decay's stage may have been given a first step since)
+                if end is not None and step + self.yielded // self.unit > end:
+                    return  # the stage's last step drawn: this epoch ends here
             if self.yielded % self.batch_size == 0:  # a batch begins: where in the epoch's global order (the audit's record)
                 self.handed_out.append((self.epoch, self.position))
             self.yielded += 1
@@ -353,7 +372,7 @@ class BlockSampler(Sampler[int]):
     # Stateful (torchdata calls these): the epoch and position travel with the loader's state. Lightning creates
     # the resumed iterator before it calls set_epoch, so the epoch must come from here.
     def _identity(self) -> dict:
-        staged = {"stages": [[first, ws] for first, ws in self.stages]} if self.stages else {}
+        staged = {"stages": [["decay" if first is None else first, ws] for first, ws in self.stages]} if self.stages else {}
         return {"seed": self.seed, "sizes": self.sizes, "weights": self.weights, **staged}
 
     def order_digest(self, epoch: int) -> str:
@@ -463,6 +482,7 @@ class TokenDataModule(L.LightningDataModule):
         self.skip_batches = 0  # set by lmtrain.training.run after a rollback: batches to skip past the restored position
         self.sampler_in_use: BlockSampler | None = None
         self.order_dir: Path | None = None  # set by lmtrain.training.run: the run directory the order files go to
+        self.decay_from: int | None = None  # set by lmtrain.training.run: the decay stage's first step, once given
         self.tokens_read = np.zeros(len(self.paths), dtype=np.int64)  # training tokens read from each source (count_read)
 
     # -- dataset on disk ----------------------------------------------------------------------
@@ -521,7 +541,7 @@ class TokenDataModule(L.LightningDataModule):
         if len(fps) > 1:
             ident["weights"] = self.weights
         if self.stages:
-            ident["stages"] = [[first, ws] for first, ws in self.stages]
+            ident["stages"] = [["decay" if first is None else first, ws] for first, ws in self.stages]
         # what the tokens mean, as the manifests say now (the fingerprint is of the inputs: an edited manifest keeps it)
         formats = [{k: m[k] for k in ("dtype", "eos_id", "vocab_size")} for m in manifests]
         ident["format"] = formats[0] if len(formats) == 1 else formats
@@ -603,6 +623,7 @@ class TokenDataModule(L.LightningDataModule):
         )  # fmt: skip
         if self.trainer is not None:
             sampler.steps_done = lambda: self.trainer.global_step  # where a stage's steps end (data.stages)
+        sampler.decay_from = self.decay_from
         sampler.skip_on_load = self.skip_batches * self.batch_size
         sampler.order_dir = self.order_dir if rank == 0 else None  # one writer per data-parallel layout
         if len(sampler) == 0:
@@ -726,8 +747,15 @@ def _resolve_stages(stages, names: list[str], weights: list[float] | None) -> li
         if not hasattr(st, "keys") or set(st.keys()) != {"from_step", "weights"}:
             raise PrepareError(f"data.stages[{i}] = {st!r}: expected {{from_step: STEP, weights: {{SOURCE: W, ...}}}}")
         first, ws = st["from_step"], st["weights"]
-        if isinstance(first, bool) or not isinstance(first, int) or first <= last:
-            raise PrepareError(f"data.stages[{i}].from_step = {first!r}: must be a step after {last} (stages begin at increasing steps)")
+        if first == "decay":
+            if i != len(stages) - 1:
+                raise PrepareError(f"data.stages[{i}].from_step = decay: only the last stage may begin with the operator's decay")
+            first = None
+        elif isinstance(first, bool) or not isinstance(first, int) or first <= last:
+            raise PrepareError(
+                f"data.stages[{i}].from_step = {first!r}: must be a step after {last} (stages begin at increasing steps), "
+                "or decay (the last stage: with the operator's `lmtrain control RUN decay`)"
+            )
         if not hasattr(ws, "keys") or not ws:
             raise PrepareError(f"data.stages[{i}].weights = {ws!r}: expected {{SOURCE: W, ...}} naming sources of data.sources")
         unknown = sorted(str(k) for k in ws if str(k) not in names)
@@ -740,6 +768,11 @@ def _resolve_stages(stages, names: list[str], weights: list[float] | None) -> li
         out.append((first, [float(w) for w in row]))
         last = first
     return out
+
+
+def decay_stage(stages: list[tuple[int | None, list[float]]]) -> bool:
+    """Whether the last of ``data.stages`` begins with the operator's decay."""
+    return bool(stages) and stages[-1][0] is None
 
 
 def _resolve_extra_val(extra, taken: list[str]) -> tuple[list[Path], list[str]]:

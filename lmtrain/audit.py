@@ -80,7 +80,13 @@ def stream(run_dir: Path):
 
     dm = data_module(run_dir)
     dm.setup("fit")
-    return dm, RunOrder(run_dir, BlockSampler(dm.train_set.sizes, seed=dm.seed, weights=dm.weights, stages=dm.stages))
+    sampler = BlockSampler(dm.train_set.sizes, seed=dm.seed, weights=dm.weights, stages=dm.stages)
+    if dm.stages and dm.stages[-1][0] is None:  # the last stage begun by the operator's decay: where it began
+        from lmtrain.formats import corrections
+
+        cooldown = corrections.cooldown(corrections.load(run_dir))
+        sampler.decay_from = cooldown[0] + 1 if cooldown is not None else None
+    return dm, RunOrder(run_dir, sampler)
 
 
 class RunOrder:

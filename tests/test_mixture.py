@@ -257,3 +257,49 @@ def test_a_staged_mixture_resumed_at_and_across_its_stage_change_trains_as_one_r
     res = subprocess.run([sys.executable, "-m", "lmtrain", "audit", str(tmp_path / "at")], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     assert res.returncode == 0 and "  stage 1 began at step 6\n" in res.stdout and "  resumed at step 6\n" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.slow
+def test_the_operators_decay_begins_the_last_stage_with_the_cooldown_and_a_relaunch_keeps_both(two_sources, tmp_path):
+    """data.stages' last stage begun by the operator: `lmtrain control RUN decay --steps 6` after step 3 of a WSD run
+    (lmtrain.callbacks.lr_control reads it before step 4). With two loader workers reading ahead, the cooldown and the
+    stage begin together after the steps the loader may have drawn (7 here): the decay recorded from step 10, the
+    learning rate at its peak to step 11 and falling from step 12, source B (weight 0 before) read from step 11 on, in a
+    new epoch, training ending with the decay at step 16. Stopped after step 13 and launched again, the run trains as
+    the uninterrupted one (the stage's first step taken from the recorded decay); the audit names the stage change; a
+    revocation of that decay is refused, naming the stage."""
+    from lmtrain import audit
+    from lmtrain.formats import corrections
+
+    sources = f"[{{path: {two_sources / 'A'}, weight: 1, name: A}}, {{path: {two_sources / 'B'}, weight: 0, name: B}}]"
+    base = [*TINY, "data=mixture", f"data.seq_len={SEQ}", "data.num_workers=2", "model.vocab_size=300", "logger=csv",
+            f"data.sources={sources}", "data.stages=[{from_step: decay, weights: {A: 1, B: 1}}]", "scheduler=wsd",
+            "scheduler.warmup_steps=2", "scheduler.total_steps=20", "callbacks=default", "callbacks.checkpoint.every_n_steps=2",
+            "callbacks.disk_guard.margin_gb=0", "callbacks.lr_control.poll_every=1", "callbacks.divergence.warmup_steps=5",
+            "callbacks.divergence.act_growth={ratio: 10.0, action: warn}", "trainer.val_check_interval=100",
+            "+callbacks.op._target_=tests.plugins.OperatorAt", "+callbacks.op.step=3", "+callbacks.op.decay_steps=6"]  # fmt: skip
+    from tests.conftest import run_train_cli
+
+    runs = {}
+    whole, again = (tmp_path / name for name in ("whole", "again"))
+    train(make_cfg([*base, "trainer.max_steps=20", f"run_dir={whole}", f"+callbacks.op.run_dir={whole}"], tmp_path))
+    args = [*base, "trainer.max_steps=20", f"run_dir={again}", f"+callbacks.op.run_dir={again}"]
+    killed = run_train_cli([*args, "fault=crash", "callbacks.fault.step=13"], tmp_path)
+    assert killed.returncode != 0 and "crash at step 13" in killed.stderr, killed.stderr[-3000:]
+    relaunched = run_train_cli(args, tmp_path)
+    assert relaunched.returncode == 0 and "resuming from" in relaunched.stderr, relaunched.stderr[-3000:]
+    for name in ("whole", "again"):
+        runs[name] = _steps(tmp_path / name)
+        (entry,) = corrections.load(tmp_path / name)
+        assert entry["reason"] == "decay" and entry["from_step"] == 10 and entry["decay_steps"] == 6, entry
+    keys = ("train/loss", "train/lr", "data/epoch", "data/position", "data/tokens/A", "data/tokens/B")
+    assert sorted(s for s, v in runs["whole"].items() if "train/loss" in v) == list(range(1, 17))  # ends with the decay
+    whole = {(s, k): runs["whole"][s][k] for s in range(1, 17) for k in keys}
+    assert {(s, k): runs["again"][s][k] for s in range(1, 17) for k in keys} == pytest.approx(whole, rel=1e-6)
+    lr, b = ({s: runs["whole"][s][k] for s in range(1, 17)} for k in ("train/lr", "data/tokens/B"))
+    peak = lr[3]
+    assert all(lr[s] == pytest.approx(peak) for s in range(3, 12)) and all(lr[s + 1] < lr[s] for s in range(11, 16)), lr
+    assert all(b[s] == 0 for s in range(1, 11)) and b[16] > 0, b  # (step 11's 4 samples may all be A's, by the draw)
+    assert runs["whole"][11]["data/position"] == 0 and runs["whole"][11]["data/epoch"] == runs["whole"][10]["data/epoch"] + 1
+    for name in ("whole", "again"):
+        assert audit.main([str(tmp_path / name)]) == 0, name

@@ -33,7 +33,9 @@ def _rows(run_dir: Path) -> dict[int, dict]:
 
 
 def _kinds(run_dir: Path) -> list[str]:
-    return [e["kind"] for e in logbook.read(run_dir) if e["kind"] not in ("checkpoint", "end")]
+    # "paused": the watchdog saw the whole process not run for over 2 s (callbacks/watchdog.py), which a machine loaded
+    # beyond its cores does to a test's run (seen in CI with other suites beside it): not what these tests judge
+    return [e["kind"] for e in logbook.read(run_dir) if e["kind"] not in ("checkpoint", "end", "paused")]
 
 
 def test_running_statistics_and_corrections_arithmetic():
