@@ -267,9 +267,10 @@ class LRControl(L.Callback):
 
 def _decay_stage_sampler(trainer):
     """The training sampler when data.stages' last stage begins with the operator's decay, else None."""
+    from lmtrain.data.datamodule import decay_stage
+
     sampler = getattr(getattr(trainer, "datamodule", None), "sampler_in_use", None)
-    stages = getattr(sampler, "stages", None)
-    return sampler if stages and stages[-1][0] is None else None
+    return sampler if sampler is not None and decay_stage(getattr(sampler, "stages", [])) else None
 
 
 REQUEST_MAX_BYTES = 64 << 10  # a request is a few dozen bytes; more is not one

@@ -372,7 +372,7 @@ class BlockSampler(Sampler[int]):
     # Stateful (torchdata calls these): the epoch and position travel with the loader's state. Lightning creates
     # the resumed iterator before it calls set_epoch, so the epoch must come from here.
     def _identity(self) -> dict:
-        staged = {"stages": [["decay" if first is None else first, ws] for first, ws in self.stages]} if self.stages else {}
+        staged = {"stages": stages_identity(self.stages)} if self.stages else {}
         return {"seed": self.seed, "sizes": self.sizes, "weights": self.weights, **staged}
 
     def order_digest(self, epoch: int) -> str:
@@ -541,7 +541,7 @@ class TokenDataModule(L.LightningDataModule):
         if len(fps) > 1:
             ident["weights"] = self.weights
         if self.stages:
-            ident["stages"] = [["decay" if first is None else first, ws] for first, ws in self.stages]
+            ident["stages"] = stages_identity(self.stages)
         # what the tokens mean, as the manifests say now (the fingerprint is of the inputs: an edited manifest keeps it)
         formats = [{k: m[k] for k in ("dtype", "eos_id", "vocab_size")} for m in manifests]
         ident["format"] = formats[0] if len(formats) == 1 else formats
@@ -572,6 +572,11 @@ class TokenDataModule(L.LightningDataModule):
         self.check_stream(state.get("stream", {}))
         if len(state.get("tokens_read", ())) == len(self.paths):
             self.tokens_read = np.asarray(state["tokens_read"], dtype=np.int64)
+
+    @property
+    def decay_staged(self) -> bool:
+        """Whether data.stages' last stage begins with the operator's decay (lmtrain.training.run gives it its start)."""
+        return decay_stage(self.stages)
 
     @property
     def source_names(self) -> list[str]:
@@ -771,8 +776,13 @@ def _resolve_stages(stages, names: list[str], weights: list[float] | None) -> li
 
 
 def decay_stage(stages: list[tuple[int | None, list[float]]]) -> bool:
-    """Whether the last of ``data.stages`` begins with the operator's decay."""
+    """Whether the last of ``data.stages`` (resolved: :func:`_resolve_stages`) begins with the operator's decay."""
     return bool(stages) and stages[-1][0] is None
+
+
+def stages_identity(stages: list[tuple[int | None, list[float]]]) -> list:
+    """Resolved ``data.stages`` as the saved stream identity records them (the decay's stage: ``"decay"``)."""
+    return [["decay" if first is None else first, ws] for first, ws in stages]
 
 
 def _resolve_extra_val(extra, taken: list[str]) -> tuple[list[Path], list[str]]:

@@ -81,7 +81,7 @@ def stream(run_dir: Path):
     dm = data_module(run_dir)
     dm.setup("fit")
     sampler = BlockSampler(dm.train_set.sizes, seed=dm.seed, weights=dm.weights, stages=dm.stages)
-    if dm.stages and dm.stages[-1][0] is None:  # the last stage begun by the operator's decay: where it began
+    if dm.decay_staged:  # the last stage begun by the operator's decay: where it began
         from lmtrain.formats import corrections
 
         cooldown = corrections.cooldown(corrections.load(run_dir))

@@ -176,13 +176,18 @@ def _autocast_on(kind: str) -> bool:
     return kind in ("cuda", "cpu") and torch.is_autocast_enabled(kind)
 
 
+def _compute_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype products on device type ``kind`` compute in: autocast's when it is on, else ``dtype``."""
+    return torch.get_autocast_dtype(kind) if _autocast_on(kind) else dtype
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows ``offsets[e-1]:offsets[e]`` of ``x`` (M, K) times ``w[e]`` (K, N), for every expert e: PyTorch's grouped
     matrix product, in the autocast dtype when autocast is on (it is not an autocast operator). Its GPU kernel takes
     bf16 only: in fp32 on a GPU (``trainer.precision=32-true``) a loop over the experts computes it instead (one host
     read of the offsets a layer); on the meta device only the shape is made."""
     kind = x.device.type
-    dtype = torch.get_autocast_dtype(kind) if _autocast_on(kind) else x.dtype
+    dtype = _compute_dtype(kind, x.dtype)
     x, w = x.to(dtype), w.to(dtype)
     if kind == "meta":
         return x.new_empty(x.shape[0], w.shape[-1])
@@ -194,12 +199,6 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
         out[start:end] = x[start:end] @ w[e]
         start = end
     return out
-
-
-def _compute_dtype(h: torch.Tensor, w: torch.Tensor) -> torch.dtype:
-    """The dtype :func:`grouped_mm` computes ``h`` times ``w`` in: autocast's when on, else the weights'."""
-    kind = h.device.type
-    return torch.get_autocast_dtype(kind) if _autocast_on(kind) else w.dtype
 
 
 def _padded_rows(load: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -293,7 +292,7 @@ class MoE(nn.Module):
         flat = chosen.flatten()
         order = flat.argsort(stable=True)  # choice index, grouped by expert
         load = torch.zeros(E, dtype=torch.long, device=h.device).scatter_add_(0, flat, torch.ones_like(flat))  # tokens per expert (static shape)
-        hc = h.to(_compute_dtype(h, self.w_in))  # rows copied k times: in the dtype the products take them
+        hc = h.to(_compute_dtype(h.device.type, self.w_in.dtype))  # rows copied k times: in the dtype the products take them
         if self.ep is None:  # straight into the padded groups of the grouped products
             rows, offsets, size = _padded_rows(load, order.shape[0])
             slot = torch.empty_like(order).index_copy_(0, order, rows)

@@ -313,6 +313,15 @@ def validate_config(cfg: DictConfig) -> None:
         if not 0.0 <= float(sched.get("min_lr_ratio", 0.0)) <= 1.0:
             problems.append(f"scheduler.min_lr_ratio={sched.min_lr_ratio} must be in [0, 1]")
 
+    stages = data.get("stages") if data is not None else None
+    if stages and any(hasattr(st, "get") and st.get("from_step") == "decay" for st in stages):  # data.stages' decay stage
+        why = "a data stage from_step: decay begins with the operator's `lmtrain control RUN decay`, which needs"
+        if sched is None or str(sched.get("_target_", "")) != "lmtrain.nn.optim.wsd":
+            problems.append(f"data.stages: {why} scheduler=wsd (this run's schedule has no decay to start)")
+        callbacks = cfg.get("callbacks") or {}
+        if not any(hasattr(c, "get") and str(c.get("_target_", "")).endswith(".LRControl") for c in callbacks.values()):
+            problems.append(f"data.stages: {why} callbacks.lr_control, which reads the request (callbacks=default has it)")
+
     problems += _strategy_problems(cfg)
     module = cfg.get("module")
     if module is not None and "_target_" in module:

@@ -357,7 +357,7 @@ def _build(att: _Attempt) -> None:
     att.datamodule = datamodule = instantiate(cfg.data)
     if hasattr(datamodule, "order_dir"):  # lmtrain's data module: each epoch's sample order stored in the run directory
         datamodule.order_dir = att.run_dir
-    if getattr(datamodule, "stages", None) and datamodule.stages[-1][0] is None:  # a data stage begun by the decay
+    if getattr(datamodule, "decay_staged", False):  # a data stage begun by the operator's decay
         cooldown = corrections.cooldown(corrections.load(att.run_dir))  # the operator's, in force (lmtrain.callbacks.lr_control)
         datamodule.decay_from = cooldown[0] + 1 if cooldown is not None else None
     datamodule.prepare_data()
