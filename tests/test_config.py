@@ -15,6 +15,10 @@ def test_default_config_is_valid(tmp_path):
     validate_config(make_cfg([], tmp_path))
 
 
+# a mixture whose last stage begins with the operator's decay (docs/data.md)
+DECAY_STAGE = ["data=mixture", "data.sources=[{path: a, weight: 1}, {path: b, weight: 0}]", "data.stages=[{from_step: decay, weights: {b: 1}}]"]
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -68,6 +72,15 @@ def test_default_config_is_valid(tmp_path):
             r"module.loss_chunk_tokens was replaced: use module.head.kind=chunked module.head.chunk_tokens=N",
         ),
         (["strategy=fsdp", "+strategy.compile=true"], r"strategy.compile was replaced: use module.compile"),
+        (
+            [*DECAY_STAGE, "scheduler=cosine"],
+            r"data.stages: a data stage from_step: decay begins with the operator's `lmtrain control RUN decay`, which needs "
+            r"scheduler=wsd",
+        ),
+        (
+            [*DECAY_STAGE, "scheduler=wsd", "callbacks=checkpoint"],
+            r"data.stages: .* which needs callbacks.lr_control, which reads the request",
+        ),
     ],
 )
 def test_bad_values_name_the_key(tmp_path, overrides, message):
