@@ -214,6 +214,7 @@ def _check_benchmark_command(command: str, tmp_path: Path, throughput) -> None:
     argv, env = shlex.split(command), {}
     while "=" in argv[0]:  # VAR=value prefixes: the script's environment
         env.update([argv.pop(0).split("=", 1)])
+    env.pop("OUT", None)  # the page's output folder (OUT=DIR) is the reader's: the recording writes under tmp_path
     if argv[0] == "bash":  # a bench script and its modes (its trainer commands: test_every_bench_script_trainer_command_validates)
         script = ROOT / argv[1]
         assert script.is_file(), f"{command}: no {argv[1]}"
