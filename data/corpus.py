@@ -89,16 +89,7 @@ def read_documents(path: Path, text_key: str = "text") -> Iterator[Document]:
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise CorpusError(f"{path}:{lineno}: malformed JSON ({exc.msg})") from None
-                if not isinstance(record, dict) or text_key not in record:
-                    raise CorpusError(f"{path}:{lineno}: no '{text_key}' field (set --text-key to the field holding the text)")
-                text = record[text_key]
-                if not isinstance(text, str):
-                    raise CorpusError(f"{path}:{lineno}: field '{text_key}' is {type(text).__name__}, not a string")
-                yield Document(str(path), lineno, text)
+                yield Document(str(path), lineno, _record_text(line, f"{path}:{lineno}", text_key))
     except UnicodeDecodeError as exc:
         raise CorpusError(f"{path}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     except (OSError, EOFError) as exc:
@@ -110,3 +101,51 @@ def read_documents(path: Path, text_key: str = "text") -> Iterator[Document]:
 def iter_documents(files: list[Path], text_key: str = "text") -> Iterator[Document]:
     for path in files:
         yield from read_documents(path, text_key)
+
+
+def splittable(path: Path) -> bool:
+    """Whether a file's documents can be read from any byte range (:func:`read_range`): plain ``.jsonl``, one
+    document per line. A ``.txt`` is one document and a ``.gz`` cannot be entered in the middle: they are read whole."""
+    return _suffix(path) == ".jsonl"
+
+
+def read_range(path: Path, start: int, end: int, text_key: str = "text") -> Iterator[Document]:
+    """The documents of the lines of a plain ``.jsonl`` file that begin at a byte in ``[start, end)``: ranges that
+    tile a file read each of its lines once, wherever they cut it. ``Document.line`` counts lines from the range's
+    first (the file's when ``start`` is 0); errors name the line's byte offset where the range starts later."""
+    try:
+        with open(path, "rb") as fh:
+            if start > 0:
+                fh.seek(start - 1)
+                fh.readline()  # the rest of the line holding byte start - 1: it belongs to the range before
+            lineno, at = 0, fh.tell()
+            while at < end:
+                raw = fh.readline()
+                if not raw:
+                    return
+                lineno += 1
+                where = f"{path}:{lineno}" if start == 0 else f"{path} (the line at byte {at})"
+                at += len(raw)
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise CorpusError(f"{where}: not valid UTF-8 ({exc.reason} at byte {at - len(raw) + exc.start})") from None
+                if not line.strip():
+                    continue
+                yield Document(str(path), lineno, _record_text(line, where, text_key))
+    except OSError as exc:
+        raise CorpusError(f"{path}: cannot read ({exc})") from None
+
+
+def _record_text(line: str, where: str, text_key: str) -> str:
+    """The text of one jsonl record, or the error naming ``where`` it is bad."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise CorpusError(f"{where}: malformed JSON ({exc.msg})") from None
+    if not isinstance(record, dict) or text_key not in record:
+        raise CorpusError(f"{where}: no '{text_key}' field (set --text-key to the field holding the text)")
+    text = record[text_key]
+    if not isinstance(text, str):
+        raise CorpusError(f"{where}: field '{text_key}' is {type(text).__name__}, not a string")
+    return text

@@ -14,7 +14,7 @@ the handlers do with them:
 * ``sbatch examples/slurm/train.sbatch ARGS``: ARGS as a training command's; tests/test_restarts.py runs the script.
 * ``torchrun ... -m lmtrain doctor OPTIONS``: its options parsed by the doctor's own parser; tests/test_doctor.py runs
   both launcher forms for real (4 ranks on one node, two agents meeting through c10d rendezvous).
-* ``python -m lmtrain.data.prepare``, ``lmtrain.plan``, ``lmtrain.control``, ``lmtrain.generate``, ``lmtrain.report`` and
+* ``python -m lmtrain.data.prepare`` (a plan, its tasks and its merge in turn, on one output), ``lmtrain.plan``, ``lmtrain.control``, ``lmtrain.generate``, ``lmtrain.report`` and
   ``lmtrain.export``: run here, with the README's arguments, on a run named ``my-run`` trained here for 4 steps
   (``control ... decay``: on ``my-wsd-run``, the docs' ``scheduler=wsd`` line's config, stopped before its first step).
 * ``init_from=my-hf-model``: a tiny random OPTForCausalLM saved here by transformers, read by init_from before the
@@ -97,12 +97,16 @@ def _train_args(command: str) -> list[str] | None:
 
 
 def prepare_as_written(command: str, corpus_jsonl: Path, out: Path) -> int:
-    """A ``data.prepare --input ... --output ...`` line run with its own options, on the test corpus, into ``out``."""
+    """A ``data.prepare`` line run with its own options, on the test corpus, into ``out``: ``--input ... --output``
+    (with ``--plan`` too), or a planned preparation's ``--task`` or ``--merge`` (the same ``out`` for the same
+    ``--output``: the caller keeps one per output named)."""
     from lmtrain.data.prepare import main as prepare_main
 
     argv = shlex.split(command)[3:]
-    argv[argv.index("--input") + 1 : argv.index("--output")] = [str(corpus_jsonl)]
     argv[argv.index("--output") + 1] = str(out)
+    if "--input" not in argv:
+        return prepare_main(argv)
+    argv[argv.index("--input") + 1 : argv.index("--output")] = [str(corpus_jsonl)]
     return prepare_main([*argv, "--val-fraction", "0.1"])  # the test corpus has 43 documents: the default 1% selects none
 
 
@@ -183,7 +187,7 @@ def test_every_readme_command_line_works(readme_world, corpus_jsonl, tmp_path, m
     root, corpus = readme_world
     monkeypatch.chdir(root)
     sys.path.insert(0, str(ROOT / "examples" / "plugin"))  # the plugin line's PYTHONPATH
-    claimed = []
+    claimed, outputs = [], {}
     try:
         for command in readme_commands():
             if command.startswith(("python3 -m venv", ". .venv/bin/activate")):
@@ -228,7 +232,12 @@ def test_every_readme_command_line_works(readme_world, corpus_jsonl, tmp_path, m
                 continue
             tool, argv = words[2], words[3:]
             if tool == "lmtrain.data.prepare":
-                assert prepare_as_written(command, corpus_jsonl, tmp_path / f"prepared-{len(claimed)}") == 0, command
+                named = argv[argv.index("--output") + 1]  # a plan, its tasks and its merge share the output named
+                out = tmp_path / (f"planned-{len(outputs)}" if "--plan" in argv else f"prepared-{len(claimed)}")
+                out = outputs.setdefault(named, out) if {"--plan", "--task", "--merge"} & set(argv) else out
+                assert prepare_as_written(command, corpus_jsonl, out) == 0, command
+                if "--merge" in argv:
+                    assert (out / "manifest.json").is_file() and not Path(f"{out}.prepare").exists(), command
                 claimed.append(command)
                 continue
             argv = [a for a in argv if not (a.startswith("[") or a.endswith("]"))]  # optional arguments shown in brackets

@@ -229,7 +229,7 @@ def test_loader_workers_never_collect_what_they_inherited(dataset_dir, tmp_path,
 _PEAK_RSS = """
 import resource, sys
 from lmtrain.data.prepare import prepare
-prepare([sys.argv[1]], sys.argv[2], tokenizer=sys.argv[3], val_fraction=0.01, workers=2, progress=False)
+prepare([sys.argv[1]], sys.argv[2], tokenizer=sys.argv[3], val_fraction=0.05, workers=2, progress=False)
 hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1]  # this image's peak, kB
 print(hwm, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 """
