@@ -372,8 +372,8 @@ class BlockSampler(Sampler[int]):
     # Stateful (torchdata calls these): the epoch and position travel with the loader's state. Lightning creates
     # the resumed iterator before it calls set_epoch, so the epoch must come from here.
     def _identity(self) -> dict:
-        staged = {"stages": stages_identity(self.stages)} if self.stages else {}
-        return {"seed": self.seed, "sizes": self.sizes, "weights": self.weights, **staged}
+        """What a saved position means something for (the stages apart: :meth:`resume_point` compares those begun)."""
+        return {"seed": self.seed, "sizes": self.sizes, "weights": self.weights}
 
     def order_digest(self, epoch: int) -> str:
         """The fingerprint of ``epoch``'s global sample order (blake2b of its indices), computed once an epoch: saved with
@@ -385,7 +385,7 @@ class BlockSampler(Sampler[int]):
     def state_dict(self) -> dict:
         geometry = {"num_replicas": self.num_replicas, "batch_size": self.batch_size, "accumulate": self.accumulate}
         order = {"order": self.order_digest(self.epoch)}
-        staged = {"stage": self.stage, "stage_epochs": list(self.stage_epochs)} if self.stages else {}
+        staged = {"stages": stages_identity(self.stages), "stage": self.stage, "stage_epochs": list(self.stage_epochs)} if self.stages else {}
         return {"epoch": self.epoch, "position": self.position, **geometry, **self._identity(), **order, **staged}
 
     def resume_point(self, state: dict) -> tuple[int, int]:
@@ -399,10 +399,17 @@ class BlockSampler(Sampler[int]):
                 f"the checkpoint's data stream was {theirs}, this run's is {mine}: the dataset, data.seq_len, data.seed "
                 "or the mixture weights changed, so the saved position means nothing here"
             )
+        saved_stage = int(state.get("stage", 0))  # the stages begun must be the saved ones; those to come may change
+        begun, saved_begun = stages_identity(self.stages)[:saved_stage], (state.get("stages") or [])[:saved_stage]
+        if begun != saved_begun:
+            raise InputError(
+                f"the checkpoint's data was read in stage {saved_stage} of data.stages {state.get('stages')}, this run's "
+                f"stages are {stages_identity(self.stages)}: a stage begun cannot change, only those still to come"
+            )
         position = state["position"] if "position" in state else state["yielded"] * state["num_replicas"]
         epoch, start = int(state["epoch"]), int(position)
         if self.stages:  # the stage the position is in (its order is that stage's)
-            self.stage, self.stage_epochs = int(state["stage"]), [int(e) for e in state["stage_epochs"]]
+            self.stage, self.stage_epochs = saved_stage, [int(e) for e in state.get("stage_epochs", [0])]
         if "order" in state and state["order"] != self.order_digest(epoch):  # checkpoints from before 2026-12-07 lack it
             raise InputError(
                 f"the checkpoint's sample order of epoch {epoch} (fingerprint {state['order']}) is not the one this run draws "
@@ -550,26 +557,36 @@ class TokenDataModule(L.LightningDataModule):
         ident["shards"] = [{sh["path"]: sh.get("blake2b") for sh in m["splits"]["train"]["shards"]} for m in manifests]
         return ident
 
-    def check_stream(self, saved: dict) -> None:
+    def check_stream(self, saved: dict, step: int | None = None) -> str | None:
         """Refuse a checkpoint whose saved data position belongs to another stream, naming what changed (a
-        ``world_size`` that older checkpoints recorded here is no longer part of it)."""
+        ``world_size`` that older checkpoints recorded here is no longer part of it). ``data.stages`` may differ from
+        the saved ones in the stages still to come after ``step``, the checkpoint's (none known: in none); returns
+        that change, said, or None."""
         mine = self.stream_identity()
         recorded = [k for k in mine if k in saved or k not in _ADDED_STREAM_KEYS]  # checkpoints from before a key was added lack it
-        changed = [_stream_change(k, saved.get(k), mine[k], self.paths) for k in recorded if saved.get(k) != mine[k]]
+        changed = [_stream_change(k, saved.get(k), mine[k], self.paths) for k in recorded if k != "stages" and saved.get(k) != mine[k]]
+        later = None
+        if saved.get("stages") != mine.get("stages"):
+            later = f"data.stages {saved.get('stages') or []} -> {mine.get('stages') or []} from step {step + 1}" if step is not None else None
+            begun = stages_begun(saved.get("stages"), mine.get("stages"), step, self.decay_from)
+            if begun is not None:
+                changed.append(begun)
         if changed:
             raise InputError(
                 "the checkpoint's data position belongs to another data stream (" + "; ".join(changed) + "): "
                 "resume with the settings it was saved with"
             )
+        return later
 
     def state_dict(self) -> dict:
-        return {"stream": self.stream_identity(), "tokens_read": [int(t) for t in self.tokens_read]}
+        step = getattr(getattr(self, "trainer", None), "global_step", None)
+        return {"stream": self.stream_identity(), "tokens_read": [int(t) for t in self.tokens_read], "step": step}
 
     def load_state_dict(self, state: dict) -> None:
         """Refuse, before any training, a checkpoint whose saved data position belongs to another stream (lmtrain.training.run
         already compared the one in meta.json before the attempt was accepted; older checkpoints lack it); take up the
         tokens read from each source where the checkpoint left them (checkpoints from before 2026-12-07: from zero)."""
-        self.check_stream(state.get("stream", {}))
+        self.check_stream(state.get("stream", {}), state.get("step"))
         if len(state.get("tokens_read", ())) == len(self.paths):
             self.tokens_read = np.asarray(state["tokens_read"], dtype=np.int64)
 
@@ -778,6 +795,28 @@ def _resolve_stages(stages, names: list[str], weights: list[float] | None) -> li
 def decay_stage(stages: list[tuple[int | None, list[float]]]) -> bool:
     """Whether the last of ``data.stages`` (resolved: :func:`_resolve_stages`) begins with the operator's decay."""
     return bool(stages) and stages[-1][0] is None
+
+
+def stages_begun(saved: list | None, now: list | None, step: int | None, decay_from: int | None = None) -> str | None:
+    """None when the stages ``now`` (:func:`stages_identity`'s form) differ from the ``saved`` ones only in stages
+    that begin after ``step``, the steps still to come; else the change, said, naming the stage begun that changed
+    or the one that would begin at or before ``step`` (where the saved run read other data). The decay's stage has
+    begun when the decay was given (``decay_from``, its first step) at or before ``step``."""
+    saved, now = saved or [], now or []
+    if step is None:
+        return f"data.stages: {saved} -> {now}"
+
+    def begun(first) -> bool:
+        return (decay_from is not None and decay_from <= step) if first == "decay" else first <= step
+
+    k = sum(begun(first) for first, _ in saved)  # the saved stages begun (in order: stages begin at increasing steps)
+    if now[:k] != saved[:k]:
+        return f"data.stages: {saved} -> {now}: a stage begun by step {step} (the checkpoint's) cannot change"
+    early = [first for first, _ in now[k:] if begun(first)]
+    if early:
+        return (f"data.stages: {saved} -> {now}: a stage from step {early[0]} would begin at or before step {step} (the "
+                "checkpoint's), whose data was read otherwise; a changed stage can begin after it")  # fmt: skip
+    return None
 
 
 def stages_identity(stages: list[tuple[int | None, list[float]]]) -> list:

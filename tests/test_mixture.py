@@ -228,31 +228,38 @@ def test_a_staged_mixture_resumed_at_and_across_its_stage_change_trains_as_one_r
     on 2 ranks (gloo, 2 samples a rank) stopped after step 7 (inside the second stage) and launched again on 1, each
     train as the uninterrupted run: the same losses, the same samples at each step (data/epoch, data/position) and the
     same tokens read from each source; B is read from step 6 on, never before; the second stage begins a new epoch; the
-    audit finds every step's samples once and names the stage change."""
+    audit finds every step's samples once and names the stage change. A run planned with its second stage from step 9
+    and relaunched after step 5 with it from step 6 (a stage still to come, changed) trains as the one planned so;
+    the run stopped inside its second stage, relaunched with that stage changed, is refused and writes nothing."""
     from lmtrain import audit
     from tests.conftest import run_train_cli
 
     sources = f"[{{path: {two_sources / 'A'}, weight: 1}}, {{path: {two_sources / 'B'}, weight: 0}}]"
     base = [*TINY, *STAGED, f"data.sources={sources}"]
+    later = [a for a in base if not a.startswith("data.stages")] + ["data.stages=[{from_step: 9, weights: {A: 1, B: 1}}]"]
     runs = {}
-    for name, stops in (("whole", [12]), ("at", [5, 12])):
-        for stop in stops:
-            train(make_cfg([*base, f"trainer.max_steps={stop}", f"run_dir={tmp_path / name}"], tmp_path))
+    for name, stops in (("whole", [12]), ("at", [5, 12]), ("changed", [5, 12])):
+        for stop in stops:  # changed: planned with a stage from step 9, relaunched after step 5 with the one from step 6
+            train(make_cfg([*(later if name == "changed" and stop == 5 else base), f"trainer.max_steps={stop}", f"run_dir={tmp_path / name}"], tmp_path))
         runs[name] = _steps(tmp_path / name)
     two = [a for a in base if not a.startswith(("trainer.devices", "data.batch_size"))]
     first = run_train_cli([*two, "strategy=ddp", "trainer.devices=2", "data.batch_size=2", "trainer.max_steps=7", f"run_dir={tmp_path / 'across'}"], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
+    record = (tmp_path / "across" / "metrics.jsonl").read_bytes()
+    with pytest.raises(InputError, match=r"a stage begun by step 7 \(the checkpoint's\) cannot change"):  # stage 1 began at 6
+        train(make_cfg([*later, "trainer.max_steps=12", f"run_dir={tmp_path / 'across'}"], tmp_path))
+    assert (tmp_path / "across" / "metrics.jsonl").read_bytes() == record
     again = run_train_cli([*base, "trainer.max_steps=12", f"run_dir={tmp_path / 'across'}"], tmp_path)
     assert again.returncode == 0 and "resuming on 1 rank, saved on 2" in again.stderr, again.stderr[-3000:]
     runs["across"] = _steps(tmp_path / "across")
     keys = ("train/loss", "data/epoch", "data/position", "data/tokens/A", "data/tokens/B")
     whole = {(s, k): runs["whole"][s][k] for s in range(1, 13) for k in keys}
-    for name in ("at", "across"):
+    for name in ("at", "across", "changed"):
         assert {(s, k): runs[name][s][k] for s in range(1, 13) for k in keys} == pytest.approx(whole, rel=1e-6), name
     whole = {s: {k: whole[s, k] for k in keys} for s in range(1, 13)}
     assert [whole[s]["data/tokens/B"] for s in range(1, 6)] == [0] * 5 and whole[6]["data/tokens/B"] > 0
     assert whole[6]["data/epoch"] == whole[5]["data/epoch"] + 1 and whole[6]["data/position"] == 0
-    for name in ("whole", "at", "across"):
+    for name in ("whole", "at", "across", "changed"):
         assert audit.main([str(tmp_path / name)]) == 0, name
     res = subprocess.run([sys.executable, "-m", "lmtrain", "audit", str(tmp_path / "at")], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip

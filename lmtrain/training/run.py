@@ -446,7 +446,9 @@ def _build(att: _Attempt) -> None:
     extra.update(val_check_batches(cfg.trainer))
     att.trainer = trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers, strategy=strategy, **extra)
     if resume is not None and "data_stream" in resume.meta and hasattr(datamodule, "check_stream"):
-        datamodule.check_stream(resume.meta["data_stream"])  # refused before anything is written
+        later = datamodule.check_stream(resume.meta["data_stream"], resume.step)  # refused before anything is written
+        if later:
+            log.info(f"the data's later stages changed: {later}")
     if resume is not None and resume.meta.get("format") == "sharded" and not compat.saves_sharded(trainer.strategy):
         from lmtrain.training.checkpoint.reshard import ShardedCheckpointReader
 
