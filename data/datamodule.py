@@ -767,7 +767,10 @@ def _resolve_stages(stages, names: list[str], weights: list[float] | None) -> li
     out, last = [], 1
     for i, st in enumerate(stages):
         if not hasattr(st, "keys") or set(st.keys()) != {"from_step", "weights"}:
-            raise PrepareError(f"data.stages[{i}] = {st!r}: expected {{from_step: STEP, weights: {{SOURCE: W, ...}}}}")
+            raise PrepareError(
+                f"data.stages[{i}] = {st!r}: expected {{from_step: STEP, weights: {{SOURCE: W, ...}}}} (or from_tokens: N "
+                "with global_batch_size set, the run's config turns it into the step)"
+            )
         first, ws = st["from_step"], st["weights"]
         if first == "decay":
             if i != len(stages) - 1:

@@ -78,6 +78,10 @@ DECAY_STAGE = ["data=mixture", "data.sources=[{path: a, weight: 1}, {path: b, we
             r"scheduler=wsd",
         ),
         (
+            ["data=mixture", "data.sources=[{path: a, weight: 1}, {path: b, weight: 0}]", "data.stages=[{from_tokens: 1e6, weights: {b: 1}}]"],
+            r"data.stages\[0\].from_tokens needs global_batch_size set",
+        ),
+        (
             [*DECAY_STAGE, "scheduler=wsd", "callbacks=checkpoint"],
             r"data.stages: .* which needs callbacks.lr_control, which reads the request",
         ),

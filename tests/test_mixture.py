@@ -230,7 +230,8 @@ def test_a_staged_mixture_resumed_at_and_across_its_stage_change_trains_as_one_r
     same tokens read from each source; B is read from step 6 on, never before; the second stage begins a new epoch; the
     audit finds every step's samples once and names the stage change. A run planned with its second stage from step 9
     and relaunched after step 5 with it from step 6 (a stage still to come, changed) trains as the one planned so;
-    the run stopped inside its second stage, relaunched with that stage changed, is refused and writes nothing."""
+    the run stopped inside its second stage, relaunched with that stage changed, is refused and writes nothing. The
+    stage given by tokens (from 600: the first step that begins at or past them is step 6) trains as the one by step."""
     from lmtrain import audit
     from tests.conftest import run_train_cli
 
@@ -238,10 +239,15 @@ def test_a_staged_mixture_resumed_at_and_across_its_stage_change_trains_as_one_r
     base = [*TINY, *STAGED, f"data.sources={sources}"]
     later = [a for a in base if not a.startswith("data.stages")] + ["data.stages=[{from_step: 9, weights: {A: 1, B: 1}}]"]
     runs = {}
-    for name, stops in (("whole", [12]), ("at", [5, 12]), ("changed", [5, 12])):
+    by_tokens = [a for a in base if not a.startswith("data.stages")] + [  # 4 x 32 tokens a step: step 6 begins at 640
+        f"global_batch_size={BATCH}", "data.stages=[{from_tokens: 600, weights: {A: 1, B: 3}}]"]  # fmt: skip
+    runs = {}
+    for name, stops in (("whole", [12]), ("at", [5, 12]), ("changed", [5, 12]), ("tokens", [12])):
         for stop in stops:  # changed: planned with a stage from step 9, relaunched after step 5 with the one from step 6
-            train(make_cfg([*(later if name == "changed" and stop == 5 else base), f"trainer.max_steps={stop}", f"run_dir={tmp_path / name}"], tmp_path))
+            args = later if name == "changed" and stop == 5 else by_tokens if name == "tokens" else base
+            train(make_cfg([*args, f"trainer.max_steps={stop}", f"run_dir={tmp_path / name}"], tmp_path))
         runs[name] = _steps(tmp_path / name)
+    assert "from_step: 6" in (tmp_path / "tokens" / "config.yaml").read_text()
     two = [a for a in base if not a.startswith(("trainer.devices", "data.batch_size"))]
     first = run_train_cli([*two, "strategy=ddp", "trainer.devices=2", "data.batch_size=2", "trainer.max_steps=7", f"run_dir={tmp_path / 'across'}"], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -254,7 +260,7 @@ def test_a_staged_mixture_resumed_at_and_across_its_stage_change_trains_as_one_r
     runs["across"] = _steps(tmp_path / "across")
     keys = ("train/loss", "data/epoch", "data/position", "data/tokens/A", "data/tokens/B")
     whole = {(s, k): runs["whole"][s][k] for s in range(1, 13) for k in keys}
-    for name in ("at", "across", "changed"):
+    for name in ("at", "across", "changed", "tokens"):
         assert {(s, k): runs[name][s][k] for s in range(1, 13) for k in keys} == pytest.approx(whole, rel=1e-6), name
     whole = {s: {k: whole[s, k] for k in keys} for s in range(1, 13)}
     assert [whole[s]["data/tokens/B"] for s in range(1, 6)] == [0] * 5 and whole[6]["data/tokens/B"] > 0

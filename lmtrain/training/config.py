@@ -8,6 +8,7 @@ Every check raises :class:`ConfigError` naming the key and what is allowed. Chec
 from __future__ import annotations
 
 import difflib
+import math
 import inspect
 import os
 import time
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from hydra.utils import get_object
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from lmtrain import data_cache_dir
 from lmtrain.errors import InputError
@@ -314,6 +315,12 @@ def validate_config(cfg: DictConfig) -> None:
             problems.append(f"scheduler.min_lr_ratio={sched.min_lr_ratio} must be in [0, 1]")
 
     stages = data.get("stages") if data is not None else None
+    by_tokens = [i for i, st in enumerate(stages or []) if hasattr(st, "get") and "from_tokens" in st]
+    if by_tokens and not isinstance(cfg.get("global_batch_size"), int):
+        problems.append(
+            f"data.stages[{by_tokens[0]}].from_tokens needs global_batch_size set: a stage by tokens begins at the step "
+            "those tokens end, which a fixed number of sequences a step keeps the same across relaunches on other layouts"
+        )
     if stages and any(hasattr(st, "get") and st.get("from_step") == "decay" for st in stages):  # data.stages' decay stage
         why = "a data stage from_step: decay begins with the operator's `lmtrain control RUN decay`, which needs"
         if sched is None or str(sched.get("_target_", "")) != "lmtrain.nn.optim.wsd":
@@ -433,10 +440,20 @@ def _batch_alternatives(gbs: int, batch: int, ws: int) -> str:
 
 
 def apply_global_batch_size(cfg: DictConfig) -> None:
-    """Derive trainer.accumulate_grad_batches from global_batch_size (validated already)."""
+    """Derive trainer.accumulate_grad_batches from global_batch_size (validated already), and the first step of each
+    ``data.stages`` entry given by tokens: ``{from_tokens: N}`` becomes ``{from_step: S}``, S the first step that
+    begins at or past N tokens (global_batch_size x data.seq_len tokens a step), as the run's config.yaml records it."""
     gbs = cfg.get("global_batch_size")
     if gbs is not None:
         cfg.trainer.accumulate_grad_batches = gbs // (cfg.data.batch_size * Layout.of_config(cfg).dp)
+    stages = cfg.data.get("stages") if cfg.get("data") is not None else None
+    for i, st in enumerate(stages or []):
+        if hasattr(st, "get") and "from_tokens" in st:
+            tokens, per_step = st["from_tokens"], gbs * int(cfg.data.seq_len)
+            if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not tokens > 0:
+                raise ConfigError(f"data.stages[{i}].from_tokens = {tokens!r}: must be a positive number of tokens")
+            with open_dict(cfg):
+                cfg.data.stages[i] = {"from_step": math.ceil(tokens / per_step) + 1, "weights": st["weights"]}
 
 
 # -- pass 2: the config against the data ----------------------------------------------------------
