@@ -7,7 +7,7 @@ token shards ``{split}_{NNNNN}.bin`` (uint16 when the vocabulary fits, else uint
 ``numpy.memmap``). The separator invariant: in each split's stream (shards concatenated in manifest order),
 every document is followed by exactly one ``eos_id`` and contains none itself; decoding the tokens between
 separators gives back each document's text exactly. Empty documents are skipped and counted. A document goes to
-the validation split by a hash of its text (``--val-fraction`` of them; the same text always to the same split).
+the validation split by a hash of its place in its chunk (``--val-fraction`` of them).
 
 Past one machine the same preparation splits into independent tasks (a SLURM array, torchrun, or processes):
 
@@ -51,7 +51,7 @@ from lmtrain.errors import InputError
 from lmtrain.formats.manifest import CHECKSUM_KEY, PrepareError, manifest_checksum, read_manifest, token_dtype  # noqa: F401  (read_manifest: re-exported for data.datamodule and users)
 from lmtrain.formats.tokenizer import JSON_CONFIG, TokenizerError, encoding_from_ranks, eos_id, load_tokenizer, save_ranks, train_bpe
 
-FORMAT_VERSION = 2  # 2: chunked (shards never span a chunk), the validation split keyed by text; 1 is still read
+FORMAT_VERSION = 2  # 2: chunked (shards never span a chunk, the split keyed by chunk); 1 is still read
 CHUNK_BYTES = 1 << 30  # input bytes a chunk holds (at least: a file is never cut but a plain .jsonl, at a line)
 WORK_SUFFIX = ".prepare"  # DIR.prepare/: the plan and the finished chunks of a preparation in tasks
 PLAN_FILE = "plan.json"
@@ -94,13 +94,15 @@ def fingerprint(files: list[Path], settings: dict) -> str:
     return h.hexdigest()[:16]
 
 
-def is_val(text: bytes, val_fraction: float, seed: int) -> bool:
-    """Whether a document (its UTF-8 text) goes to the validation split: a hash of the seed and the text below
-    ``val_fraction``. Keyed by content, the split is the same whatever the chunks, the tasks or the order of the
-    inputs, and a duplicated document never lands in both splits."""
+def is_val(index: int, val_fraction: float, seed: int, chunk: int = 0) -> bool:
+    """Whether the ``index``-th non-empty document of chunk ``chunk`` goes to the validation split: a hash of the seed,
+    the chunk and the index below ``val_fraction``. The chunks are fixed by the inputs, so the split is the same
+    whatever the number of tasks; a corpus of one chunk (up to --chunk-bytes) splits as before chunks (format 1), and
+    each chunk's split is stable under appending documents to it."""
     if val_fraction <= 0:
         return False
-    return zlib.crc32(text, zlib.crc32(f"{seed}:".encode())) / 2**32 < val_fraction
+    key = f"{seed}:{index}" if chunk == 0 else f"{seed}:{chunk}:{index}"
+    return zlib.crc32(key.encode()) / 2**32 < val_fraction
 
 
 # -- tokenising in worker processes -------------------------------------------------------------
@@ -115,20 +117,19 @@ def _init_worker(tokenizer: str, base_dir: str) -> None:
 
 
 def _encode_batch(batch: tuple) -> tuple:
-    """One batch of a chunk's documents, ``(chunk, texts, val_fraction, seed, end)``: each document's tokens (its ids
-    and one separator), whether it goes to the validation split, and the UTF-8 bytes read; ``end`` (the chunk's count
-    of empty documents on its last batch, else None) passes through."""
-    chunk, texts, val_fraction, seed, end = batch
-    out, val, nbytes = [], [], 0
-    for text, ids in zip(texts, _ENC.encode_ordinary_batch(texts, num_threads=1)):
+    """One batch of a chunk's documents, ``(chunk, texts, first, val_fraction, seed, end)`` (``first``: the first
+    text's index among the chunk's non-empty documents): each document's tokens (its ids and one separator), whether
+    it goes to the validation split, and the UTF-8 bytes read; ``end`` (the chunk's count of empty documents on its
+    last batch, else None) passes through."""
+    chunk, texts, first, val_fraction, seed, end = batch
+    out = []
+    for ids in _ENC.encode_ordinary_batch(texts, num_threads=1):
         arr = np.empty(len(ids) + 1, dtype=np.uint32)
         arr[:-1] = ids
         arr[-1] = _EOS
         out.append(arr)
-        raw = text.encode("utf-8")
-        val.append(is_val(raw, val_fraction, seed))
-        nbytes += len(raw)
-    return chunk, out, val, nbytes, end
+    val = [is_val(first + i, val_fraction, seed, chunk) for i in range(len(texts))]
+    return chunk, out, val, sum(len(t.encode("utf-8")) for t in texts), end
 
 
 class _ShardWriter:
@@ -488,7 +489,7 @@ def _chunk_batches(plan: dict, chunks: list[int], batch_chars: int = 1 << 20) ->
     two chunks; each chunk's last batch (texts or none) carries its count of empty documents."""
     fraction, seed, text_key = plan["settings"]["val_fraction"], plan["settings"]["seed"], plan["settings"]["text_key"]
     for c in chunks:
-        batch, size, empty = [], 0, 0
+        batch, size, empty, first = [], 0, 0, 0
         for piece in plan["chunks"][c]:
             for doc in _documents(piece, text_key):
                 if doc.text == "":
@@ -497,9 +498,9 @@ def _chunk_batches(plan: dict, chunks: list[int], batch_chars: int = 1 << 20) ->
                 batch.append(doc.text)
                 size += len(doc.text)
                 if size >= batch_chars:
-                    yield c, batch, fraction, seed, None
-                    batch, size = [], 0
-        yield c, batch, fraction, seed, empty
+                    yield c, batch, first, fraction, seed, None
+                    first, batch, size = first + len(batch), [], 0
+        yield c, batch, first, fraction, seed, empty
 
 
 def _prepare_chunks(work: Path, plan: dict, chunks, workers: int, progress: bool) -> list[int]:
