@@ -42,7 +42,7 @@ LATEST = "latest"
 SINGLE_FILE = "checkpoint.pt"
 FORMAT_VERSION = 1
 # model fields a resumed run may change (learned position tables still refuse a new max_seq_len by shape)
-RESUMABLE_MODEL_CHANGES = ("name", "dropout", "attention_dropout", "init_std", "max_seq_len")
+RESUMABLE_MODEL_CHANGES = ("name", "dropout", "attention_dropout", "init_std", "embed_init_std", "max_seq_len")
 
 
 class CheckpointError(InputError):
@@ -393,7 +393,7 @@ def param_shapes(module) -> dict[str, list[int]]:
 
 
 # model fields lmtrain added after checkpoints existed, with their defaults: an older checkpoint's config lacks them
-ADDED_MODEL_FIELDS = {"rope_scaling": None, "qk_norm": False, "moe": None}
+ADDED_MODEL_FIELDS = {"rope_scaling": None, "qk_norm": False, "moe": None, "embed_init_std": None}
 
 
 def check_compatible(saved: dict, current: dict, what: str) -> None:

@@ -57,6 +57,7 @@ class ModelConfig:
     dropout: float = 0.0  # on each block's two residual branches (OPT's `dropout`); never on the embeddings
     attention_dropout: float = 0.0  # on the attention probabilities (OPT's `attention_dropout`: 0.0 in its released configs)
     init_std: float = 0.02
+    embed_init_std: float | None = None  # the token embeddings' init; None: 1.0 for a llama with its own head, else init_std
     activation: str | None = None  # None: the family's (opt: gelu, llama: silu); opt also: gelu_tanh, relu
     qk_norm: bool | str = False  # queries and keys normalised before attention: true each head's (Qwen 3's), projection the whole projections' (OLMoE's, OLMo 2's)
     moe: dict | None = None  # mixture of experts: lmtrain.nn.moe.MoEConfig's keys; None: every block's MLP dense
@@ -633,10 +634,13 @@ class Decoder(LanguageModel):
         themselves are at the start, not the size of anything computed). At 0.02 a 16-layer Llama's blocks drown the
         tokens: on one H100 (docs/benchmarks/2026-12-07.md) the Llama 3.2 1B body with a 128,256-token head reached a
         loss of 6.128 after 491,520 tokens, and 5.029 with this alone (torchtitan 0.2.2 on the same samples: 5.190);
-        at 125M, 5.046 against 5.069. A tied embedding is the output head too and keeps ``init_std``."""
+        at 125M, 5.046 against 5.069; a model of a few layers (tiny-llama) starts slower with it and sets
+        ``embed_init_std: 0.02``. A tied embedding is the output head too and keeps ``init_std``."""
         std = self.cfg.init_std
         resid_std = std / math.sqrt(2 * self.cfg.n_layers)
-        token_std = 1.0 if self.cfg.family == "llama" and not self.cfg.tie_embeddings else std
+        token_std = self.cfg.embed_init_std
+        if token_std is None:
+            token_std = 1.0 if self.cfg.family == "llama" and not self.cfg.tie_embeddings else std
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, 0.0, resid_std if getattr(module, "residual_out", False) else std)
