@@ -30,6 +30,7 @@ looks valid. A re-run over unchanged inputs with the same settings is skipped un
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import multiprocessing as mp
@@ -292,22 +293,16 @@ def prepare(
     return manifest
 
 
-class _writing:
+@contextlib.contextmanager
+def _writing(output: Path):
     """An OSError while writing (reading errors are CorpusErrors already) as one PrepareError naming the output."""
-
-    def __init__(self, output: Path) -> None:
-        self.output = output
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        if exc is not None and isinstance(exc, OSError) and not isinstance(exc, InputError):
-            raise PrepareError(
-                f"writing the dataset for {self.output} failed ({exc.strerror or exc}); "
-                f"the partial copy was removed and {self.output} was left as it was"
-            ) from exc
-        return False
+    try:
+        yield
+    except OSError as exc:
+        raise PrepareError(
+            f"writing the dataset for {output} failed ({exc.strerror or exc}); "
+            f"the partial copy was removed and {output} was left as it was"
+        ) from exc
 
 
 def _replace(output: Path, tmp: Path) -> None:
@@ -545,6 +540,7 @@ def _prepare_chunks(work: Path, plan: dict, chunks, workers: int, progress: bool
             bar.update(shown)
             if end is not None:
                 _finish_chunk(work, plan, c, tmp, writers, end)
+                del state[c]  # renamed into place: nothing of it left to clean up
                 bar.update(sizes[c] - counted[c])
     finally:
         if pool is not None:
