@@ -47,8 +47,19 @@ def _run(tmp_path, dataset_dir, name, *extra, base=None):
     """``train.py`` on BASE (or ``base``: GPU's) plus ``extra``, named ``name``; it must succeed."""
     args = (base or BASE) + [f"paths.runs={tmp_path / 'runs'}", f"run_name={name}", f"data.path={dataset_dir}", "data.prepare=null", *extra]
     res = run_train_cli(args, tmp_path)
-    assert res.returncode == 0, res.stderr[-4000:]
+    assert res.returncode == 0, _failure(res.stderr)
     return res
+
+
+def _failure(stderr: str) -> str:
+    """A failed launch's stderr for the report: every traceback in it (each rank prints its own, and the rank that
+    died first is rarely the last to print), then the tail."""
+    blocks, lines = [], stderr.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback (most recent call last)"):
+            end = next((j for j in range(i + 1, len(lines)) if lines[j] and not lines[j].startswith((" ", "\t"))), len(lines) - 1)
+            blocks.append("\n".join(lines[max(0, i - 2) : end + 1])[-3000:])
+    return "\n---\n".join([*blocks, stderr[-4000:]])
 
 
 @pytest.mark.slow
