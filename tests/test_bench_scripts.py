@@ -430,17 +430,18 @@ def test_the_peer_runs_train_one_model_on_one_recipe_and_a_misspelled_run_is_ref
 
     from lmtrain.nn.model import matmul_params
 
-    runs = ("lmtrain-1b", "lmtrain-125m", "lmtrain-1b-fp8", "olmo-1b", "olmo-125m-fp8", "titan-1b", "titan-125m-fp8")
+    runs = ("lmtrain-1b", "lmtrain-125m", "lmtrain-1b-fp8", "olmo-1b", "olmo-125m-fp8", "titan-1b", "titan-125m-fp8", "litgpt-125m")
     calls = _record(PEERS / "run.sh", "", tmp_path, runs, env={"DATA": str(dataset_dir)})
     _validate_recorded(calls, "bench/peers/run.sh", tmp_path, _throughput())
     rows = _peers_module("rows")
     def named(argv):  # the recorder's files are not in the order of the calls: each run by its name
+        if "pretrain" in argv:
+            return argv[argv.index("--out_dir") + 1].rsplit("/", 1)[1]
         return next(a.split("=", 1)[1] for a in argv if a.startswith("run_name=")) if "torchrun" != argv[0] else argv[-1].rsplit("/", 1)[1]
 
-
-    by_name = {named(c): c for c in calls if c[0] == "torchrun" or any(a.endswith("/train.py") for a in c)}
+    by_name = {named(c): c for c in calls if c[0] == "torchrun" or "pretrain" in c or any(a.endswith("/train.py") for a in c)}
     assert sorted(by_name) == sorted(runs), sorted(by_name)
-    trains, olmos, titans = [by_name[r] for r in runs[:3]], [by_name[r] for r in runs[3:5]], [by_name[r] for r in runs[5:]]
+    trains, olmos, titans = [by_name[r] for r in runs[:3]], [by_name[r] for r in runs[3:5]], [by_name[r] for r in runs[5:7]]
     for argv, shape in zip(trains, ("1b", "125m", "1b")):
         cfg = make_cfg(argv[argv.index(next(a for a in argv if a.endswith("/train.py"))) + 1 :], tmp_path)
         assert (cfg.data.seq_len, cfg.data.batch_size, cfg.trainer.max_steps, cfg.optimizer.lr) == (2048, 4, 30, 3e-4)
@@ -481,9 +482,33 @@ def test_the_peer_runs_train_one_model_on_one_recipe_and_a_misspelled_run_is_ref
     for shape, want in _peers_module("rows").SHAPES.items():
         got = re.search(rf'"{shape}": TransformerModelArgs\(dim=(\d+), n_layers=(\d+), .*vocab_size=(\d+)', titan).groups()
         assert tuple(map(int, got)) == (want["d"], want["layers"], want["vocab"]), shape
+    # litgpt: its own `litgpt pretrain`, the shape's config file, the same batch, tokens, sequence and recipe
+    lit = by_name["litgpt-125m"]
+    assert lit[lit.index("-m") + 1 : lit.index("-m") + 3] == ["litgpt", "pretrain"]
+    flags = dict(zip(lit[lit.index("pretrain") + 1 :: 2], lit[lit.index("pretrain") + 2 :: 2]))
+    assert flags["--config"].endswith("bench/peers/litgpt_125m.yaml") and flags["--data.path"] == str(dataset_dir)
+    assert flags["--data"] == "bench.peers.litgpt_data.LmtrainTokens"
+    assert {k: flags[k] for k in ("--train.micro_batch_size", "--train.global_batch_size", "--train.max_tokens", "--train.max_seq_length",
+                                  "--train.lr_warmup_steps", "--train.max_norm", "--train.min_lr")} == {
+        "--train.micro_batch_size": "4", "--train.global_batch_size": "4", "--train.max_tokens": str(30 * 4 * 2048),
+        "--train.max_seq_length": "2048", "--train.lr_warmup_steps": "20", "--train.max_norm": "1.0", "--train.min_lr": "3e-05"}  # fmt: skip
+    assert json.loads(flags["--optimizer"]) == {"class_path": "torch.optim.AdamW", "init_args": {"lr": 3e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]}}
+    import yaml
+
+    for shape, want in rows.SHAPES.items():  # its config files: the shapes lmtrain's rows train
+        argv = by_name["lmtrain-1b" if shape == "1b" else "lmtrain-125m"]
+        lm = make_cfg(argv[argv.index(next(a for a in argv if a.endswith("/train.py"))) + 1 :], tmp_path).model
+        got = yaml.safe_load((PEERS / f"litgpt_{shape}.yaml").read_text())["model_config"]
+        assert (got["n_embd"], got["n_layer"], got["padded_vocab_size"]) == (want["d"], want["layers"], want["vocab"]), shape
+        assert (got["n_head"], got["n_query_groups"], got["intermediate_size"], got["rope_base"], got["norm_eps"]) == (
+            lm.n_heads, lm.n_kv_heads, lm.ffn_dim, lm.rope_theta, lm.norm_eps), shape  # fmt: skip
+        assert got["block_size"] == 2048 and "rope_adjustments" not in got and not got["bias"]
     bad = subprocess.run(["bash", str(PEERS / "run.sh"), "lmtrain-1b", "olmo-2b"], env={**os.environ, "DATA": str(dataset_dir),
                          "OUT": str(tmp_path / "bad")}, capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 2 and "no shape '2b' in 'olmo-2b'" in bad.stderr and not (tmp_path / "bad" / "runs").exists(), bad.stderr
+    bad = subprocess.run(["bash", str(PEERS / "run.sh"), "litgpt-1b-fp8"], env={**os.environ, "DATA": str(dataset_dir), "OUT": str(tmp_path / "bad")},
+                         capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 2 and "litgpt's pretraining has no float8 recipe" in bad.stderr, bad.stderr
 
 
 def test_a_peer_trains_on_lmtrains_batches_in_lmtrains_order(tmp_path, dataset_dir):

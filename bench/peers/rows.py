@@ -5,15 +5,17 @@
 - tokens/s: the tokens of the steps after the warm-up (``WARM``, 10) over their wall time; the trainer's own record
   of each step's time (lmtrain: ``perf/tokens_per_sec`` per step, a harmonic mean; OLMo-core: its console line's
   time at the two ends, both steps where it collects its metrics, so the host has waited for the card there;
-  torchtitan: its console lines' times at the two ends, steps where it reads the loss back);
+  torchtitan: its console lines' times at the two ends, steps where it reads the loss back; litgpt: its csv's loop
+  time at the two ends);
 - MFU: one formula for all, lmtrain's (``6 N + 12 L d T`` FLOPs per token, N the parameters in matrix products: the
   embedding lookup is not one, an untied head is), over the card's dense bf16 peak;
 - peak memory: what the trainer reports as its peak, live tensors and (in brackets) what the allocator held from the
   card (lmtrain: ``perf/max_memory_gib``, ``perf/max_reserved_gib``; OLMo-core: its monitor's active and reserved
-  memory; torchtitan: its console's reserved memory);
+  memory; torchtitan: its console's reserved memory; litgpt: the live peak it prints at the end);
 - time to the first step: from the launch (the harness's clock, before the interpreter starts) to the end of the
-  first step (OLMo-core, torchtitan: the first step's console line, in the machine's local time as ``launch_local``; lmtrain: the
-  attempt's start in its record, plus its start-up and first step from its goodput figures);
+  first step (OLMo-core, torchtitan: the first step's console line, in the machine's local time as ``launch_local``;
+  litgpt: that line's wall-clock stamp; lmtrain: the attempt's start in its record, plus its start-up and first step
+  from its goodput figures);
 - loss: the mean of the training losses logged in the last 5 steps (torchtitan logs only the last), at the tokens
   the row says.
 """
@@ -83,6 +85,25 @@ def _titan(log: str, warm: int, launch_local: str) -> dict:
             "peak": f"- (reserved {reserved:.1f})"}  # fmt: skip
 
 
+def _litgpt(log: str, run_dir: Path, warm: int, launch: float) -> dict:
+    """litgpt's csv (``logs/csv/version_0/metrics.csv``: per step ``iter``, ``loss`` and ``time``, the seconds since its
+    loop began, read after it waits for the loss every step) and its console, each line stamped with the wall clock
+    by run.sh (the first step's line; the ``Memory Used`` it prints at the end, max_memory_allocated in GB)."""
+    import csv
+
+    (path,) = run_dir.glob("logs/csv/version_*/metrics.csv")
+    rows = [r for r in csv.DictReader(path.open()) if r.get("loss")]
+    times = {int(r["iter"]): float(r["time"]) for r in rows}
+    if not times:
+        return {"timed": (None, None)}
+    last = max(times)
+    first = next((float(x.split()[0]) for x in log.splitlines() if re.search(r" \| iter 1 step ", x)), float("nan"))
+    used = re.search(r"Memory Used\s*:\s*([\d.]+) GB", log)
+    return {"first_s": first - launch, "timed": (warm, last), "seconds": times[last] - times[warm],
+            "losses": {int(r["iter"]): float(r["loss"]) for r in rows},
+            "peak": f"{float(used.group(1)) * 1e9 / 2**30:.1f}" if used else "-"}  # fmt: skip
+
+
 def _lmtrain(run_dir: Path, warm: int, tokens_per_step: int, launch: float) -> dict:
     """lmtrain's run directory: metrics.jsonl (per-step ``perf/tokens_per_sec``, ``train/loss``; its first line the
     attempt's start, wall clock) and the goodput figures (start-up, the first step) logged at the end."""
@@ -111,6 +132,8 @@ def row(out: Path, name: str) -> str:
         got = _olmo(log, meta["warm"], meta["launch_local"])
     elif meta["trainer"] == "torchtitan":
         got = _titan(log, meta["warm"], meta["launch_local"])
+    elif meta["trainer"] == "litgpt":
+        got = _litgpt(log, Path(meta["run_dir"]), meta["warm"], meta["launch"])
     else:
         got = _lmtrain(Path(meta["run_dir"]), meta["warm"], tokens_per_step, meta["launch"])
     a, b = got["timed"]

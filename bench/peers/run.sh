@@ -3,7 +3,7 @@
 # hyperparameters, each trainer with its own trainer loop and its own best one-GPU settings (issue 59,
 # docs/BENCHMARKS.md). A run is named TRAINER-SHAPE[-fp8]:
 #
-#   DATA=DATASET OUT=DIR bash bench/peers/run.sh lmtrain-1b olmo-1b titan-1b lmtrain-1b-fp8 olmo-1b-fp8 titan-1b-fp8
+#   DATA=DATASET OUT=DIR bash bench/peers/run.sh lmtrain-1b olmo-1b titan-1b litgpt-1b lmtrain-1b-fp8 olmo-1b-fp8 titan-1b-fp8
 #   python3 bench/peers/rows.py DIR                      # the table: tokens/s, MFU, peak memory, first step, loss
 #
 # DATASET: an lmtrain prepared dataset (python -m lmtrain.data.prepare), read as it is by every trainer. Shapes:
@@ -18,7 +18,11 @@
 # cookbook's torchao float8); torchtitan 0.2.2 by its own `torchtitan.train` with the shapes registered by
 # bench/peers/titan_configs.py (its Llama 3 model and parallelize function: compiled model and loss, bf16 autocast on
 # one GPU, fused AdamW, no activation checkpointing; with -fp8 its float8 converter, the output head left in bf16 as
-# its float8 docs do; its AdamW decays every parameter, embeddings included: it has no per-group setting). A peer's packages come from OLMO_PATH or TITAN_PATH (put before PYTHONPATH for its runs only).
+# its float8 docs do; its AdamW decays every parameter, embeddings included: it has no per-group setting); litgpt 0.5.13
+# by its own `litgpt pretrain` with bench/peers/litgpt_SHAPE.yaml and lmtrain's samples (bench/peers/litgpt_data.py:
+# its GPT compiled, bf16-mixed, fused AdamW decaying every parameter, its warm-up from 0 and cosine to LR/10, logging
+# every step as its pretraining defaults; it has no float8 recipe for pretraining). A peer's packages come from
+# OLMO_PATH, TITAN_PATH or LITGPT_PATH (put before PYTHONPATH for its runs only).
 set -uo pipefail
 : "${DATA:?an lmtrain prepared dataset}"
 OUT=${OUT:-/tmp/peers}
@@ -44,9 +48,10 @@ export SEQ B WARM CARD OUT
 
 for run in "${@:?name the runs: lmtrain-1b olmo-1b ...}"; do  # every name checked before anything runs
   IFS=- read -r trainer shape fp8 <<< "$run"
-  case "$trainer" in lmtrain|olmo|titan) ;; *) echo "bench/peers/run.sh: no trainer '$trainer' in '$run' (lmtrain, olmo or titan)" >&2; exit 2 ;; esac
+  case "$trainer" in lmtrain|olmo|titan|litgpt) ;; *) echo "bench/peers/run.sh: no trainer '$trainer' in '$run' (lmtrain, olmo, titan or litgpt)" >&2; exit 2 ;; esac
   case "$shape" in 1b|125m) ;; *) echo "bench/peers/run.sh: no shape '$shape' in '$run' (1b or 125m)" >&2; exit 2 ;; esac
   [ -z "$fp8" ] || [ "$fp8" = fp8 ] || { echo "bench/peers/run.sh: '$run': only -fp8 may follow the shape" >&2; exit 2; }
+  [ "$trainer-$fp8" != litgpt-fp8 ] || { echo "bench/peers/run.sh: '$run': litgpt's pretraining has no float8 recipe" >&2; exit 2; }
 done
 for run in "$@"; do
   IFS=- read -r trainer shape fp8 <<< "$run"
@@ -75,8 +80,20 @@ for run in "$@"; do
       --lr_scheduler.decay_type cosine --lr_scheduler.min_lr_factor 0.1 --compile.enable --activation_checkpoint.mode none \
       --metrics.log_freq 1 --metrics.disable_color_printing --job.dump_folder "$OUT/runs/$run" > "$OUT/$run.log" 2>&1
     ;;
+  litgpt)
+    launch "$run" litgpt "$(PYTHONPATH=${LITGPT_PATH:-}:${PYTHONPATH:-} python3 -c 'import importlib.metadata as m; print(m.version("litgpt"))' 2>/dev/null)" "$shape" "$f"
+    # its console stamped with the wall clock as it comes (rows.py: the time to the first step); the rest from its csv
+    PYTHONPATH=${LITGPT_PATH:-}:$HERE:${PYTHONPATH:-} python3 -m litgpt pretrain --config "$HERE/bench/peers/litgpt_$shape.yaml" \
+      --data bench.peers.litgpt_data.LmtrainTokens --data.path "$DATA" --train.micro_batch_size "$B" --train.global_batch_size "$B" \
+      --train.max_tokens $((STEPS * B * SEQ)) --train.max_seq_length "$SEQ" --train.lr_warmup_steps 20 --train.max_norm 1.0 \
+      --train.min_lr "$(awk "BEGIN { print $LR / 10 }")" --train.save_interval null --eval.interval 1000000 --eval.max_iters 2 \
+      --eval.final_validation false --out_dir "$OUT/runs/$run" \
+      --optimizer "{\"class_path\": \"torch.optim.AdamW\", \"init_args\": {\"lr\": $LR, \"weight_decay\": 0.1, \"betas\": [0.9, 0.95]}}" 2>&1 \
+      | python3 -uc 'import sys, time
+for line in sys.stdin: sys.stdout.write(f"{time.time():.3f} {line}")' > "$OUT/$run.log"
+    ;;
   esac
   rc=$?
-  rm -rf "$OUT/runs/$run/save" "$OUT/runs/$run/checkpoints"  # a 1B run's final checkpoint is 18 GB: the disk holds few
+  rm -rf "$OUT/runs/$run/save" "$OUT/runs/$run/checkpoints" "$OUT/runs/$run/final"  # a 1B run's final checkpoint is 18 GB: the disk holds few
   echo "$run: exit $rc"
 done
