@@ -276,6 +276,37 @@ def test_the_router_scores_in_fp32_under_bf16_autocast():
     assert logits.dtype == torch.float32 and torch.equal(logits, h @ layer.router.weight.T)
 
 
+def test_a_llama_mixture_routes_real_tokens_evenly_from_its_first_step(dataset_dir):
+    """OLMoE's layout shrunk to the CPU (width 256, 4 blocks, 32 experts of 128, 8 a token) on a real batch, before
+    any training: with the llama family's N(0, 1) token embeddings (its default with an untied head) every layer
+    spreads the tokens over its experts (``moe/collapse`` under 0.1); with embeddings at 0.02, as the family had
+    before, the blocks' inputs are mostly their attention's output, alike for every token, and the deeper layers send
+    most tokens to the same few experts (above 0.15; at OLMoE's full width 0.30-0.55 against 0.02-0.04, and on an H100
+    its 32-expert runs collapsed from step 1: h100_olmoe32_2026-12-07*.jsonl.gz)."""
+    from lmtrain.data.datamodule import TokenDataModule
+
+    class _One:  # one process: the step's loads are its own
+        def reduce(self, x, reduce_op):
+            return x
+
+    data = TokenDataModule(path=str(dataset_dir), seq_len=256, batch_size=4, seed=0)
+    data.setup("fit")
+    x = torch.stack([data.train_set[i][0] for i in range(0, 4 * 7, 7)])
+    collapse = {}
+    for emb in (None, 0.02):
+        moe = {**preset("olmoe-1b-7b").moe, "experts": 32, "expert_ffn_dim": 128}
+        cfg = preset("olmoe-1b-7b", vocab_size=1024, d_model=256, n_heads=4, n_layers=4, embed_init_std=emb, moe=moe)
+        torch.manual_seed(0)
+        model = Decoder(cfg)
+        model.init_weights()
+        stats = RoutingStats(model)
+        with torch.no_grad():
+            model(x)
+        values = dict(zip(stats.names(), stats.step_values(_One(), "cpu").tolist(), strict=True))
+        collapse[emb] = values["moe/collapse"]
+    assert collapse[None] < 0.1 < 0.15 < collapse[0.02], collapse
+
+
 def test_routing_collapse_is_said_on_the_real_runs_whose_routing_collapsed_and_only_there():
     """tests/data/stability/cpu_tiny_moe_2026-12-07.jsonl.gz: four real tiny-moe runs (4 experts, top 2; 300 steps on
     CPU), labelled from their ``moe/collapse`` curves (10-step means): the preset's balancing at its rate (healthy:
