@@ -578,3 +578,29 @@ def test_the_peer_rows_read_each_trainers_own_record(tmp_path, dataset_dir):
     lmrow = next(line for line in printed.splitlines() if "lmtrain" in line).split(" | ")
     assert lmrow[4:6] == ["6-12", f"{want:,.0f}"], (lmrow, per)
     assert 0 < float(lmrow[8].rstrip(" s")) <= ended - started and lmrow[6] == "-", lmrow
+
+
+def test_the_peer_rows_read_litgpts_own_record(tmp_path):
+    """rows.py on a real litgpt record (tests/data/peers/litgpt-125m-cpu: run.sh's litgpt-125m on this CPU at
+    2 x 64, 12 steps): tokens/s from its csv's loop time at steps 4 and 12, the loss the mean of its csv's last 5
+    steps, the first step from its console line's wall-clock stamp (run.sh's) less the launch."""
+    import csv
+    import shutil
+
+    record = ROOT / "tests" / "data" / "peers" / "litgpt-125m-cpu"
+    out, csvdir = tmp_path / "peers", tmp_path / "runs" / "litgpt-125m" / "logs" / "csv" / "version_0"
+    out.mkdir()
+    csvdir.mkdir(parents=True)
+    shutil.copy(record / "metrics.csv", csvdir / "metrics.csv")
+    shutil.copy(record / "litgpt-125m.log", out / "litgpt-125m.log")
+    meta = {"trainer": "litgpt", "version": "0.5.13", "shape": "125m", "fp8": False, "seq": 64, "batch": 2, "warm": 4, "card": "CPU",
+            "run_dir": str(tmp_path / "runs" / "litgpt-125m"), "launch": 1796663270.784566}  # fmt: skip
+    (out / "litgpt-125m.launch").write_text(json.dumps(meta))
+    rows = {int(r["iter"]): r for r in csv.DictReader((record / "metrics.csv").open())}
+    tokens_per_s = 2 * 64 * 8 / (float(rows[12]["time"]) - float(rows[4]["time"]))
+    loss = sum(float(rows[s]["loss"]) for s in range(8, 13)) / 5
+    printed = subprocess.run([sys.executable, str(PEERS / "rows.py"), str(out)], capture_output=True, text=True, check=True).stdout
+    row = next(line for line in printed.splitlines() if "litgpt" in line).split(" | ")
+    assert row[1:6] == ["litgpt 0.5.13", "125m", "2 x 64", "5-12", f"{tokens_per_s:,.0f}"], row
+    assert row[6:9] == ["-", "-", "143 s"], row  # no bf16 peak for a CPU; no `Memory Used` line on a CPU; 413.288 - 270.785
+    assert row[9] == f"{loss:.3f} at 1,536 tokens |", row
