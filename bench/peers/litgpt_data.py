@@ -21,6 +21,17 @@ from litgpt.data import DataModule
 from torch.utils.data import DataLoader, IterableDataset
 
 
+class _InOrder:
+    """A dataset's ``(input, target)`` pairs in index order, anew at each pass (litgpt validates more than once)."""
+
+    def __init__(self, blocks) -> None:
+        self.blocks = blocks
+
+    def __iter__(self):
+        for i in range(len(self.blocks)):
+            yield self.blocks[i][:2]
+
+
 class _Whole(IterableDataset):
     """Each ``(input, target)`` pair as the window it was cut from: the input and the target's last token."""
 
@@ -57,5 +68,4 @@ class LmtrainTokens(DataModule):
 
         data = TokenDataModule(path=self.path, seq_len=self.seq_length, batch_size=self.batch_size, seed=self.seed)
         data.setup("fit")
-        pairs = (data.val_set[i][:2] for i in range(len(data.val_set)))
-        return DataLoader(_Whole(pairs), batch_size=self.batch_size)
+        return DataLoader(_Whole(_InOrder(data.val_set)), batch_size=self.batch_size)
