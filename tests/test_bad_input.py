@@ -321,3 +321,20 @@ mount -o remount,ro {disk}
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert errors == [errors[0]] and errors[0].startswith(said) and errors[0].endswith("Read-only file system"), err[-3000:]
         assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.embed_init_std=-1", "model.embed_init_std=-1 must be a standard deviation >= 0 or null"),
+        ("model.embed_init_std=abc", "model.embed_init_std='abc' must be a standard deviation >= 0 or null"),
+        ("model.init_std=-0.5", "model.init_std=-0.5 must be a standard deviation >= 0"),
+    ],
+)
+def test_an_impossible_initialisation_scale_is_one_line_and_writes_nothing(override, message, dataset_dir, tmp_path):
+    """Refused before the run directory exists (a negative or non-number scale reached torch's normal_ as a
+    traceback, after the directory was made)."""
+    run = tmp_path / "run"
+    res = run_train_cli([*TINY, "model=tiny-llama", override, f"data.path={dataset_dir}", "data.prepare=null", f"run_dir={run}"], tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert message in res.stderr and not run.exists(), res.stderr[-1000:]

@@ -143,6 +143,10 @@ class ModelConfig:
             val = getattr(self, key)
             if not isinstance(val, (int, float)) or not 0.0 <= val < 1.0:
                 out.append(f"model.{key}={val!r} must be in [0, 1)")
+        for key, nullable in (("init_std", False), ("embed_init_std", True)):
+            val = getattr(self, key)
+            if not (val is None and nullable) and (isinstance(val, bool) or not isinstance(val, (int, float)) or not 0.0 <= val < math.inf):
+                out.append(f"model.{key}={val!r} must be a standard deviation >= 0" + (" or null" if nullable else ""))
         return out
 
     @classmethod
