@@ -52,6 +52,9 @@ def test_train_help_describes_the_groups_and_hides_the_fault_drills(tmp_path):
     for group in ("data", "trainer", "speed", "strategy", "logger", "experiment", "debug"):
         for option in sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml")):
             assert re.search(rf"\b{re.escape(option)}\b", lines[group]), (group, option, lines[group])
+    models = res.stdout[res.stdout.index("\n  model ") : res.stdout.index("\n  data ")]  # the model line and its continuation
+    for option in sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml")):  # opt-* sizes as one range
+        assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", models) or (option.startswith("opt-") and "opt-125m ... opt-175b" in models), option
     both = lines["optimizer"]  # optimizer and scheduler share a line
     for group in ("optimizer", "scheduler"):
         assert all(re.search(rf"\b{p.stem}\b", both) for p in (ROOT / "conf" / group).glob("*.yaml")), both
