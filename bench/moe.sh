@@ -7,22 +7,29 @@
 # 10), MFU (counted on active parameters, as the throughput callback counts it), peak memory held, and the mean
 # training loss of the last 10 steps, which is the loss at equal tokens since both read the same batches; and the
 # planner's count for the same run (lmtrain plan, one GPU, no activation checkpointing) beside the measured peak.
+# moe-norm: the same mixture with each token's chosen affinities renormalised to sum to 1 (model.moe.norm_topk=true,
+# as Qwen3-MoE and DeepSeek-V3 route; OLMoE does not): on the CPU at width 256 it closed the mixture's gap to its
+# dense twin (docs/benchmarks/2026-12-07.md, "OLMoE's recipe scaled down").
 # No checkpoint is written: the runs measure steps, and OLMoE's 83 GB of state would not fit a 64 GB disk.
 #
-#   [DATA=DATASET] [STEPS=300] [B=8] [SEQ=2048] [EXPERTS=64] [KINDS="moe dense"] [OUT=/tmp/moe] bash bench/moe.sh
+#   [DATA=DATASET] [STEPS=300] [B=8] [SEQ=2048] [EXPERTS=64] [KINDS="moe moe-norm dense"] [OUT=/tmp/moe] bash bench/moe.sh
 #
 # DATA: an lmtrain prepared dataset (default: the preset's own data config).
 # Record the rows in docs/BENCHMARKS.md with the card and this command.
 set -o pipefail
-STEPS=${STEPS:-300} B=${B:-8} SEQ=${SEQ:-2048} EXPERTS=${EXPERTS:-64} OUT=${OUT:-/tmp/moe}
+STEPS=${STEPS:-300} B=${B:-8} SEQ=${SEQ:-2048} EXPERTS=${EXPERTS:-64} OUT=${OUT:-/tmp/moe} KINDS=${KINDS:-moe moe-norm dense}
+for kind in $KINDS; do  # every kind known before anything is written
+  case $kind in moe | moe-norm | dense) ;; *) echo "bench/moe.sh: unknown kind '$kind' in KINDS (moe, moe-norm, dense)" >&2; exit 2 ;; esac
+done
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 common=(trainer=gpu logger=csv ${DATA:+data=prepared "data.path=$DATA"} "data.seq_len=$SEQ" "data.batch_size=$B" "trainer.max_steps=$STEPS"
         "scheduler.total_steps=$STEPS" scheduler.warmup_steps=30 trainer.val_check_interval=100000 trainer.enable_progress_bar=false
         '~callbacks.checkpoint' '~callbacks.disk_guard')
-for kind in ${KINDS:-moe dense}; do
+for kind in $KINDS; do
   case $kind in
     moe) model=(model=olmoe-1b-7b "model.moe.experts=$EXPERTS") ;;
+    moe-norm) model=(model=olmoe-1b-7b "model.moe.experts=$EXPERTS" model.moe.norm_topk=true) ;;
     dense) model=(model=olmoe-1b-7b model.moe=null model.ffn_dim=8192) ;;
   esac
   python3 train.py "${common[@]}" "${model[@]}" "run_dir=$OUT/runs/$kind" "run_name=$kind" > "$OUT/$kind.log" 2>&1
@@ -36,7 +43,7 @@ from pathlib import Path
 
 out = Path(sys.argv[1])
 print("| model | tokens/s | MFU (active) | peak GiB held | planner's count, GiB | loss, last 10 steps |\n|---|---|---|---|---|---|")
-for kind in ("moe", "dense"):
+for kind in ("moe", "moe-norm", "dense"):
     path = out / "runs" / kind / "metrics.jsonl"
     if not path.exists():
         print(f"| {kind} | did not run: see {kind}.log | | | | |")

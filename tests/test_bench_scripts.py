@@ -132,6 +132,19 @@ def test_a_misspelled_mode_is_refused_by_name_before_anything_runs(script, tmp_p
     assert not (tmp_path / "ran").exists()
 
 
+def test_the_moe_bench_refuses_a_misspelled_kind_before_writing_or_running_anything(tmp_path):
+    """bench/moe.sh with a kind it does not know among known ones exits 2 naming it, makes no output folder and starts
+    no run (a misspelled kind used to train the previous kind's model under the misspelled name)."""
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "python3").write_text(f"#!/bin/sh\necho ran >> {tmp_path / 'ran'}\n")
+    (stub / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"), "KINDS": "moe moe-nrm"}
+    res = subprocess.run(["bash", str(BENCH / "moe.sh")], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert res.returncode == 2 and "unknown kind 'moe-nrm'" in res.stderr, (res.returncode, res.stderr)
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "out").exists()
+
+
 def test_the_bench_refuses_a_config_without_the_throughput_callback(tmp_path):
     """``callbacks=none`` leaves bench/throughput.py nothing to read (one GPU call measured nothing that way): refused
     in its config step, naming the way to drop one callback instead; dropping one is accepted."""
