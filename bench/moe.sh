@@ -18,8 +18,16 @@
 # Record the rows in docs/BENCHMARKS.md with the card and this command.
 set -o pipefail
 STEPS=${STEPS:-300} B=${B:-8} SEQ=${SEQ:-2048} EXPERTS=${EXPERTS:-64} OUT=${OUT:-/tmp/moe} KINDS=${KINDS:-moe moe-norm dense}
+model_of() {  # the model overrides of kind $1, in the array `model`; 1 for a kind this script does not have
+  case $1 in
+    moe) model=(model=olmoe-1b-7b "model.moe.experts=$EXPERTS") ;;
+    moe-norm) model=(model=olmoe-1b-7b "model.moe.experts=$EXPERTS" model.moe.norm_topk=true) ;;
+    dense) model=(model=olmoe-1b-7b model.moe=null model.ffn_dim=8192) ;;
+    *) return 1 ;;
+  esac
+}
 for kind in $KINDS; do  # every kind known before anything is written
-  case $kind in moe | moe-norm | dense) ;; *) echo "bench/moe.sh: unknown kind '$kind' in KINDS (moe, moe-norm, dense)" >&2; exit 2 ;; esac
+  model_of "$kind" || { echo "bench/moe.sh: unknown kind '$kind' in KINDS (moe, moe-norm, dense)" >&2; exit 2; }
 done
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -27,23 +35,19 @@ common=(trainer=gpu logger=csv ${DATA:+data=prepared "data.path=$DATA"} "data.se
         "scheduler.total_steps=$STEPS" scheduler.warmup_steps=30 trainer.val_check_interval=100000 trainer.enable_progress_bar=false
         '~callbacks.checkpoint' '~callbacks.disk_guard')
 for kind in $KINDS; do
-  case $kind in
-    moe) model=(model=olmoe-1b-7b "model.moe.experts=$EXPERTS") ;;
-    moe-norm) model=(model=olmoe-1b-7b "model.moe.experts=$EXPERTS" model.moe.norm_topk=true) ;;
-    dense) model=(model=olmoe-1b-7b model.moe=null model.ffn_dim=8192) ;;
-  esac
+  model_of "$kind"
   python3 train.py "${common[@]}" "${model[@]}" "run_dir=$OUT/runs/$kind" "run_name=$kind" > "$OUT/$kind.log" 2>&1
   echo "$kind: exit $?"
   python3 -m lmtrain plan trainer=gpu "data.seq_len=$SEQ" "data.batch_size=$B" "${model[@]}" cluster.gpus=1 output=json \
     > "$OUT/$kind.plan.json" 2> "$OUT/$kind.plan.err"
 done
-python3 - "$OUT" <<'EOF' | tee "$OUT/rows.md"
+python3 - "$OUT" $KINDS <<'EOF' | tee "$OUT/rows.md"
 import json, statistics, sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
 print("| model | tokens/s | MFU (active) | peak GiB held | planner's count, GiB | loss, last 10 steps |\n|---|---|---|---|---|---|")
-for kind in ("moe", "moe-norm", "dense"):
+for kind in sys.argv[2:]:  # the kinds that ran, in KINDS's order
     path = out / "runs" / kind / "metrics.jsonl"
     if not path.exists():
         print(f"| {kind} | did not run: see {kind}.log | | | | |")
