@@ -55,9 +55,9 @@ def _by_token(moe: MoE, h: torch.Tensor) -> torch.Tensor:
     "family, moe",
     [
         ("llama", {}),
-        ("llama", {"shared_ffn_dim": 16, "norm_topk": True}),
+        ("llama", {"shared_ffn_dim": 16, "norm_topk": False}),
         ("llama", {"score": "sigmoid", "top_k": 3}),
-        ("opt", {"shared_ffn_dim": 8}),
+        ("opt", {"shared_ffn_dim": 8, "norm_topk": False}),
     ],
 )
 def test_the_grouped_dispatch_computes_what_each_token_s_experts_compute(family, moe):
@@ -189,6 +189,44 @@ def test_the_tiny_mixture_trains_logs_its_routing_and_resumes_exactly(tmp_path, 
     assert again.returncode == 0, again.stderr[-3000:]
     uninterrupted = _losses(tmp_path / "full")
     assert _losses(tmp_path / "again") == {s: v for s, v in uninterrupted.items() if s > 6}
+
+
+def test_a_mixture_given_in_part_is_recorded_whole_and_an_older_record_reads_as_it_trained(tmp_path, dataset_dir):
+    """``model.moe={experts, top_k, expert_ffn_dim}``: the run's config.yaml and its checkpoint hold every key, the
+    renormalised weighting (``norm_topk: true``, the default since 2026-12-08) spelt out. A run directory an older
+    lmtrain wrote lacks the keys it left at their defaults (``norm_topk`` then false): read back (generate, export) it
+    is the model it trained; a checkpoint's model against this run's differs key by key, so a second launch under
+    the other weighting is refused naming ``model.moe.norm_topk``, before anything is written."""
+    import yaml
+
+    from lmtrain.formats.checkpoint import CheckpointError, check_compatible
+    from lmtrain.formats.trained import load_run
+
+    common = [*(a for a in TINY if not a.startswith(("model=", "callbacks="))), "model=tiny-llama", "model.moe={experts: 4, top_k: 2, expert_ffn_dim: 16}",
+              f"data.path={dataset_dir}", "data.prepare=null", "callbacks=checkpoint", "callbacks.disk_guard.margin_gb=0", f"run_dir={tmp_path / 'run'}"]  # fmt: skip
+    res = run_train_cli(common, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    config = tmp_path / "run" / "config.yaml"
+    recorded = yaml.safe_load(config.read_text())["model"]["moe"]
+    assert recorded == {"experts": 4, "top_k": 2, "expert_ffn_dim": 16, "shared_ffn_dim": 0, "score": "softmax", "norm_topk": True,
+                        "aux_loss": 0.01, "z_loss": 0.001, "bias_rate": 0.0, "dense_layers": 0}  # fmt: skip
+    assert load_run(tmp_path / "run")[0].cfg.moe_config.norm_topk is True
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    other = [a if not a.startswith("model.moe=") else "model.moe={experts: 4, top_k: 2, expert_ffn_dim: 16, norm_topk: false}" for a in common]
+    again = run_train_cli([*other, "trainer.max_steps=6"], tmp_path)
+    assert again.returncode == 2 and "model.moe.norm_topk: checkpoint True, this run False" in again.stderr, again.stderr[-3000:]
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
+
+    # as an older lmtrain recorded the same node: only the keys given
+    cfg = yaml.safe_load(config.read_text())
+    cfg["model"]["moe"] = {"experts": 4, "top_k": 2, "expert_ffn_dim": 16}
+    config.write_text(yaml.safe_dump(cfg))
+    assert load_run(tmp_path / "run")[0].cfg.moe_config.norm_topk is False
+    now = {"model_config": ModelConfig(family="llama", name="x", moe={"experts": 4, "top_k": 2, "expert_ffn_dim": 16}).to_dict()}
+    old = {"model_config": {**now["model_config"], "moe": {"experts": 4, "top_k": 2, "expert_ffn_dim": 16}}}
+    with pytest.raises(CheckpointError, match="model.moe.norm_topk: checkpoint False, this run True"):
+        check_compatible(old, now, "checkpoint step-4")
+    check_compatible(old, {"model_config": {**now["model_config"], "moe": {**now["model_config"]["moe"], "norm_topk": False}}}, "checkpoint step-4")
 
 
 def test_a_mixture_transformers_cannot_express_is_not_exported(tmp_path):

@@ -149,6 +149,26 @@ def test_options_a_newer_lmtrain_added_at_their_defaults_are_not_listed_as_confi
     assert all(k in said for k in ("module/fp8/fused_mlp", "module/fp8/fast_accum", "callbacks/checkpoint/keep_last"))
 
 
+def test_a_mixture_recorded_in_part_by_an_older_lmtrain_is_compared_as_it_trained(tmp_path, dataset_dir, caplog):
+    """A run whose config.yaml an older lmtrain wrote with ``model.moe`` as given (three keys), resumed now that every
+    key is recorded (lmtrain.training.config.complete_moe): the keys it left at their defaults are not changes, and
+    ``norm_topk``, false by default then and true now, is the one change when the resume takes the new default."""
+    from omegaconf import OmegaConf
+
+    from lmtrain.training.config import complete_moe
+    from lmtrain.training.run import _config_changes
+
+    given = "{experts: 4, top_k: 2, expert_ffn_dim: 16}"
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(make_cfg([*BASE, "model=tiny-llama", f"model.moe={given}"], tmp_path, dataset_dir)))
+    for node, want in ((given, {"model/moe/norm_topk": [False, True]}), (given[:-1] + ", norm_topk: false}", {})):
+        cfg = make_cfg([*BASE, "model=tiny-llama", f"model.moe={node}"], tmp_path, dataset_dir)
+        complete_moe(cfg)
+        assert _config_changes(run, cfg) == want
+    assert not [r for r in caplog.records if "lmtrain added" in r.getMessage()]
+
+
 def test_another_strategy_is_one_change_naming_both(tmp_path, dataset_dir):
     """A resume under ``fsdp`` of a run saved under ``ddp``: one change, ``strategy: DDPStrategy -> FSDP2Strategy``,
     not a line per key of the two strategy nodes (about ten: their targets, compile and checkpointing options, ...);

@@ -398,13 +398,18 @@ ADDED_MODEL_FIELDS = {"rope_scaling": None, "qk_norm": False, "moe": None, "embe
 
 def check_compatible(saved: dict, current: dict, what: str) -> None:
     """Refuse a checkpoint whose model differs: config fields, then parameter names and shapes, both ways."""
+    from lmtrain.nn.moe import as_trained
+
     problems = []
     s_cfg, c_cfg = saved.get("model_config") or {}, current.get("model_config") or {}
     for k in sorted(set(s_cfg) | set(c_cfg)) if s_cfg and c_cfg else ():
         if k in RESUMABLE_MODEL_CHANGES:
             continue
         was, now = s_cfg.get(k, ADDED_MODEL_FIELDS.get(k, "<absent>")), c_cfg.get(k, ADDED_MODEL_FIELDS.get(k, "<absent>"))
-        if was != now:
+        if k == "moe" and isinstance(was, dict) and isinstance(now, dict):  # key by key, an older one's as it trained
+            was, now = as_trained(was), as_trained(now)
+            problems += [f"model.moe.{m}: checkpoint {was.get(m)!r}, this run {now.get(m)!r}" for m in sorted(was | now) if was.get(m) != now.get(m)]
+        elif was != now:
             problems.append(f"model.{k}: checkpoint {was!r}, this run {now!r}")
     s_p, c_p = saved.get("params") or {}, current.get("params") or {}
     if s_p and c_p:

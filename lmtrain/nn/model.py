@@ -70,6 +70,10 @@ class ModelConfig:
         errors = self.problems()
         if errors:
             raise ValueError(f"invalid model config '{self.name}': " + "; ".join(errors))
+        if self.moe is not None:  # every key spelt out, so what is stored says what trained whatever defaults change
+            from lmtrain.nn.moe import complete
+
+            self.moe = complete(self.moe)
 
     # -- derived ---------------------------------------------------------------------------------
     @property

@@ -9,7 +9,7 @@ Token-choice routing as OLMoE, Qwen3-MoE and DeepSeek-V3 route:
   auxiliary-loss-free balancing: the bias takes part in choosing, never in weighting; lmtrain.training.module moves
   it after each optimizer step by ``bias_rate`` towards the experts that received fewer tokens than the mean);
 * the expert outputs are summed weighted by the chosen affinities, renormalised to sum to one with ``norm_topk``
-  (Qwen3-MoE; always for sigmoid scores, as DeepSeek-V3);
+  (the default, as Qwen3-MoE, Mixtral and DeepSeek-V3 weight them; OLMoE does not, and its preset says so);
 * dropless: every token is computed by every expert it chose, however unbalanced the load (no capacity factor);
 * the experts' products are PyTorch's grouped matrix product (``grouped_mm``: one kernel for all experts on Hopper),
   the tokens sorted by expert with each expert's group padded to a multiple of 8 rows (its alignment on the GPU),
@@ -52,7 +52,7 @@ class MoEConfig:
     expert_ffn_dim: int = 0  # each expert's hidden features (SwiGLU for llama, the activation MLP for opt)
     shared_ffn_dim: int = 0  # a shared expert's hidden features, every token through it; 0: none
     score: str = "softmax"  # softmax | sigmoid: the router's affinities
-    norm_topk: bool = False  # renormalise the chosen affinities to sum 1 (sigmoid: always)
+    norm_topk: bool = True  # renormalise the chosen affinities to sum 1 (sigmoid: always); false: OLMoE's weighting
     aux_loss: float = 0.01  # load-balancing loss coefficient; 0: none
     z_loss: float = 0.001  # router z-loss coefficient; 0: none
     bias_rate: float = 0.0  # auxiliary-loss-free balancing: the selection bias's step a training step; 0: off
@@ -82,6 +82,30 @@ class MoEConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 out.append(f"model.moe.{key}={v!r} must be a finite number >= 0")
         return out
+
+
+# model.moe keys whose default changed, with the default before: a model.moe stored before the change (a run's
+# config.yaml, a checkpoint's or an export's model) that lacks the key was trained with the old value. Every model.moe
+# stored since holds every key (lmtrain.nn.model.ModelConfig completes it), so only those older ones lack any.
+EARLIER_DEFAULTS = {"norm_topk": False}  # true since 2026-12-08: the renormalised mixture trained lower (docs/configuration.md)
+
+
+def as_trained(fields: dict | None) -> dict | None:
+    """A ``model.moe`` read back from what a run stored (its config.yaml, a checkpoint's or an export's model) with
+    every key: those one stored before lmtrain spelt them out lacks at the defaults it trained with. One with a key this
+    lmtrain does not know stays as stored (the model refuses it, naming the key)."""
+    if fields is None:
+        return None
+    fields = {**EARLIER_DEFAULTS, **fields}
+    try:
+        return complete(fields)
+    except TypeError:
+        return fields
+
+
+def complete(fields) -> dict:
+    """``model.moe`` with every key of :class:`MoEConfig`, the ones not given at their defaults (valid fields)."""
+    return dataclasses.asdict(MoEConfig.of(fields))
 
 
 def _whole(v, least: int) -> bool:

@@ -208,6 +208,19 @@ def _strategy_problems(cfg: DictConfig) -> list[str]:
 
 
 # -- pass 1: the config alone --------------------------------------------------------------------
+def complete_moe(cfg: DictConfig) -> None:
+    """``model.moe`` given in part (``model.moe={experts: 8, top_k: 2, expert_ffn_dim: 64}``) with its other keys at
+    their defaults, in the run's own config: its config.yaml, MLflow parameters and checkpoints then say what trained,
+    whatever lmtrain's defaults become (lmtrain.nn.moe.EARLIER_DEFAULTS). A valid config (validate_config first)."""
+    model = cfg.get("model")
+    if model is None or model.get("moe") is None or str(model.get("_target_", "")) != "lmtrain.nn.model.Decoder":
+        return
+    from lmtrain.nn.moe import complete
+
+    with open_dict(cfg):
+        model.moe = complete(OmegaConf.to_container(model.moe, resolve=True))
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise ConfigError for the first problem in ``cfg`` (all problems are listed)."""
     problems: list[str] = []

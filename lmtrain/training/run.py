@@ -27,7 +27,15 @@ from lmtrain.formats.checkpoint import CheckpointError, check_compatible, config
 from lmtrain.formats.rundir import CONFIG, write_text_atomic
 from lmtrain.training import batch, compat, init_from, restarts, speed
 from lmtrain.training.checkpoint.resume import checked_here, resume_identity, resume_point, unfinished_saves
-from lmtrain.training.config import ConfigError, apply_global_batch_size, check_machine, schedule_notes, validate_config, validate_data
+from lmtrain.training.config import (
+    ConfigError,
+    apply_global_batch_size,
+    check_machine,
+    complete_moe,
+    schedule_notes,
+    validate_config,
+    validate_data,
+)
 from lmtrain.training.contracts import CheckpointStore, Preempts, RequestsRollback, SaveGuard, StopsTraining
 from lmtrain.training.goodput import Goodput
 from lmtrain.training.layout import Layout
@@ -212,6 +220,7 @@ def _take_run(cfg: DictConfig, created: list[Path], said: list[str]) -> runlock.
     init_from.apply(cfg, _overrides())  # init_from=DIR: the model node is the directory's architecture, checked below
     turned_off = speed.adapt(cfg, _overrides())  # speed=fp8 fitted to this card and model, before the config is checked
     validate_config(cfg)
+    complete_moe(cfg)  # every model.moe key spelt out in what the run records
     restarts.budget(cfg)
     check_machine(cfg)
     restarts.check_launcher()
@@ -686,7 +695,7 @@ def _config_changes(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
     from lmtrain.training.loggers import resolved_uri
 
     try:
-        old = flat_params(OmegaConf.load(run_dir / CONFIG))
+        old = flat_params(_moe_as_trained(OmegaConf.load(run_dir / CONFIG)))
     except FileNotFoundError:  # no previous config (a checkpoint given by path)
         return {}
     except (OSError, ValueError, yaml.YAMLError) as exc:  # damaged: the resume goes on, without the list of changes
@@ -715,6 +724,16 @@ def _config_changes(run_dir: Path, cfg: DictConfig) -> dict[str, list]:
         changes = {k: v for k, v in changes.items() if not k.startswith("strategy/")}
         changes["strategy"] = [was, now]
     return changes
+
+
+def _moe_as_trained(cfg: DictConfig) -> DictConfig:
+    """A previous attempt's config with its ``model.moe`` spelt out as it trained (lmtrain.nn.moe.as_trained)."""
+    from lmtrain.nn.moe import as_trained
+
+    model = cfg.get("model")
+    if isinstance(model, DictConfig) and isinstance(model.get("moe"), DictConfig):
+        model.moe = as_trained(OmegaConf.to_container(model.moe, resolve=True))
+    return cfg
 
 
 _OUR_PACKAGES = ("lmtrain.", "callbacks.", "data.")  # callbacks/ and data/ were top-level packages before lmtrain's layers
