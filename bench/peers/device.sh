@@ -8,7 +8,7 @@
 #   .whl/*.whl        lmtrain's own extras: hydra-core, omegaconf, antlr4, torchdata (../shared/gpu/wheels.sh),
 #                     torchao 0.18.0 (EXTRA_WHEELS); .whl/ds the default dataset (python -m lmtrain.data.prepare)
 #   .gpu/olmo/*.whl   ai2-olmo-core 3.0.0, torchao 0.15.0 and their dependencies the GPU image lacks
-#   .gpu/titan/*.whl  torchtitan 0.2.2 and its dependencies; .gpu/titan/shim a stand-in for Hugging Face datasets
+#   .gpu/titan/*.whl  torchtitan 0.2.2 and its dependencies (Hugging Face datasets: bench/peers/titan_shim)
 #   .gpu/litgpt/*.whl litgpt 0.5.13, jsonargparse 4.41.0, docstring-parser, typeshed-client, torchmetrics, psutil
 # Each peer's packages go to their own folder, put before PYTHONPATH for that peer's runs only (run.sh).
 set -u
@@ -19,7 +19,7 @@ install .whl /tmp/site
 install .gpu/olmo /tmp/olmo-site
 install .gpu/titan /tmp/titan-site
 install .gpu/litgpt /tmp/litgpt-site
-export PYTHONPATH=/tmp/site OLMO_PATH=/tmp/olmo-site TITAN_PATH=/tmp/titan-site:$PWD/.gpu/titan/shim LITGPT_PATH=/tmp/litgpt-site
+export PYTHONPATH=/tmp/site OLMO_PATH=/tmp/olmo-site TITAN_PATH=/tmp/titan-site LITGPT_PATH=/tmp/litgpt-site
 python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
 for r in "$@"; do
   case "$r" in *-1b*) b=${B1B:-16} ;; *) b=${B125M:-32} ;; esac

@@ -72,7 +72,7 @@ for run in "$@"; do
     ;;
   titan)
     launch "$run" torchtitan "$(PYTHONPATH=${TITAN_PATH:-}:${PYTHONPATH:-} python3 -c 'import importlib.metadata as m; print(m.version("torchtitan"))' 2>/dev/null)" "$shape" "$f"
-    PYTHONPATH=${TITAN_PATH:-}:$HERE:${PYTHONPATH:-} torchrun --standalone --nproc-per-node 1 -m torchtitan.train \
+    PYTHONPATH=${TITAN_PATH:-}:$HERE:${PYTHONPATH:-}:$HERE/bench/peers/titan_shim torchrun --standalone --nproc-per-node 1 -m torchtitan.train \
       --experimental.custom_import bench.peers.titan_configs --model.name peers_llama3 --model.flavor "$shape" \
       $([ "$f" = 1 ] && echo --model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output) \
       --training.dataset_path "$DATA" --training.local_batch_size "$B" --training.seq_len "$SEQ" --training.steps "$STEPS" \
