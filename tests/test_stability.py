@@ -16,7 +16,7 @@ from lmtrain.formats import checkpoint as ck
 from lmtrain.formats import corrections, logbook
 from lmtrain.formats.metrics import by_step
 from lmtrain.training.run import train
-from lmtrain.training.stability import EMA, Judge, read_trace, replay
+from lmtrain.training.stability import EMA, Judge, read_trace, read_traces, replay
 from tests.conftest import ROOT, TINY, make_cfg, run_train_cli
 
 STABLE = [
@@ -610,6 +610,17 @@ def test_the_judgement_continues_exactly_across_a_resume():
     a = [whole.judge(s, s["step"])[0] for s in trace]
     b = [second.judge(s, s["step"])[0] for s in trace[537:]]
     assert a[537:] == b and any(b), "the resumed judgement differs"
+    # a mixture's routing, cut inside a stretch of collapse already said, and where its mean has been under the level a while
+    moe = read_traces(ROOT / "tests" / "data" / "stability" / "cpu_tiny_moe_2026-12-07.jsonl.gz")["unbalanced-lr0.003-seed2"]
+    whole = Judge(warmup_steps=20)
+    a = [[n for n, _, _ in whole.judge(s, s["step"])[0]] for s in moe]
+    assert sum("routing_collapse" in f for f in a) >= 2, a
+    for cut in (15, 255, 290):
+        first, second = Judge(warmup_steps=20), Judge(warmup_steps=20)
+        for s in moe[:cut]:
+            first.judge(s, s["step"])
+        second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+        assert [[n for n, _, _ in second.judge(s, s["step"])[0]] for s in moe[cut:]] == a[cut:], cut
 
 
 @pytest.mark.slow

@@ -141,7 +141,10 @@ class Judge:
         self.stall_said = 0  # stall: 1 once warned of this flat stretch, 2 once acted on
         self.peak_lr = 0.0
         self.skip_streak = self.skipped_total = 0  # fp16: updates skipped by the gradient scaler
-        self.collapse_streak = 0  # a mixture of experts: consecutive steps with the routing collapsed past the level
+        # a mixture of experts: the last ``persist`` steps' routing collapse; whether a stretch of collapse was said and
+        # has not ended; the steps its mean has since been under the level
+        self.collapse_recent: list[float] = []
+        self.collapse_said, self.collapse_below = False, 0
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -164,7 +167,9 @@ class Judge:
             "peak_lr": self.peak_lr,
             "skip_streak": self.skip_streak,
             "skipped_total": self.skipped_total,
-            "collapse_streak": self.collapse_streak,
+            "collapse_recent": list(self.collapse_recent),
+            "collapse_said": self.collapse_said,
+            "collapse_below": self.collapse_below,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -181,7 +186,8 @@ class Judge:
         self.rising, self.history = state.get("rising", False), [list(h) for h in state.get("history", [])]
         self.stall_said, self.peak_lr = state.get("stall_said", 0), state.get("peak_lr", 0.0)
         self.skip_streak, self.skipped_total = state.get("skip_streak", 0), state.get("skipped_total", 0)
-        self.collapse_streak = state.get("collapse_streak", 0)
+        self.collapse_recent = list(state.get("collapse_recent", []))
+        self.collapse_said, self.collapse_below = state.get("collapse_said", False), state.get("collapse_below", 0)
 
     @property
     def healthy(self) -> bool:
@@ -223,7 +229,8 @@ class Judge:
             onsets = [step] + [self.best_step - TREND_STEPS // 2 for n, _, _ in fired if n == "loss_trend" and self.best_step is not None]
             onsets += [self.episode_start] if self.episode_start is not None else []
             onsets += [step - self.level_streak + 1] if self.level_streak else []  # the loss above its level since then
-            onsets += [step - self.collapse_streak + 1] if any(n == "routing_collapse" for n, _, _ in fired) else []
+            if any(n == "routing_collapse" for n, _, _ in fired):  # the collapse since the first step of its window
+                onsets.append(step - len(self.collapse_recent) + 1)
             self.trouble_start = min(onsets)
         if severe or spike:
             self.clean_streak = 0
@@ -352,17 +359,29 @@ class Judge:
 
     def _routing_signal(self, collapse: float | None) -> list[tuple[str, str, str]]:
         """``routing_collapse``: a mixture of experts' routing (``moe/collapse``, lmtrain.training.routing: 0 every
-        expert equally loaded, 1 every token on the same top_k experts, in the worst layer) at or past ``level`` for
-        ``persist`` steps in a row. Said once a stretch: at its ``persist``-th step, again only after it ends."""
+        expert equally loaded, 1 every token on the same top_k experts, in the worst layer), its mean over the last
+        ``persist`` steps at or past ``level``. Said once a stretch, as the mean first reaches the level; the stretch
+        ends once the mean has been under the level for ``persist`` steps, so a collapse wavering about the level is
+        one stretch, and one step's dip (a batch the router spreads) neither hides it nor says it again."""
         if collapse is None or not math.isfinite(collapse):
             return []
         spec = self.signals["routing_collapse"]
-        self.collapse_streak = self.collapse_streak + 1 if collapse >= spec["level"] else 0
-        if self.collapse_streak != spec["persist"]:
+        self.collapse_recent = [*self.collapse_recent, float(collapse)][-spec["persist"] :]
+        if len(self.collapse_recent) < spec["persist"]:
             return []
+        mean = sum(self.collapse_recent) / len(self.collapse_recent)
+        if mean < spec["level"]:
+            self.collapse_below += 1
+            if self.collapse_below >= spec["persist"]:
+                self.collapse_said = False
+            return []
+        self.collapse_below = 0
+        if self.collapse_said:
+            return []
+        self.collapse_said = True
         return [self._fire("routing_collapse", (
-            f"expert routing collapsed: {collapse:.2f} of the way from balanced to every token on the same experts "
-            f"(level {spec['level']:g}), {self.collapse_streak} steps in a row"
+            f"expert routing collapsed: {mean:.2f} of the way from balanced to every token on the same experts over the "
+            f"last {len(self.collapse_recent)} steps (level {spec['level']:g}; {collapse:.2f} at this step)"
         ))]  # fmt: skip
 
     def _fire(self, name: str, why: str) -> tuple[str, str, str]:
