@@ -8,8 +8,8 @@
 # training loss of the last 10 steps, which is the loss at equal tokens since both read the same batches; and the
 # planner's count for the same run (lmtrain plan, one GPU, no activation checkpointing) beside the measured peak.
 # moe-norm: the same mixture with each token's chosen affinities renormalised to sum to 1 (model.moe.norm_topk=true,
-# as Qwen3-MoE and DeepSeek-V3 route; OLMoE does not): on the CPU at width 256 it closed the mixture's gap to its
-# dense twin (docs/benchmarks/2026-12-07.md, "OLMoE's recipe scaled down").
+# as Qwen3-MoE and DeepSeek-V3 route, and lmtrain's default for a model.moe that does not set it; OLMoE and its
+# preset do not): on the CPU at width 256 it ends below its dense twin on three seeds (docs/benchmarks/2026-12-08.md).
 # No checkpoint is written: the runs measure steps, and OLMoE's 83 GB of state would not fit a 64 GB disk.
 #
 #   [DATA=DATASET] [STEPS=300] [B=8] [SEQ=2048] [EXPERTS=64] [KINDS="moe moe-norm dense"] [OUT=/tmp/moe] bash bench/moe.sh
