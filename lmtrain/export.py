@@ -177,7 +177,6 @@ def load(export_dir: str | Path, device: str = "cpu", dtype: str | None = None):
 
     from lmtrain.formats.tokenizer import load_tokenizer
     from lmtrain.nn.model import Decoder, ModelConfig
-    from lmtrain.nn.moe import as_trained
 
     export_dir = Path(export_dir)
     if not (export_dir / "config.json").is_file():
@@ -186,7 +185,7 @@ def load(export_dir: str | Path, device: str = "cpu", dtype: str | None = None):
     if meta.get("format") != FORMAT:
         raise InputError(f"{export_dir}/config.json: format {meta.get('format')!r}, expected {FORMAT!r}")
     with torch.device("meta"):
-        model = Decoder(ModelConfig(**{**meta["model"], "moe": as_trained(meta["model"].get("moe"))}))  # an older export's as it trained
+        model = Decoder(ModelConfig.as_trained(meta["model"]))
     model.to_empty(device=device)
     if model.cfg.tie_embeddings:  # to_empty gives each module its own tensor: tie the output head again
         model.lm_head.weight = model.tok_emb.weight

@@ -16,7 +16,6 @@ from lmtrain.formats.manifest import read_manifest
 from lmtrain.formats.rundir import config_path
 from lmtrain.formats.tokenizer import eos_id, load_tokenizer
 from lmtrain.nn.model import Decoder, ModelConfig
-from lmtrain.nn.moe import as_trained
 
 
 def read_config(run_dir: Path) -> dict:
@@ -97,8 +96,7 @@ def load_run(run_dir: Path, checkpoint: str | None = None, device: str = "cpu"):
         ckpt = ck.newest_intact(ck.scan(root))  # a damaged newest one is named and skipped, and left as it is
         if ckpt is None:
             raise InputError(f"{run_dir} has no complete checkpoint under {root}: train with callbacks.checkpoint on first")
-    fields = {k: v for k, v in cfg["model"].items() if not str(k).startswith("_")}
-    model = Decoder(ModelConfig(**{**fields, "moe": as_trained(fields.get("moe"))}))  # an older run's model.moe as it trained
+    model = Decoder(ModelConfig.as_trained(cfg["model"]))
     missing, unexpected = model.load_state_dict(load_model_state(ckpt), strict=False)
     missing = [k for k in missing if not k.startswith("rope_")]  # buffers recomputed by the model
     if missing or unexpected:

@@ -158,6 +158,14 @@ class ModelConfig:
         """From a preset's or a config's fields (keys starting with ``_``, such as Hydra's ``_target_``, ignored)."""
         return cls(**{**{k: v for k, v in fields.items() if not str(k).startswith("_")}, **overrides})
 
+    @classmethod
+    def as_trained(cls, fields: dict) -> ModelConfig:
+        """The model a run directory's config, a checkpoint or an export stored: ``from_dict``, with a ``model.moe``
+        written before lmtrain spelt every key out read at the defaults it trained with (lmtrain.nn.moe.as_trained)."""
+        from lmtrain.nn.moe import as_trained
+
+        return cls.from_dict({**fields, "moe": as_trained(fields.get("moe"))})
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
