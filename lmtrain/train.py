@@ -109,10 +109,15 @@ def cli() -> None:
     """``main`` with Hydra's own composition errors (a misspelled key or option on the command line) answered like
     ours: one line naming it, with a did-you-mean, exit status 2. ``HYDRA_FULL_ERROR=1`` makes Hydra raise them
     instead of printing its text; set by the user, it keeps Hydra's full traceback."""
+    import faulthandler
     import os
 
     from hydra.errors import HydraException
 
+    # A crash in native code (SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL) prints where every thread of this rank was
+    # before the process dies of it: a launch with several ranks otherwise shows only the other ranks' "connection
+    # closed by peer" and one rank's exit status (-11 for a segmentation fault).
+    faulthandler.enable(all_threads=True)
     user_full_error = "HYDRA_FULL_ERROR" in os.environ
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:

@@ -96,7 +96,8 @@ def test_a_second_launch_is_refused_and_a_dead_attempts_lock_is_taken_over(tmp_p
 def test_sigterm_sigusr1_and_ctrl_c_save_the_step_and_exit_4_a_second_ctrl_c_at_once(tmp_path, dataset_dir):
     """A real signal to a real run, each at a moment training is under way: the step then in progress ends, its
     checkpoint is saved (complete, the logbook says which), the run exits with status 4, and the next start
-    continues from exactly that step. Two Ctrl-Cs: status 130 at once, an ``interrupted`` entry, no lock left."""
+    continues from exactly that step. A segmentation fault (SIGSEGV): the process dies of it, having printed where each
+    thread was. Two Ctrl-Cs: status 130 at once, an ``interrupted`` entry, no lock left."""
     run = tmp_path / "run"
     long = ["trainer.max_steps=100000", "scheduler.total_steps=100000", "callbacks.checkpoint.every_n_steps=50"]
     seen: list[int] = []
@@ -120,12 +121,24 @@ def test_sigterm_sigusr1_and_ctrl_c_save_the_step_and_exit_4_a_second_ctrl_c_at_
     resumes = [e for e in logbook.read(run) if e["kind"] == "resume"]
     assert [e["step"] for e in resumes] == seen[:-1]
 
+    proc = _start(_args(run, dataset_dir, *long), tmp_path)  # a crash in native code: where each thread was, then its signal
+    try:
+        _wait_training(run, seen[-1], proc)
+        proc.send_signal(signal.SIGSEGV)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGSEGV, err[-3000:]
+    assert "Fatal Python error: Segmentation fault" in err and "Current thread" in err, err[-3000:]
+    assert re.search(r'File ".*/(lmtrain|lightning|torch)/', err), err[-3000:]  # the frames the main thread was in
+    seen.append(max(e["step"] for e in logbook.read(run) if e["kind"] == "checkpoint"))
+
     stall = ["+callbacks.stall._target_=tests.plugins.StallPreemptionSave"]  # the second Ctrl-C inside the first's save
     log = tmp_path / "stderr.txt"
     with open(log, "w") as err_file:
         proc = _start(_args(run, dataset_dir, *long, *stall), tmp_path, stderr=err_file)
         try:
-            _wait_training(run, seen[-1], proc)
+            _wait_training(run, seen[-1], proc)  # past the crashed attempt's checkpoint
             proc.send_signal(signal.SIGINT)
             deadline = time.monotonic() + 60
             while "SIGINT: finishing this step" not in log.read_text():  # the first one was taken: its save now stalls
