@@ -35,6 +35,20 @@ def test_each_rank_takes_a_chunk_from_the_front_and_one_from_the_back():
         cp.index(6, "cpu")
 
 
+def test_the_gathered_keys_are_complete_when_attention_gets_them(tmp_path):
+    """The gather hands attention a finished tensor, not one a collective still writes (PyTorch's autograd all-gather
+    returns that, and under gloo its worker thread's writes raced autograd's bookkeeping: heap corruption in CI); its
+    gradient is the reduce-scatter of the incoming one."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    k = torch.randn(2, 4, 8, 16, requires_grad=True)
+    out = ContextParallel(dist.group.WORLD, 1, 0).gather(k, 2)
+    assert type(out) is torch.Tensor and torch.equal(out, k), type(out)  # not an AsyncCollectiveTensor
+    (out * 3).sum().backward()
+    assert torch.equal(k.grad, torch.full_like(k, 3.0))
+
+
 @pytest.fixture(scope="module")
 def one(tmp_path_factory, dataset_dir) -> tuple[dict[int, float], Path]:
     """One process at global batch 8 with the document mask, trained once for the module (checkpoints at steps 3, 6
