@@ -101,14 +101,19 @@ def test_sigterm_sigusr1_and_ctrl_c_save_the_step_and_exit_4_a_second_ctrl_c_at_
     run = tmp_path / "run"
     long = ["trainer.max_steps=100000", "scheduler.total_steps=100000", "callbacks.checkpoint.every_n_steps=50"]
     seen: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+
+    def signalled(sig: signal.Signals) -> tuple[subprocess.Popen, str]:
+        """A new attempt, sent ``sig`` once it has saved past the last step seen: the process and its error output."""
         proc = _start(_args(run, dataset_dir, *long), tmp_path)
         try:
             _wait_training(run, seen[-1] if seen else 0, proc)
             proc.send_signal(sig)
-            _, err = proc.communicate(timeout=120)
+            return proc, proc.communicate(timeout=120)[1]
         finally:
             proc.kill()
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        proc, err = signalled(sig)
         assert proc.returncode == PREEMPTED_EXIT, err[-3000:]
         entry = [e for e in logbook.read(run) if e["kind"] == "preempted"][-1]
         assert entry["signal"] == sig.name and entry["checkpoint"], entry
@@ -121,13 +126,7 @@ def test_sigterm_sigusr1_and_ctrl_c_save_the_step_and_exit_4_a_second_ctrl_c_at_
     resumes = [e for e in logbook.read(run) if e["kind"] == "resume"]
     assert [e["step"] for e in resumes] == seen[:-1]
 
-    proc = _start(_args(run, dataset_dir, *long), tmp_path)  # a crash in native code: where each thread was, then its signal
-    try:
-        _wait_training(run, seen[-1], proc)
-        proc.send_signal(signal.SIGSEGV)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+    proc, err = signalled(signal.SIGSEGV)  # a crash in native code: where each thread was, then its signal
     assert proc.returncode == -signal.SIGSEGV, err[-3000:]
     assert "Fatal Python error: Segmentation fault" in err and re.search(r"^(Current thread|Thread) 0x", err, re.M), err[-3000:]
     assert re.search(r'File ".*/(lmtrain|lightning|torch)/', err), err[-3000:]  # the frames the main thread was in
